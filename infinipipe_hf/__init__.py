@@ -1,0 +1,26 @@
+"""infinipipe_hf: elastic pipeline parallelism for Hugging Face causal LMs.
+
+Heavy imports (torch, transformers) happen lazily so the planner stays importable without them.
+"""
+from __future__ import annotations
+
+from .config import InfiniPipeConfig
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "PipelineEngine": ("infinipipe_hf.runtime.engine", "PipelineEngine"),
+    "EPPTrainer": ("infinipipe_hf.trainer.trainer", "EPPTrainer"),
+    "EPPTrainingArguments": ("infinipipe_hf.trainer.arguments", "EPPTrainingArguments"),
+}
+
+__all__ = ["InfiniPipeConfig", "__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'infinipipe_hf' has no attribute {name!r}")

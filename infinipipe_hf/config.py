@@ -1,0 +1,105 @@
+"""``InfiniPipeConfig``: every knob of the planner and the runtime, typed and checked.
+
+One dataclass, one docstring per field, checks in ``__post_init__`` (``ValueError`` for users).
+Checks that need the world size or the model (``pp_degree`` dividing the world, enough layers)
+happen where those are known: ``InfiniPipeConfig.check_world`` and the stage partition.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULES = ("epp", "packed-1f1b", "seq1f1b", "gpipe")
+CHECKPOINTING = ("adaptive", "none", "full")
+ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class InfiniPipeConfig:
+    pp_degree: int = 1
+    """Number of pipeline stages; each pp rank owns a contiguous block of decoder layers."""
+
+    dp_degree: int | None = None
+    """Data-parallel replicas; ``None`` means ``world_size // pp_degree``."""
+
+    schedule: str = "epp"
+    """``epp`` (elastic units, adaptive checkpointing) or a baseline: ``packed-1f1b``,
+    ``seq1f1b``, ``gpipe``."""
+
+    memory_budget_gib: float | None = None
+    """Memory per device the plan must stay under.  ``None``: the CUDA device's total memory
+    (minus ``memory_reserve_gib``), or unlimited on CPU."""
+
+    memory_reserve_gib: float = 2.0
+    """Memory kept free for the allocator, CUDA context and communication buffers."""
+
+    profile: str | None = None
+    """Path of a cost profile JSON (from ``python -m infinipipe_hf.profile``); ``None`` uses the
+    shipped H100/bf16 profile."""
+
+    layer_split: list[int] | None = None
+    """Explicit decoder layers per stage (sums to the model's layer count); ``None`` balances cost."""
+
+    checkpointing: str = "adaptive"
+    """``adaptive`` (solver picks per stage and unit), ``none`` or ``full`` (every layer)."""
+
+    max_tokens_per_unit: int | None = None
+    """Upper bound on tokens in one unit; ``None`` lets the planner choose per batch."""
+
+    num_slices: list[int] | None = None
+    """Candidate slice counts for the longest sequence; ``None`` searches a small default set."""
+
+    attention_backend: str = "auto"
+    """``auto`` picks flash-attn varlen, then torch varlen (CUDA), then SDPA with masks."""
+
+    loss_chunk_tokens: int = 4096
+    """Tokens per LM-head + loss chunk on the last stage; logits never exist for more at once."""
+
+    p2p_timeout_s: float = 300.0
+    """Seconds a rank waits for a peer before failing the step with an error naming both."""
+
+    seed_plan_on_rank0: bool = False
+    """Plan on rank 0 and broadcast, instead of planning identically on every rank."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pp_degree, int) or self.pp_degree < 1:
+            raise ValueError(f"pp_degree must be a positive integer, got {self.pp_degree!r}")
+        if self.dp_degree is not None and (not isinstance(self.dp_degree, int) or self.dp_degree < 1):
+            raise ValueError(f"dp_degree must be a positive integer or None, got {self.dp_degree!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(
+                f"checkpointing={self.checkpointing!r} is not known; use one of {', '.join(CHECKPOINTING)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not known; "
+                             f"use one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.memory_budget_gib is not None and self.memory_budget_gib <= 0:
+            raise ValueError(f"memory_budget_gib must be > 0, got {self.memory_budget_gib}")
+        if self.layer_split is not None:
+            if len(self.layer_split) != self.pp_degree or any(n < 1 for n in self.layer_split):
+                raise ValueError(f"layer_split={self.layer_split} must list {self.pp_degree} positive "
+                                 f"layer counts, one per stage")
+        if self.max_tokens_per_unit is not None and self.max_tokens_per_unit < 1:
+            raise ValueError(f"max_tokens_per_unit must be >= 1, got {self.max_tokens_per_unit}")
+        if self.num_slices is not None and (not self.num_slices or min(self.num_slices) < 1):
+            raise ValueError(f"num_slices must be a non-empty list of positive ints, got {self.num_slices}")
+        if self.loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
+        if self.p2p_timeout_s <= 0:
+            raise ValueError(f"p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")
+
+    def resolve_dp_degree(self, world_size: int) -> int:
+        """Check ``pp_degree`` (and ``dp_degree``) against the world size; return ``dp_degree``."""
+        if world_size % self.pp_degree != 0:
+            ok = ", ".join(str(d) for d in _divisors(world_size))
+            raise ValueError(f"pp_degree={self.pp_degree} does not divide world size {world_size}; "
+                             f"use {ok}")
+        dp = world_size // self.pp_degree
+        if self.dp_degree is not None and self.dp_degree != dp:
+            raise ValueError(f"dp_degree={self.dp_degree} x pp_degree={self.pp_degree} != world size "
+                             f"{world_size}; set dp_degree={dp} or leave it None")
+        return dp

@@ -1,0 +1,219 @@
+"""Cost and memory model of one pipeline stage (DESIGN.md section 4.1).
+
+Time of one decoder layer on a unit with segments (context C_i, length s_i)::
+
+    t = a1 * sum(s_i^2 + 2 C_i s_i) + a2 * sum(s_i) + b
+
+The band term is the causal attention a slice owns ((C+s)^2 - C^2 pairs); the token term the
+projections and MLP; ``b`` the launch overhead and small-GEMM under-use that makes tiny slices
+slow.  The coefficients come from a :class:`HardwareProfile` measured on a reference layer and
+are rescaled to the model by FLOP ratios (attention by q-dimension, linear layers by parameter
+count).  Everything here is closed-form arithmetic on ``(pairs, tokens)`` so the planner can call
+it millions of times per batch; units are summarised once by :func:`unit_shape`.
+
+Memory of a stage = model states + for every unit alive in its window the activations it keeps
+(non-checkpointed layers keep ``act_bytes`` per token, checkpointed ones only their input), the
+KV store (K/V of slices whose sequence continues, and their pending gradients) and the transient
+working set of the action running now (one layer's peak, a recompute, a chunk of logits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from .hardware import HardwareProfile, default_profile, reference_spec
+from .model_spec import ModelSpec
+from .units import Segment
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """What the cost model needs of a unit: attention band pairs and token count."""
+
+    pairs: float
+    tokens: int
+
+    @staticmethod
+    def of(segments: Iterable[Segment]) -> "UnitShape":
+        pairs = 0
+        tokens = 0
+        for s in segments:
+            n = s.end - s.start
+            pairs += n * n + 2 * s.start * n
+            tokens += n
+        return UnitShape(float(pairs), tokens)
+
+
+def unit_shape(segments: Iterable[Segment]) -> UnitShape:
+    return UnitShape.of(segments)
+
+
+def balanced_layer_split(num_layers: int, pp_degree: int, first_extra: float = 0.0,
+                         last_extra: float = 0.0) -> list[int]:
+    """Contiguous layers per stage minimising the most loaded stage's cost (in layer units).
+
+    Binary search on the bottleneck; stages get at least one layer each.
+    """
+    if pp_degree > num_layers:
+        raise ValueError(f"pp_degree={pp_degree} exceeds the model's {num_layers} decoder layers; "
+                         f"use pp_degree <= {num_layers}")
+
+    def split_under(cap: float) -> list[int] | None:
+        counts: list[int] = []
+        remaining = num_layers
+        for stage in range(pp_degree):
+            extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == pp_degree - 1 else 0.0)
+            stages_left = pp_degree - stage - 1
+            if stage == pp_degree - 1:
+                n = remaining
+            else:
+                n = int(max(cap - extra, 0) + 1e-9)
+                n = max(1, min(n, remaining - stages_left))
+            if n < 1 or n + extra > cap + 1e-9:
+                return None
+            counts.append(n)
+            remaining -= n
+        return counts if remaining == 0 else None
+
+    lo, hi = 1.0, num_layers + first_extra + last_extra
+    best = split_under(hi)
+    assert best is not None
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = split_under(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    return best
+
+
+class CostModel:
+    """Times (seconds) and bytes of the actions of one stage, for one model on one profile."""
+
+    def __init__(self, spec: ModelSpec, profile: HardwareProfile | None = None, *, pp_degree: int = 1,
+                 layers_per_stage: Sequence[int] | None = None, memory_budget_bytes: float | None = None,
+                 loss_chunk_tokens: int = 4096, reference_tokens: int = 4096):
+        self.spec = spec
+        self.profile = profile or default_profile()
+        self.pp_degree = pp_degree
+        self.loss_chunk_tokens = loss_chunk_tokens
+        p = self.profile
+        ref = reference_spec(p)
+        self._attn_ratio = spec.q_dim / ref.q_dim
+        self._linear_ratio = spec.layer_linear_flops_per_token() / ref.layer_linear_flops_per_token()
+        self._head_ratio = (spec.hidden_size * spec.vocab_size) / (ref.hidden_size * ref.vocab_size)
+        self._act_ratio = _act_elements(spec) / _act_elements(ref)
+        self.layer_fwd = p.layer_forward.scaled(self._attn_ratio, self._linear_ratio)
+        self.layer_bwd = p.layer_backward.scaled(self._attn_ratio, self._linear_ratio)
+        self.head_fwd = p.head_forward.scaled(0.0, self._head_ratio)
+        self.head_bwd = p.head_backward.scaled(0.0, self._head_ratio)
+        self.act_bytes_per_token = p.activation_bytes_per_token_per_layer * self._act_ratio
+        self.layer_working_bytes_per_token = p.layer_working_bytes_per_token * self._act_ratio
+        self.hidden_bytes_per_token = spec.hidden_size * p.bytes_per_element
+        self.kv_bytes_per_token_per_layer = 2 * spec.kv_dim * p.bytes_per_element
+        if layers_per_stage is None:
+            layers_per_stage = balanced_layer_split(spec.num_layers, pp_degree, *self.stage_extras(reference_tokens))
+        layers_per_stage = list(layers_per_stage)
+        if len(layers_per_stage) != pp_degree or sum(layers_per_stage) != spec.num_layers or min(layers_per_stage) < 1:
+            raise ValueError(f"layers_per_stage={layers_per_stage} must be {pp_degree} positive counts "
+                             f"summing to the model's {spec.num_layers} layers")
+        self.layers_per_stage = layers_per_stage
+        if memory_budget_bytes is None:
+            memory_budget_bytes = p.memory_gib * GIB
+        self.memory_budget_bytes = float(memory_budget_bytes)
+
+    # --- stage layout ----------------------------------------------------------------------
+    def stage_extras(self, tokens: int = 4096) -> tuple[float, float]:
+        """Embedding and LM-head+loss costs in decoder-layer equivalents (for partitioning)."""
+        layer = self.layer_fwd(tokens * tokens, tokens) + self.layer_bwd(tokens * tokens, tokens)
+        first = 2 * self.profile.embedding_token_s * tokens / layer
+        last = (self.head_fwd(0, tokens) * 2 + self.head_bwd(0, tokens)) / layer
+        return first, last
+
+    def num_layers(self, stage_index: int) -> int:
+        return self.layers_per_stage[stage_index]
+
+    # --- time ------------------------------------------------------------------------------
+    def forward_time(self, stage_index: int, shape: UnitShape) -> float:
+        t = self.layers_per_stage[stage_index] * self.layer_fwd(shape.pairs, shape.tokens)
+        if stage_index == 0:
+            t += self.profile.embedding_token_s * shape.tokens
+        if stage_index == self.pp_degree - 1:
+            t += self.head_fwd(0, shape.tokens)
+        return t
+
+    def recompute_time(self, stage_index: int, shape: UnitShape, checkpointed_layers: int) -> float:
+        return checkpointed_layers * self.layer_fwd(shape.pairs, shape.tokens)
+
+    def backward_time(self, stage_index: int, shape: UnitShape, checkpointed_layers: int = 0) -> float:
+        """Backward of the stage on the unit, including the recompute of checkpointed layers."""
+        t = self.layers_per_stage[stage_index] * self.layer_bwd(shape.pairs, shape.tokens)
+        t += self.recompute_time(stage_index, shape, checkpointed_layers)
+        if stage_index == 0:
+            t += self.profile.embedding_token_s * shape.tokens
+        if stage_index == self.pp_degree - 1:
+            # The chunked loss recomputes its logits in backward.
+            t += self.head_bwd(0, shape.tokens) + self.head_fwd(0, shape.tokens)
+        return t
+
+    def transfer_time(self, num_tokens: int) -> float:
+        if self.pp_degree == 1:
+            return 0.0
+        p = self.profile
+        return p.p2p_latency_s + num_tokens * self.hidden_bytes_per_token / p.p2p_bandwidth_bytes_per_s
+
+    # --- memory ----------------------------------------------------------------------------
+    def stage_params(self, stage_index: int) -> int:
+        spec = self.spec
+        n = self.layers_per_stage[stage_index] * spec.layer_params
+        if stage_index == 0:
+            n += spec.embedding_params
+        if stage_index == self.pp_degree - 1:
+            n += spec.hidden_size
+            # A tied head on a single stage shares the embedding; on a separate stage it is a copy.
+            if not (spec.tie_word_embeddings and self.pp_degree == 1):
+                n += spec.embedding_params
+        return n
+
+    def static_bytes(self, stage_index: int) -> float:
+        """Model states: weights, gradients and optimizer states of the stage."""
+        return self.stage_params(stage_index) * self.profile.state_bytes_per_param
+
+    def activation_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int) -> float:
+        """Bytes a unit keeps alive on the stage from its forward to its backward."""
+        layers = self.layers_per_stage[stage_index]
+        assert 0 <= checkpointed_layers <= layers, (checkpointed_layers, layers)
+        per_token = ((layers - checkpointed_layers) * self.act_bytes_per_token
+                     + checkpointed_layers * self.hidden_bytes_per_token)
+        if stage_index == self.pp_degree - 1:
+            per_token += self.hidden_bytes_per_token  # input of the chunked, checkpointed head
+        return tokens * per_token
+
+    def activation_bytes_per_checkpointed_layer(self, stage_index: int, tokens: int) -> float:
+        """Bytes saved by checkpointing one more layer of the unit (the solver's slope)."""
+        return tokens * (self.act_bytes_per_token - self.hidden_bytes_per_token)
+
+    def kv_bytes(self, stage_index: int, continuing_tokens: int) -> float:
+        """KV-store bytes for tokens whose K/V later slices need: K/V plus pending gradients."""
+        return 2 * continuing_tokens * self.layers_per_stage[stage_index] * self.kv_bytes_per_token_per_layer
+
+    def working_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int, backward: bool) -> float:
+        """Transient bytes while the unit's forward or backward runs on the stage."""
+        per_token = self.layer_working_bytes_per_token + 2 * self.hidden_bytes_per_token
+        if backward:
+            # Gradients of one layer's activations exist while it runs backward; a checkpointed
+            # layer first rebuilds its activations.
+            per_token += self.act_bytes_per_token * (2 if checkpointed_layers else 1)
+        w = tokens * per_token
+        if stage_index == self.pp_degree - 1:
+            chunk = min(tokens, self.loss_chunk_tokens)
+            w += chunk * self.spec.vocab_size * 4 * 2  # fp32 logits and their gradient
+        return w
+
+
+def _act_elements(spec: ModelSpec) -> float:
+    """Activation elements per token a Llama layer saves (norms, q/k/v/o inputs, MLP: 4x inter)."""
+    return 10 * spec.hidden_size + 4 * spec.intermediate_size + 2 * spec.kv_dim

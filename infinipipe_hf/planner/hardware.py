@@ -1,0 +1,192 @@
+"""Hardware profiles: measured costs of one decoder layer, the LM head and the links, as coefficients.
+
+A profile is fitted from *measurement rows* (the format of ``shared/calibration`` and of what
+``python -m infinipipe_hf.profile`` writes): per-layer forward/backward times of causal sequences
+at several lengths, LM head + loss times, activation bytes per token.  The fit is the DESIGN.md
+section 4.1 form, per layer and direction::
+
+    time = attn_pair_s * sum(s_i^2 + 2 C_i s_i) + token_s * sum(s_i) + fixed_s
+
+fitted by non-negative least squares on relative error (small units matter as much as big ones:
+the fixed term is what makes tiny slices run the GPU badly).  Rows are measured on a *reference*
+layer shape; ``CostModel`` rescales to other shapes by FLOPs, which is the trade-off: exact on the
+profiled shape, a FLOP-proportional estimate elsewhere.  Re-profile on the target model for the
+5% accuracy goal.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from scipy.optimize import nnls
+
+from .model_spec import ModelSpec
+
+PROFILE_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TimeCoefficients:
+    """``time = attn_pair_s * pairs + token_s * tokens + fixed_s`` (seconds)."""
+
+    attn_pair_s: float = 0.0
+    token_s: float = 0.0
+    fixed_s: float = 0.0
+
+    def __call__(self, pairs: float, tokens: float) -> float:
+        return self.attn_pair_s * pairs + self.token_s * tokens + self.fixed_s
+
+    def scaled(self, attn: float, linear: float) -> "TimeCoefficients":
+        return TimeCoefficients(self.attn_pair_s * attn, self.token_s * linear, self.fixed_s * linear)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Fitted costs of one device type for a reference layer shape (see module docstring)."""
+
+    name: str
+    """Human-readable origin, e.g. ``h100-bf16-default``."""
+    reference: dict[str, int]
+    """Layer shape the measurements were taken on (hidden_size, intermediate_size, heads...)."""
+    layer_forward: TimeCoefficients
+    layer_backward: TimeCoefficients
+    """Backward of one layer, excluding any recompute."""
+    head_forward: TimeCoefficients
+    """Final norm + LM head + cross-entropy forward (attn_pair_s unused)."""
+    head_backward: TimeCoefficients
+    activation_bytes_per_token_per_layer: float
+    """Bytes a non-checkpointed layer keeps for backward, per token (reference shape)."""
+    layer_working_bytes_per_token: float
+    """Extra bytes alive while one layer runs forward (its peak minus what it keeps)."""
+    bytes_per_element: int = 2
+    """Activation dtype size (2 for bf16)."""
+    state_bytes_per_param: float = 16.0
+    """Weights + gradients + optimizer states per parameter (bf16 mixed precision + AdamW: 16)."""
+    embedding_token_s: float = 2e-8
+    """Embedding lookup per token (forward; backward is a scatter of the same size)."""
+    p2p_bandwidth_bytes_per_s: float = 100e9
+    """Point-to-point bandwidth between adjacent stages (NVLink-class by default)."""
+    p2p_latency_s: float = 20e-6
+    memory_gib: float = 80.0
+    """Device memory the profile was taken on; the default per-stage budget derives from it."""
+    device: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Versions and notes recorded by the profiler (torch, transformers, GPU...)."""
+
+    # --- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["format_version"] = PROFILE_FORMAT_VERSION
+        return d
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> "HardwareProfile":
+        if "rows" in d and "layer_forward" not in d:
+            return fit_profile(d["rows"], d["reference"], name=d.get("name", "fitted"),
+                               memory_gib=float(d.get("memory_gib", 80.0)), device=d.get("device", ""),
+                               meta={k: d[k] for k in ("env", "source") if k in d})
+        version = int(d.get("format_version", PROFILE_FORMAT_VERSION))
+        if version != PROFILE_FORMAT_VERSION:
+            raise ValueError(f"profile format_version {version} is not supported (expected "
+                             f"{PROFILE_FORMAT_VERSION}); re-run python -m infinipipe_hf.profile")
+        kw = dict(d)
+        kw.pop("format_version", None)
+        for key in ("layer_forward", "layer_backward", "head_forward", "head_backward"):
+            kw[key] = TimeCoefficients(**kw[key])
+        return HardwareProfile(**kw)
+
+    @staticmethod
+    def load(path: str | Path) -> "HardwareProfile":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"profile file {path} does not exist; create one with "
+                             f"`python -m infinipipe_hf.profile --model CONFIG.json --out {path}` "
+                             f"or omit --profile to use the shipped H100 profile") from None
+        return HardwareProfile.from_dict(data)
+
+
+def _fit(features: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares on relative error."""
+    w = 1.0 / np.maximum(y, 1e-12)
+    coef, _ = nnls(features * w[:, None], y * w)
+    return coef
+
+
+def fit_time(points: Sequence[tuple[float, float, float]], *, with_attention: bool = True
+             ) -> TimeCoefficients:
+    """Fit ``(pairs, tokens, seconds)`` points to :class:`TimeCoefficients`."""
+    arr = np.asarray(points, dtype=float)
+    assert arr.ndim == 2 and arr.shape[1] == 3 and len(arr) >= 2, "need at least two points"
+    cols = [arr[:, 0], arr[:, 1], np.ones(len(arr))] if with_attention else [arr[:, 1], np.ones(len(arr))]
+    coef = _fit(np.stack(cols, axis=1), arr[:, 2])
+    if with_attention:
+        return TimeCoefficients(*map(float, coef))
+    return TimeCoefficients(0.0, float(coef[0]), float(coef[1]))
+
+
+def fit_profile(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, int], *, name: str,
+                memory_gib: float = 80.0, device: str = "", meta: dict | None = None) -> HardwareProfile:
+    """Fit a profile from measurement rows (``kind`` = ``layer_causal`` / ``lm_head_ce``).
+
+    ``layer_causal`` rows: ``tokens``, ``fwd_bwd_ms``, ``fwd_ms``, ``saved_bytes_per_token``,
+    ``fwd_peak_bytes_per_token``; one causal sequence, so pairs = tokens^2.
+    ``lm_head_ce`` rows: ``tokens``, ``fwd_bwd_ms`` and optionally ``fwd_ms`` (else 1/3 of it).
+    """
+    layer = [r for r in rows if r.get("kind") == "layer_causal"]
+    head = [r for r in rows if r.get("kind") == "lm_head_ce"]
+    if len(layer) < 3 or len(head) < 2:
+        raise ValueError(f"a profile needs >= 3 layer_causal rows and >= 2 lm_head_ce rows, got "
+                         f"{len(layer)} and {len(head)}")
+    # One causal sequence of s tokens is the cost model's band term with C = 0: s^2.
+    fwd = [(r["tokens"] ** 2, r["tokens"], r["fwd_ms"] / 1e3) for r in layer]
+    bwd = [(r["tokens"] ** 2, r["tokens"], (r["fwd_bwd_ms"] - r["fwd_ms"]) / 1e3) for r in layer]
+    head_fwd, head_bwd = [], []
+    for r in head:
+        f_ms = r.get("fwd_ms", r["fwd_bwd_ms"] / 3.0)
+        head_fwd.append((0.0, r["tokens"], f_ms / 1e3))
+        head_bwd.append((0.0, r["tokens"], (r["fwd_bwd_ms"] - f_ms) / 1e3))
+    saved = float(np.median([r["saved_bytes_per_token"] for r in layer]))
+    peak = float(np.median([r.get("fwd_peak_bytes_per_token", r["saved_bytes_per_token"]) for r in layer]))
+    return HardwareProfile(
+        name=name,
+        reference=dict(reference),
+        layer_forward=fit_time(fwd),
+        layer_backward=fit_time(bwd),
+        head_forward=fit_time(head_fwd, with_attention=False),
+        head_backward=fit_time(head_bwd, with_attention=False),
+        activation_bytes_per_token_per_layer=saved,
+        layer_working_bytes_per_token=max(peak - saved, 0.0),
+        memory_gib=memory_gib,
+        device=device,
+        meta=dict(meta or {}),
+    )
+
+
+@lru_cache(maxsize=1)
+def default_profile() -> HardwareProfile:
+    """The shipped H100/bf16 profile, fitted from the measurements copied from shared/calibration."""
+    text = resources.files("infinipipe_hf.profiles").joinpath("h100_bf16_measurements.json").read_text()
+    data = json.loads(text)
+    data.setdefault("name", "h100-bf16-default")
+    return HardwareProfile.from_dict(data)
+
+
+def reference_spec(profile: HardwareProfile) -> ModelSpec:
+    """The reference layer shape as a ``ModelSpec`` (for FLOP-ratio scaling)."""
+    ref = profile.reference
+    return ModelSpec(
+        model_type=ref.get("model_type", "llama"), num_layers=1, hidden_size=ref["hidden_size"],
+        intermediate_size=ref["intermediate_size"], num_attention_heads=ref["num_attention_heads"],
+        num_key_value_heads=ref["num_key_value_heads"], head_dim=ref["head_dim"],
+        vocab_size=ref["vocab_size"], tie_word_embeddings=False,
+    )

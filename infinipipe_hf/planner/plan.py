@@ -1,0 +1,126 @@
+"""The plan of one training step, as plain data (DESIGN.md sections 2 and 9).
+
+A ``Plan`` holds everything decided before a step runs: the units, which pipeline and DP replica
+each belongs to, every stage's action list per DP replica, and the number of checkpointed decoder
+layers per (stage, unit).  It is computed identically on every rank and serialises to the JSON of
+the ``--emit-plan`` contract, so a plan can be printed, diffed, stored and replayed.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from .actions import Action
+from .units import Segment, Unit
+
+
+@dataclass
+class Plan:
+    """One step's plan.  ``actions[dp_rank][stage_index]`` is that stage's ordered action list."""
+
+    schedule: str
+    pp_degree: int
+    dp_degree: int
+    sequences: list[int]
+    units: list[Unit]
+    actions: dict[int, list[list[Action]]]
+    checkpoint_layers: dict[int, dict[int, int]]
+    layers_per_stage: list[int] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    """Free-form planner facts (chosen slice count, token budget...); serialised, never required."""
+
+    def __post_init__(self) -> None:
+        assert len(self.actions) == self.dp_degree, (len(self.actions), self.dp_degree)
+        for per_stage in self.actions.values():
+            assert len(per_stage) == self.pp_degree, (len(per_stage), self.pp_degree)
+
+    # --- lookups -------------------------------------------------------------------------
+    @cached_property
+    def unit_by_id(self) -> dict[int, Unit]:
+        return {u.id: u for u in self.units}
+
+    def units_of(self, dp_rank: int) -> list[Unit]:
+        return [u for u in self.units if u.dp_rank == dp_rank]
+
+    def stage_actions(self, dp_rank: int, stage_index: int) -> list[Action]:
+        return self.actions[dp_rank][stage_index]
+
+    def checkpointed(self, stage_index: int, unit_id: int) -> int:
+        return self.checkpoint_layers.get(stage_index, {}).get(unit_id, 0)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.sequences)
+
+    @property
+    def num_pipelines(self) -> int:
+        return len({(u.dp_rank, u.pipeline) for u in self.units})
+
+    def continues_after(self, segment: Segment) -> bool:
+        """True when a later slice of the same sequence needs this segment's K/V."""
+        return segment.end < self.sequences[segment.seq]
+
+    # --- serialisation (DESIGN.md section 9) ----------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "schedule": self.schedule,
+            "pp_degree": self.pp_degree,
+            "dp_degree": self.dp_degree,
+            "sequences": list(self.sequences),
+            "units": [u.to_dict() for u in self.units],
+            "actions": {
+                str(r): [[str(a) for a in stage] for stage in per_stage]
+                for r, per_stage in sorted(self.actions.items())
+            },
+            "checkpoint_layers": {
+                str(s): {str(u): int(n) for u, n in sorted(per_unit.items())}
+                for s, per_unit in sorted(self.checkpoint_layers.items())
+            },
+            "layers_per_stage": list(self.layers_per_stage),
+            "info": self.info,
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @staticmethod
+    def from_dict(d: dict) -> "Plan":
+        return Plan(
+            schedule=d["schedule"],
+            pp_degree=int(d["pp_degree"]),
+            dp_degree=int(d["dp_degree"]),
+            sequences=[int(x) for x in d["sequences"]],
+            units=[Unit.from_dict(u) for u in d["units"]],
+            actions={
+                int(r): [[Action.parse(a) for a in stage] for stage in per_stage]
+                for r, per_stage in d["actions"].items()
+            },
+            checkpoint_layers={
+                int(s): {int(u): int(n) for u, n in per_unit.items()}
+                for s, per_unit in d.get("checkpoint_layers", {}).items()
+            },
+            layers_per_stage=[int(x) for x in d.get("layers_per_stage", [])],
+            info=dict(d.get("info", {})),
+        )
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        return Plan.from_dict(json.loads(text))
+
+    def __str__(self) -> str:
+        lines = [
+            f"Plan[{self.schedule}] pp={self.pp_degree} dp={self.dp_degree} "
+            f"sequences={len(self.sequences)} tokens={self.num_tokens} units={len(self.units)} "
+            f"pipelines={self.num_pipelines}"
+        ]
+        for u in self.units:
+            segs = " ".join(f"{s.seq}[{s.start}:{s.end}]" for s in u.segments)
+            lines.append(f"  unit {u.id:>3} dp{u.dp_rank} pipe{u.pipeline}: {segs}")
+        for r, per_stage in sorted(self.actions.items()):
+            for s, acts in enumerate(per_stage):
+                ck = self.checkpoint_layers.get(s, {})
+                lines.append(f"  dp{r} stage{s}: " + " ".join(
+                    f"{a}" + (f"(c{ck[a.unit]})" if a.is_forward and ck.get(a.unit) else "") for a in acts))
+        return "\n".join(lines)

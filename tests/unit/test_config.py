@@ -1,0 +1,28 @@
+"""InfiniPipeConfig checks: every bad value is a ValueError saying how to fix it."""
+import pytest
+
+from infinipipe_hf import InfiniPipeConfig
+
+
+def test_defaults_are_valid():
+    assert InfiniPipeConfig().schedule == "epp"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pp_degree=0), "pp_degree must be a positive integer"),
+    (dict(schedule="zb"), "schedule='zb' is not known"),
+    (dict(checkpointing="some"), "checkpointing='some'"),
+    (dict(pp_degree=2, layer_split=[3]), "layer_split"),
+    (dict(memory_budget_gib=0), "memory_budget_gib"),
+])
+def test_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        InfiniPipeConfig(**kwargs)
+
+
+def test_world_size_check():
+    assert InfiniPipeConfig(pp_degree=2).resolve_dp_degree(4) == 2
+    with pytest.raises(ValueError, match="pp_degree=3 does not divide world size 4; use 1, 2, 4"):
+        InfiniPipeConfig(pp_degree=3).resolve_dp_degree(4)
+    with pytest.raises(ValueError, match="dp_degree=1"):
+        InfiniPipeConfig(pp_degree=2, dp_degree=1).resolve_dp_degree(4)
