@@ -63,7 +63,10 @@ def test_memory_terms():
     with pytest.raises(AssertionError):
         cm.activation_bytes(1, 1000, cm.layers_per_stage[1] + 1)
     # first stage holds the embedding, last the head
-    assert cm.static_bytes(0) > cm.static_bytes(1) < cm.static_bytes(3)
+    layer_states = spec.layer_params * 16
+    assert cm.static_bytes(1) == cm.layers_per_stage[1] * layer_states
+    assert cm.static_bytes(0) == cm.layers_per_stage[0] * layer_states + spec.embedding_params * 16
+    assert cm.static_bytes(3) == cm.layers_per_stage[3] * layer_states + (spec.embedding_params + spec.hidden_size) * 16
 
 
 def test_profile_round_trip(tmp_path):
