@@ -35,7 +35,9 @@ def tiny_model(family: str = "llama", *, seed: int = 0, dtype=torch.float64, **k
 
     torch.manual_seed(seed)
     cfg = tiny_config(family, **kw)
-    cfg._attn_implementation = "eager"
+    # SDPA, not eager: eager attention computes its softmax in float32 even for float64 models,
+    # which caps the reference at ~1e-7 relative error.
+    cfg._attn_implementation = "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.to(dtype)
     # Norm weights away from 1 so a wrong norm gradient cannot hide behind the identity.

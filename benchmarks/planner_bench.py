@@ -1,0 +1,110 @@
+"""Planner benchmark: EPP against its baselines on real and published-shape batches, side by side.
+
+Every schedule plans the same global batch under the same cost model (the shipped H100/bf16
+profile unless ``--profile`` is given) and memory budget; each baseline is tuned over its own knob
+(packing length, uniform slice count, least uniform checkpointing that fits).  Reported figures are
+*simulated* tokens/s from the cost model, not measured GPU throughput; planning time is measured
+wall time on the machine that runs this script.
+
+    python benchmarks/planner_bench.py                 # full run, writes benchmarks/results/planner_bench.json
+    python benchmarks/planner_bench.py --quick         # fewer batches, for CI
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from infinipipe_hf.data import synthetic
+from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.api import SCHEDULES, plan_step
+from infinipipe_hf.planner.cost_model import GIB, CostModel
+from infinipipe_hf.planner.hardware import HardwareProfile
+from infinipipe_hf.planner.model_spec import ModelSpec
+
+SETUPS = [("llama2-7b", 4), ("llama2-13b", 8)]
+
+
+def real_batch(corpus: str, n: int, seed: int) -> list[int]:
+    """A global batch of ``n`` real document lengths (SmolLM2 tokenizer), sampled with a seed."""
+    from infinipipe_hf.data.corpus import document_lengths
+
+    lengths = [x for x in document_lengths(corpus) if x > 0]
+    import random
+
+    rng = random.Random(seed)
+    return [rng.choice(lengths) for _ in range(n)] if len(lengths) < n else rng.sample(lengths, n)
+
+
+def batches(quick: bool) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for corpus in (("stdlib",) if quick else ("stdlib", "shakespeare", "kjv")):
+        try:
+            out[f"real:{corpus}"] = real_batch(corpus, 128 if quick else 512, seed=0)
+        except Exception as exc:  # a missing optional corpus package is reported, not fatal
+            print(f"skipping real:{corpus}: {exc}", file=sys.stderr)
+    n = 128 if quick else 512
+    out["synthetic:slimpajama-like"] = synthetic.slimpajama_like(n=n, max_len=131072, seed=0)
+    out["synthetic:prolong-like"] = synthetic.prolong_like(n=n, max_len=131072, seed=0)
+    out["synthetic:short-only"] = synthetic.short_only(n=n, max_len=2048, seed=0)
+    return out
+
+
+def run(quick: bool, profile_path: str | None, memory_gib: float) -> dict:
+    profile = HardwareProfile.load(profile_path) if profile_path else None
+    results = []
+    for model, pp in (SETUPS[:1] if quick else SETUPS):
+        spec = ModelSpec.from_json_file(config_path(model))
+        cost = CostModel(spec, profile, pp_degree=pp, memory_budget_bytes=memory_gib * GIB)
+        for name, lengths in batches(quick).items():
+            row = {"model": model, "pp": pp, "batch": name, "num_sequences": len(lengths),
+                   "num_tokens": sum(lengths), "longest": max(lengths), "schedules": {}}
+            for schedule in SCHEDULES:
+                res = plan_step(lengths, spec, pp_degree=pp, schedule=schedule, cost=cost)
+                row["schedules"][schedule] = res.summary()
+            base = {s: r["tokens_per_s"] for s, r in row["schedules"].items() if s != "epp"}
+            best_name = max(base, key=base.get)
+            epp = row["schedules"]["epp"]["tokens_per_s"]
+            row["best_baseline"] = best_name
+            row["epp_speedup_vs_best_baseline"] = epp / base[best_name] if base[best_name] > 0 else None
+            row["epp_planning_time_s"] = row["schedules"]["epp"]["planning_time_s"]
+            results.append(row)
+            print(format_row(row), flush=True)
+    return {"machine": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "memory_budget_gib": memory_gib, "profile": profile_path or "shipped h100-bf16-default",
+            "note": "tokens/s are simulated with the cost model; planning_time_s is measured here",
+            "results": results}
+
+
+def format_row(row: dict) -> str:
+    parts = [f"{row['model']:>10} pp{row['pp']} {row['batch']:<26} {row['num_tokens'] / 1e6:6.2f}M tok"]
+    for s in SCHEDULES:
+        r = row["schedules"][s]
+        parts.append(f"{s}={r['tokens_per_s'] / 1e3:7.1f}K" if r["feasible"] else f"{s}=   OOM  ")
+    sp = row["epp_speedup_vs_best_baseline"]
+    parts.append(f"speedup={sp:.2f}x vs {row['best_baseline']}" if sp else "speedup=n/a")
+    parts.append(f"plan={row['epp_planning_time_s']:.2f}s")
+    return "  ".join(parts)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--profile", default=None)
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "planner_bench.json"))
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    report = run(args.quick, args.profile, args.gpu_memory_gib)
+    report["wall_time_s"] = time.perf_counter() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out} ({report['wall_time_s']:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

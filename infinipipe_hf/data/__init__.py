@@ -1,0 +1,1 @@
+"""Data: offline real corpora (``corpus``) and seeded synthetic length distributions (``synthetic``)."""

@@ -1,0 +1,127 @@
+"""``python -m infinipipe_hf.plan``: plan one global batch and compare schedules (DESIGN.md section 9).
+
+Reads an HF ``config.json`` and a file of sequence lengths (one per line), plans the batch with one
+schedule or all of them under the same cost model, and prints a table (or ``--json``: one object
+per schedule, a list for ``all``).  ``--emit-plan`` writes the plan as JSON; with ``--schedule all``
+the EPP plan goes to the given path and each baseline's next to it as ``<stem>.<schedule>.json``.
+``--plot`` draws the Gantt chart with memory curves (one PNG per schedule likewise).
+
+Input errors (missing files, unsupported model, bad lengths) exit with status 2 and a message on
+stderr; a batch that no plan fits is not an input error: it is reported as ``feasible: false``
+with an ``error`` naming what does not fit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .planner.api import SCHEDULES, PlanResult, plan_step
+from .planner.cost_model import GIB, CostModel
+from .planner.hardware import HardwareProfile
+from .planner.model_spec import ModelSpec
+
+
+def read_lengths(path: str) -> list[int]:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ValueError(f"lengths file {path} does not exist") from None
+    lengths = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            lengths.append(int(line))
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: expected one integer sequence length per line, got {line!r}") from None
+    return lengths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infinipipe_hf.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF config.json of the model")
+    p.add_argument("--lengths", required=True, help="text file: one sequence length per line (one global batch)")
+    p.add_argument("--pp", type=int, required=True, help="pipeline stages (pp_degree)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (dp_degree)")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory budget per GPU in GiB")
+    p.add_argument("--profile", default=None, help="cost profile JSON (default: shipped H100/bf16)")
+    p.add_argument("--schedule", default="epp", choices=[*SCHEDULES, "all"])
+    p.add_argument("--max-tokens-per-unit", type=int, default=None)
+    p.add_argument("--checkpointing", default="adaptive", choices=["adaptive", "none", "full"])
+    p.add_argument("--emit-plan", default=None, metavar="PLAN.json", help="write the plan as JSON")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart + memory per stage")
+    p.add_argument("--json", action="store_true", help="print machine-readable results")
+    return p
+
+
+def run(args: argparse.Namespace) -> list[PlanResult]:
+    spec = ModelSpec.from_json_file(args.model) if Path(args.model).exists() else None
+    if spec is None:
+        raise ValueError(f"model config {args.model} does not exist")
+    lengths = read_lengths(args.lengths)
+    if args.pp < 1 or args.dp < 1:
+        raise ValueError(f"--pp and --dp must be >= 1, got pp={args.pp} dp={args.dp}")
+    profile = HardwareProfile.load(args.profile) if args.profile else None
+    cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.gpu_memory_gib * GIB)
+    schedules = SCHEDULES if args.schedule == "all" else (args.schedule,)
+    return [plan_step(lengths, spec, pp_degree=args.pp, dp_degree=args.dp, schedule=s, cost=cost,
+                      max_tokens_per_unit=args.max_tokens_per_unit, checkpointing=args.checkpointing)
+            for s in schedules]
+
+
+def _sibling(path: str, schedule: str, first: bool) -> Path:
+    p = Path(path)
+    return p if first else p.with_name(f"{p.stem}.{schedule}{p.suffix}")
+
+
+def format_table(results: list[PlanResult]) -> str:
+    rows = [("schedule", "fits", "step s", "tokens/s", "bubble", "recompute s", "peak GiB", "units", "pipes", "plan s")]
+    for r in results:
+        d = r.summary()
+        if r.feasible:
+            rows.append((r.schedule, "yes", f"{d['step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
+                         f"{d['bubble_fraction']:.3f}", f"{d['recompute_time_s']:.3f}",
+                         f"{max(d['peak_memory_bytes']) / GIB:.1f}", str(d["num_units"]),
+                         str(d["num_pipelines"]), f"{r.planning_time_s:.2f}"))
+        else:
+            rows.append((r.schedule, "NO", "-", "0", "-", "-", "-", "-", "-", f"{r.planning_time_s:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    best_base = max((r.summary()["tokens_per_s"] for r in results if r.schedule != "epp" and r.feasible), default=0)
+    epp = next((r for r in results if r.schedule == "epp" and r.feasible), None)
+    if epp is not None and best_base > 0:
+        lines.append(f"EPP speedup over the best baseline: {epp.summary()['tokens_per_s'] / best_base:.2f}x")
+    for r in results:
+        if r.error:
+            lines.append(f"{r.schedule}: {r.error}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        results = run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for i, r in enumerate(results):
+        if r.plan is not None and args.emit_plan:
+            _sibling(args.emit_plan, r.schedule, i == 0).write_text(r.plan.to_json(indent=1))
+        if r.plan is not None and args.plot:
+            from .viz import plot_plan
+
+            plot_plan(r.plan, r.simulation, str(_sibling(args.plot, r.schedule, i == 0)),
+                      title=f"{r.schedule}: {Path(args.model).name}, pp={args.pp}, dp={args.dp}")
+    if args.json:
+        out = [r.summary() for r in results]
+        print(json.dumps(out if args.schedule == "all" else out[0], indent=1))
+    else:
+        print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""``plan_step``: one global batch of sequence lengths in, the best validated plan out.
+
+This is the glue of DESIGN.md section 4: for each candidate slice count K (EPP) or tuning knob
+(baselines) it builds units, assigns sequences to DP replicas, groups units into pipelines,
+orders actions, solves checkpointing, simulates, and keeps the fastest plan that fits memory.
+Every schedule goes through the same cost model, solver and simulator, so EPP and the baselines
+are compared on equal terms; each baseline is tuned over its own knob (packing length, uniform
+slice count) with the least uniform checkpointing that fits.
+
+Searching is the trade-off: a handful of candidates per batch costs milliseconds each and buys
+robustness against a cost model that is only approximately right about where the optimum lies.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from .baselines import make_packed_units, make_uniform_slices, packing_candidates, slicing_candidates
+from .checkpoint_solver import solve_checkpointing
+from .cost_model import CostModel
+from .dp_assign import assign_sequences
+from .grouping import group_pipelines
+from .hardware import HardwareProfile
+from .model_spec import ModelSpec
+from .plan import Plan
+from .schedule import (backward_order, build_pipeline_actions, concat_pipelines, epp_warmup,
+                       gpipe_warmup, one_f_one_b_warmup)
+from .sequence_processor import make_elastic_units
+from .simulator import SimulationResult, simulate
+from .units import Unit
+from .validator import validate
+
+SCHEDULES = ("epp", "packed-1f1b", "seq1f1b", "gpipe")
+DEFAULT_SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+MIN_SLICE_TOKENS = 256
+
+
+@dataclass
+class PlanResult:
+    """The outcome of planning one step with one schedule."""
+
+    schedule: str
+    plan: Plan | None
+    simulation: SimulationResult | None
+    feasible: bool
+    error: str | None
+    planning_time_s: float
+    candidates: list[dict] = field(default_factory=list)
+    """One entry per configuration tried: knob values, step time, feasibility."""
+
+    def summary(self) -> dict:
+        """The ``--json`` object of DESIGN.md section 9."""
+        sim = self.simulation
+        plan = self.plan
+        d = {
+            "schedule": self.schedule,
+            "feasible": self.feasible,
+            "step_time_s": sim.step_time_s if sim else None,
+            "tokens_per_s": sim.tokens_per_s if sim and self.feasible else 0.0,
+            "bubble_fraction": sim.bubble_fraction if sim else None,
+            "peak_memory_bytes": list(sim.peak_memory_bytes) if sim else None,
+            "memory_budget_bytes": sim.memory_budget_bytes if sim else None,
+            "recompute_time_s": sim.recompute_time_s if sim else None,
+            "num_pipelines": plan.num_pipelines if plan else 0,
+            "num_units": len(plan.units) if plan else 0,
+            "num_tokens": plan.num_tokens if plan else None,
+            "planning_time_s": self.planning_time_s,
+        }
+        if plan is not None:
+            d["layers_per_stage"] = list(plan.layers_per_stage)
+            d["info"] = dict(plan.info)
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+def check_batch(lengths: Sequence[int]) -> None:
+    if len(lengths) == 0:
+        raise ValueError("empty batch: plan_step needs at least one sequence; check that the data "
+                         "loader yields non-empty batches")
+    for i, n in enumerate(lengths):
+        if int(n) != n or n < 1:
+            raise ValueError(f"sequence {i} has length {n}; every sequence needs at least 1 token "
+                             f"(drop empty documents before planning)")
+
+
+def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_degree: int = 1,
+              schedule: str = "epp", memory_budget_bytes: float | None = None,
+              profile: HardwareProfile | None = None, layers_per_stage: Sequence[int] | None = None,
+              max_tokens_per_unit: int | None = None, num_slices: Sequence[int] | None = None,
+              checkpointing: str = "adaptive", loss_chunk_tokens: int = 4096,
+              solver_time_limit_s: float = 1.0, cost: CostModel | None = None) -> PlanResult:
+    """Plan one training step of ``lengths`` (one global batch) with ``schedule``."""
+    t0 = time.perf_counter()
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+    if checkpointing not in ("adaptive", "none", "full"):
+        raise ValueError(f"checkpointing={checkpointing!r} is not known; use adaptive, none or full")
+    check_batch(lengths)
+    lengths = [int(n) for n in lengths]
+    if cost is None:
+        cost = CostModel(spec, profile, pp_degree=pp_degree, layers_per_stage=layers_per_stage,
+                         memory_budget_bytes=memory_budget_bytes, loss_chunk_tokens=loss_chunk_tokens)
+    replicas = assign_sequences(lengths, dp_degree, cost)
+    policy = checkpointing
+    if schedule != "epp" and checkpointing == "adaptive":
+        policy = "uniform"  # baselines use one static checkpoint setting (Megatron/Seq1F1B style)
+
+    builders = {
+        "epp": lambda: _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, policy,
+                                       solver_time_limit_s),
+        "packed-1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "packed-1f1b", policy),
+        "seq1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "seq1f1b", policy),
+        "gpipe": lambda: _baseline_candidates(lengths, replicas, cost, "gpipe", policy),
+    }
+    best: tuple[Plan, SimulationResult] | None = None
+    tried: list[dict] = []
+    last_error = None
+    for knobs, make_plan in builders[schedule]():
+        try:
+            plan = make_plan()
+        except ValueError as exc:  # a knob value that cannot hold some sequence
+            tried.append({**knobs, "feasible": False, "error": str(exc)})
+            last_error = str(exc)
+            continue
+        sim = simulate(plan, cost)
+        tried.append({**knobs, "feasible": sim.feasible, "step_time_s": sim.step_time_s,
+                      "recompute_time_s": sim.recompute_time_s})
+        if sim.feasible and (best is None or sim.step_time_s < best[1].step_time_s):
+            best = (plan, sim)
+    elapsed = time.perf_counter() - t0
+    if best is None:
+        error = _infeasible_message(lengths, cost, schedule, last_error)
+        return PlanResult(schedule, None, None, False, error, elapsed, tried)
+    plan, sim = best
+    validate(plan, cost, max_tokens_per_unit=max_tokens_per_unit)
+    plan.info["candidates_tried"] = len(tried)
+    return PlanResult(schedule, plan, sim, True, None, time.perf_counter() - t0, tried)
+
+
+# --- EPP -----------------------------------------------------------------------------------
+def _slice_count_candidates(lengths: Sequence[int], num_slices: Sequence[int] | None) -> list[int]:
+    if num_slices:
+        return sorted(set(int(k) for k in num_slices))
+    longest = max(lengths)
+    ks = [k for k in DEFAULT_SLICE_COUNTS if k == 1 or longest / k >= MIN_SLICE_TOKENS]
+    return ks
+
+
+def _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, policy, time_limit):
+    for k in _slice_count_candidates(lengths, num_slices):
+        yield {"num_slices": k}, (lambda k=k: _epp_plan(lengths, replicas, cost, k, max_tokens_per_unit,
+                                                        policy, time_limit))
+
+
+def _epp_plan(lengths, replicas, cost, k, max_tokens_per_unit, policy, time_limit) -> Plan:
+    units: list[Unit] = []
+    actions = {}
+    info = {"num_slices": k, "token_budget": [], "balance": []}
+    for dp_rank, seqs in enumerate(replicas):
+        if not seqs:
+            actions[dp_rank] = [[] for _ in range(cost.pp_degree)]
+            continue
+        res = make_elastic_units(lengths, cost, k, seqs=seqs, max_tokens_per_unit=max_tokens_per_unit,
+                                 first_unit_id=len(units))
+        info["token_budget"].append(res.token_budget)
+        info["balance"].append(round(res.balance(), 4))
+        blocks = _blocks_by_slice_count(res.units, res.slice_counts)
+        per_id = {u.id: u for u in res.units}
+
+        def pipeline_time(ids, per_id=per_id, dp_rank=dp_rank):
+            trial = _assemble(lengths, cost, [[per_id[i] for i in ids]], dp_rank, "epp")
+            sol = solve_checkpointing(trial, cost, policy="greedy" if policy == "adaptive" else policy)
+            if not sol.feasible:
+                return float("inf")
+            trial.checkpoint_layers = sol.checkpoint_layers
+            return simulate(trial, cost).step_time_s
+
+        groups = group_pipelines(blocks, pipeline_time) if len(blocks) > 1 else [list(blocks[0])]
+        pipelines = [[per_id[i] for i in ids] for ids in groups]
+        part_units, actions[dp_rank] = _replica_actions(lengths, cost, pipelines, dp_rank, "epp")
+        units.extend(part_units)
+    plan = Plan("epp", cost.pp_degree, len(replicas), list(lengths), units, actions, {},
+                list(cost.layers_per_stage), info)
+    sol = solve_checkpointing(plan, cost, policy=policy, time_limit_s=time_limit)
+    if not sol.feasible:
+        raise ValueError(sol.message or "no checkpointing fits the memory budget")
+    plan.checkpoint_layers = sol.checkpoint_layers
+    plan.info["checkpoint_method"] = sol.method
+    return plan
+
+
+def _blocks_by_slice_count(units: Sequence[Unit], slice_counts: dict[int, int]) -> list[list[int]]:
+    """Consecutive runs of units whose (first) sequence has the same slice count."""
+    blocks: list[list[int]] = []
+    last = None
+    for u in units:
+        count = max(slice_counts.get(s.seq, 1) for s in u.segments)
+        if count != last or not blocks:
+            # a chain of slices must stay in one block: only start a block at a chain's first unit
+            if blocks and any(s.start > 0 for s in u.segments):
+                blocks[-1].append(u.id)
+                continue
+            blocks.append([u.id])
+            last = count
+        else:
+            blocks[-1].append(u.id)
+    return blocks
+
+
+def _replica_actions(lengths, cost, pipelines: Sequence[Sequence[Unit]], dp_rank: int, schedule: str,
+                     uniform_slices: int = 1) -> tuple[list[Unit], list[list]]:
+    """Units (tagged with pipeline and replica) and per-stage actions of one DP replica."""
+    pp = cost.pp_degree
+    units: list[Unit] = []
+    per_pipeline = []
+    for p_index, punits in enumerate(pipelines):
+        tagged = [replace(u, pipeline=p_index, dp_rank=dp_rank) for u in punits]
+        units.extend(tagged)
+        if schedule == "gpipe":
+            warm = gpipe_warmup(pp, len(tagged))
+        elif schedule == "epp":
+            first_seq = tagged[0].segments[0].seq
+            warm = epp_warmup(pp, sum(1 for u in tagged if first_seq in u.seqs))
+        elif schedule == "seq1f1b":
+            warm = epp_warmup(pp, uniform_slices)
+        else:
+            warm = one_f_one_b_warmup(pp)
+        per_pipeline.append(build_pipeline_actions([u.id for u in tagged], backward_order(tagged, lengths), pp, warm))
+    return units, concat_pipelines(per_pipeline)
+
+
+def _assemble(lengths, cost, pipelines: Sequence[Sequence[Unit]], dp_rank: int, schedule: str) -> Plan:
+    """A one-replica plan of some pipelines, for estimates during grouping."""
+    units, stage_actions = _replica_actions(lengths, cost, pipelines, 0, schedule)
+    return Plan(schedule, cost.pp_degree, 1, list(lengths), units, {0: stage_actions}, {},
+                list(cost.layers_per_stage))
+
+
+# --- baselines ------------------------------------------------------------------------------
+def _baseline_candidates(lengths, replicas, cost, schedule, policy):
+    packs = packing_candidates(lengths)
+    slice_counts = slicing_candidates(lengths) if schedule == "seq1f1b" else [1]
+    for pack in packs:
+        for k in slice_counts:
+            knobs = {"pack_tokens": pack} if schedule != "seq1f1b" else {"pack_tokens": pack, "num_slices": k}
+            yield knobs, (lambda pack=pack, k=k: _baseline_plan(lengths, replicas, cost, schedule, pack, k, policy))
+
+
+def _baseline_plan(lengths, replicas, cost, schedule, pack, k, policy) -> Plan:
+    units: list[Unit] = []
+    actions = {}
+    for dp_rank, seqs in enumerate(replicas):
+        if not seqs:
+            actions[dp_rank] = [[] for _ in range(cost.pp_degree)]
+            continue
+        if schedule == "seq1f1b":
+            made = make_uniform_slices(lengths, cost, pack, k, seqs=seqs, first_unit_id=len(units))
+        else:
+            made = make_packed_units(lengths, cost, pack, seqs=seqs, first_unit_id=len(units))
+        part_units, actions[dp_rank] = _replica_actions(lengths, cost, [made], dp_rank, schedule, k)
+        units.extend(part_units)
+    info = {"pack_tokens": pack}
+    if schedule == "seq1f1b":
+        info["num_slices"] = k
+    plan = Plan(schedule, cost.pp_degree, len(replicas), list(lengths), units, actions, {},
+                list(cost.layers_per_stage), info)
+    sol = solve_checkpointing(plan, cost, policy=policy)
+    if not sol.feasible:
+        raise ValueError(sol.message or "no checkpointing fits the memory budget")
+    plan.checkpoint_layers = sol.checkpoint_layers
+    plan.info["checkpoint_method"] = sol.method
+    return plan
+
+
+# --- errors ---------------------------------------------------------------------------------
+def largest_trainable_length(cost: CostModel, max_slices: int = max(DEFAULT_SLICE_COUNTS)) -> int:
+    """Longest single sequence that fits fully checkpointed and maximally sliced (binary search)."""
+
+    def fits(n: int) -> bool:
+        try:
+            plan = _epp_plan([n], [[0]], cost, min(max_slices, max(1, n // MIN_SLICE_TOKENS)), None, "full", 1.0)
+        except ValueError:
+            return False
+        return simulate(plan, cost).feasible
+
+    lo, hi = 0, 1
+    while fits(hi) and hi < 1 << 24:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _infeasible_message(lengths, cost, schedule, last_error) -> str:
+    longest = max(lengths)
+    limit = largest_trainable_length(cost)
+    budget = cost.memory_budget_bytes / 2**30
+    if longest > limit:
+        seq = lengths.index(longest)
+        return (f"sequence {seq} of {longest} tokens cannot fit in {budget:.1f} GiB per stage even fully "
+                f"checkpointed and cut into {max(DEFAULT_SLICE_COUNTS)} slices; the largest that fits is "
+                f"{limit} tokens: split or truncate longer documents, raise pp_degree, or raise the memory budget")
+    return (f"no {schedule} plan fits {budget:.1f} GiB per stage for this batch "
+            f"({len(lengths)} sequences, {sum(lengths)} tokens, longest {longest}); "
+            f"last candidate said: {last_error}; use fewer tokens per step or schedule='epp'")

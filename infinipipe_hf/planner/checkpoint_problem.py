@@ -1,0 +1,199 @@
+"""The checkpointing problem of one DP replica as a sparse linear system (DESIGN.md 4.4).
+
+Cells are (stage, unit) pairs; a cell's checkpointed-layer count ``c`` lowers the memory of every
+point where its unit is live by ``slope * c`` (activation bytes are affine in ``c``).  Each memory
+point of a stage's timeline (planner/memory.py) is one row ``sum slope * c >= need`` with
+``need = point bytes with nothing checkpointed - budget``.
+
+Variables are shared along backward-order diagonals (paper Alg. 2): the cell of stage ``p`` whose
+unit is the ``k``-th backward there sits on diagonal ``d = k + (pp_degree - 1 - p)``, and cells on
+one diagonal run back to back across stages, so recompute on one shows up as the same bubble on
+the others.  Stages may hold different layer counts (the split gives the embedding and head
+stages fewer): the shared count would be ``min(x_d, layers_p)``, which is not linear.  We give a
+diagonal one variable *per distinct layer count* among its stages instead.  Trade-off: on an
+uneven split a diagonal has two or three variables instead of one (still O(n + pp), not n * pp),
+but every cell can reach full checkpointing, so the adaptive policy is feasible exactly when full
+checkpointing is -- bounding a shared variable by the smallest count would lose that, and an exact
+``min`` needs a binary per cell and weakens the relaxation.
+
+Only points that can bind are kept: a point whose live set is contained in another's and whose
+base bytes are not larger is dominated for every choice of counts (activations are non-negative),
+found with live windows and a range-maximum table in O(P log P).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import sparse
+
+from .actions import Action
+from .cost_model import CostModel, UnitShape
+from .memory import live_windows, memory_points
+from .plan import Plan
+
+
+@dataclass
+class ReplicaProblem:
+    """Cells, shared variables and the binding memory rows of one DP replica."""
+
+    dp_rank: int
+    cell_stage: np.ndarray  # int, per cell
+    cell_unit: np.ndarray  # int, per cell
+    cell_layers: np.ndarray  # layers of the cell's stage (upper bound of its count)
+    cell_layer_s: np.ndarray  # forward time of one layer on the unit: recompute seconds per count
+    cell_var: np.ndarray  # shared variable of the cell
+    var_ub: np.ndarray  # layer count of the variable's cells
+    var_cost_s: np.ndarray  # recompute seconds per unit of the variable (sum over its cells)
+    rows: sparse.csr_matrix  # points x cells: bytes saved per checkpointed layer
+    need: np.ndarray  # bytes over budget with nothing checkpointed (<= 0: fits already)
+    row_stage: np.ndarray
+    row_action: list[Action]
+    row_action_index: np.ndarray
+    budget: float
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.var_ub)
+
+    def var_rows(self) -> sparse.csr_matrix:
+        """Points x variables.  Exact because all cells of a variable have its layer count, so a
+        cell's count *is* the variable (and one point's cells lie on distinct diagonals anyway)."""
+        m = sparse.csr_matrix((np.ones(len(self.cell_var)), (np.arange(len(self.cell_var)), self.cell_var)),
+                              shape=(len(self.cell_var), self.num_vars))
+        return (self.rows @ m).tocsr()
+
+    def cells_from_vars(self, x: np.ndarray) -> np.ndarray:
+        return np.minimum(np.asarray(x)[self.cell_var], self.cell_layers)
+
+    def overshoot(self, cell_counts: np.ndarray) -> np.ndarray:
+        """Bytes over budget at every kept point (<= 0 where it fits)."""
+        return self.need - self.rows @ cell_counts
+
+    def recompute_s(self, cell_counts: np.ndarray) -> float:
+        return float(np.dot(cell_counts, self.cell_layer_s))
+
+
+def _range_max_table(values: np.ndarray) -> list[np.ndarray]:
+    table = [values]
+    span = 1
+    while 2 * span <= len(values):
+        prev = table[-1]
+        table.append(np.maximum(prev[:-span], prev[span:]))
+        span *= 2
+    return table
+
+
+def _range_max(table: list[np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Max of ``values[lo..hi]`` (inclusive) per query; ``-inf`` for empty ranges."""
+    out = np.full(len(lo), -np.inf)
+    ok = hi >= lo
+    if not ok.any():
+        return out
+    lo_, hi_ = lo[ok], hi[ok]
+    k = np.floor(np.log2(hi_ - lo_ + 1)).astype(np.int64)
+    res = np.empty(len(lo_))
+    for level in np.unique(k):
+        sel = k == level
+        t = table[level]
+        res[sel] = np.maximum(t[lo_[sel]], t[hi_[sel] - (1 << level) + 1])
+    out[ok] = res
+    return out
+
+
+def undominated(base: np.ndarray, firsts: np.ndarray, lasts: np.ndarray) -> np.ndarray:
+    """Mask of points no other point dominates (live superset with base at least as large).
+
+    Ties (same base, containing live set) keep the earlier point, so of mutually dominating
+    points exactly one survives.
+    """
+    n = len(base)
+    idx = np.arange(n)
+    firsts = np.minimum(firsts, idx)  # an invalid plan's windows may not contain the point itself
+    lasts = np.maximum(lasts, idx)
+    table = _range_max_table(base)
+    before = _range_max(table, firsts, idx - 1)
+    after = _range_max(table, idx + 1, lasts)
+    return ~((before >= base) | (after > base))
+
+
+def build_problem(plan: Plan, cost: CostModel, dp_rank: int) -> ReplicaProblem:
+    pp = plan.pp_degree
+    by_id = plan.unit_by_id
+    budget = cost.memory_budget_bytes
+    cell_of: dict[tuple[int, int], int] = {}
+    cell_stage: list[int] = []
+    cell_unit: list[int] = []
+    cell_layers: list[int] = []
+    cell_layer_s: list[float] = []
+    cell_key: list[tuple] = []
+    slope: list[float] = []
+    zero_act: list[float] = []
+    r_data: list[float] = []
+    r_row: list[int] = []
+    r_col: list[int] = []
+    need: list[float] = []
+    row_stage: list[int] = []
+    row_action: list[Action] = []
+    row_action_index: list[int] = []
+    layer_s_of: dict[int, float] = {}
+    for p in range(pp):
+        actions = plan.stage_actions(dp_rank, p)
+        layers = cost.num_layers(p)
+        back_pos: dict[int, int] = {}
+        for a in actions:
+            if not a.is_forward and a.unit not in back_pos:
+                back_pos[a.unit] = len(back_pos)
+        for a in actions:
+            if (p, a.unit) in cell_of:
+                continue
+            uid = a.unit
+            tokens = by_id[uid].num_tokens
+            if uid not in layer_s_of:
+                shape = UnitShape.of(by_id[uid].segments)
+                layer_s_of[uid] = cost.recompute_time(p, shape, 1)
+            cell_of[(p, uid)] = len(cell_stage)
+            cell_stage.append(p)
+            cell_unit.append(uid)
+            cell_layers.append(layers)
+            cell_layer_s.append(layer_s_of[uid])
+            k = back_pos.get(uid)
+            # A unit with no backward here (invalid plan) gets a variable of its own.
+            cell_key.append(("d", k + (pp - 1 - p), layers) if k is not None else ("orphan", p, uid))
+            a0 = cost.activation_bytes(p, tokens, 0)
+            zero_act.append(a0)
+            slope.append(a0 - cost.activation_bytes(p, tokens, 1))
+        points = memory_points(plan, cost, dp_rank, p)
+        if not points:
+            continue
+        firsts, lasts = live_windows(points, actions)
+        base = np.array([pt.base_bytes for pt in points])
+        keep = undominated(base, np.array(firsts), np.array(lasts))
+        for i in np.flatnonzero(keep):
+            pt = points[i]
+            cells = [cell_of[(p, u)] for u in pt.live_units]
+            n_i = pt.base_bytes + sum(zero_act[c] for c in cells) - budget
+            row = len(need)
+            need.append(n_i)
+            row_stage.append(p)
+            row_action.append(actions[pt.action_index])
+            row_action_index.append(pt.action_index)
+            r_row.extend([row] * len(cells))
+            r_col.extend(cells)
+            r_data.extend(slope[c] for c in cells)
+    keys = sorted(set(cell_key), key=repr)
+    var_of = {key: i for i, key in enumerate(keys)}
+    cell_var = np.array([var_of[k] for k in cell_key], dtype=np.int64)
+    n_cells = len(cell_stage)
+    layers_arr = np.array(cell_layers, dtype=np.int64)
+    layer_s_arr = np.array(cell_layer_s, dtype=float)
+    var_ub = np.zeros(len(keys), dtype=np.int64)
+    var_ub[cell_var] = layers_arr  # all cells of a variable share the layer count
+    var_cost = np.bincount(cell_var, weights=layer_s_arr, minlength=len(keys)) if n_cells else np.zeros(0)
+    rows = sparse.csr_matrix((r_data, (r_row, r_col)), shape=(len(need), n_cells))
+    return ReplicaProblem(
+        dp_rank=dp_rank, cell_stage=np.array(cell_stage, dtype=np.int64),
+        cell_unit=np.array(cell_unit, dtype=np.int64), cell_layers=layers_arr, cell_layer_s=layer_s_arr,
+        cell_var=cell_var, var_ub=var_ub, var_cost_s=var_cost, rows=rows, need=np.array(need, dtype=float),
+        row_stage=np.array(row_stage, dtype=np.int64), row_action=row_action,
+        row_action_index=np.array(row_action_index, dtype=np.int64), budget=budget)

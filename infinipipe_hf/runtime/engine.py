@@ -1,0 +1,358 @@
+"""``PipelineEngine``: the user-facing multi-process runtime (DESIGN.md sections 5 and 9).
+
+Design: the engine owns one rank's view of the job: its ``ParallelLayout`` (process groups), its
+``StageModule`` (a contiguous block of decoder layers of the HF model, original parameter names),
+a ``StageRunner`` (single-process forward/backward per unit) and a ``PipelineExecutor`` (the
+action loop with point-to-point transfers).  ``train_step`` is: lengths -> plan (identical on
+every rank, or planned on rank 0 and broadcast) -> execute -> tied-embedding sum -> DP all-reduce
+-> loss all-reduce.  Gradients accumulate like ``loss.backward()``: gradients already in ``.grad``
+are stashed before the step and added back after the reductions, so they are never all-reduced
+twice.
+
+Trade-offs: the DP all-reduce runs once at the end of the step (simple, exact, one bucketed
+collective per stage) rather than overlapping with the cool-down backwards; the planner is called
+synchronously (planning one step ahead in a background worker is the trainer's job).  A planner
+can be injected (``planner=callable(lengths, engine) -> Plan | PlanResult``, or
+``train_step(batch, plan=...)``) so tests and baselines do not depend on the default planner.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..config import InfiniPipeConfig
+from ..planner.model_spec import ModelSpec
+from ..planner.plan import Plan
+from .comm import StageComm, wait_collective
+from .executor import PipelineExecutor
+from .layout import ParallelLayout
+from .timeline import Timeline
+
+_BUCKET_ELEMENTS = 1 << 25  # bounds the extra memory of flattening gradients for one all-reduce
+
+
+@dataclass
+class StepOutput:
+    loss: float
+    """Mean token loss of the whole global batch; identical on every rank."""
+    num_tokens: int
+    num_label_tokens: int
+    plan: Plan
+    simulation: Any | None
+    timeline: Timeline
+    """This rank's actions; ``PipelineEngine.gather_timeline`` merges all ranks'."""
+    step_time_s: float
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _tied(model) -> bool:
+    # Same rule as build_stage, so every rank agrees on whether the tied-embedding groups exist.
+    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
+def _normalise_batch(batch) -> list[dict]:
+    if not isinstance(batch, (list, tuple)) or not batch:
+        raise ValueError(f"batch must be a non-empty list of {{'input_ids': ...}} dicts, got "
+                         f"{type(batch).__name__}{'' if batch else ' (empty)'}")
+    out = []
+    for i, item in enumerate(batch):
+        if not isinstance(item, dict) or "input_ids" not in item:
+            raise ValueError(f"batch[{i}] must be a dict with 'input_ids', got {type(item).__name__}")
+        ids = item["input_ids"]
+        n = int(ids.numel()) if isinstance(ids, torch.Tensor) else len(ids)
+        if isinstance(ids, torch.Tensor) and ids.dim() != 1:
+            raise ValueError(f"batch[{i}]['input_ids'] must be 1-D (one sequence), got shape "
+                             f"{tuple(ids.shape)}; pass one dict per sequence")
+        if n < 1:
+            raise ValueError(f"batch[{i}] has no tokens; drop empty sequences")
+        out.append(item)
+    return out
+
+
+class PipelineEngine:
+    """One rank of an elastic pipeline over ``model``; see the module docstring."""
+
+    def __init__(self, model, config: InfiniPipeConfig | None = None, *,
+                 planner: Callable[[list[int], "PipelineEngine"], Any] | None = None,
+                 device: torch.device | str | None = None) -> None:
+        from .partition import partition_layers
+        from .stage import build_stage
+        from .stage_runner import StageRunner
+
+        self.config = config = config if config is not None else InfiniPipeConfig()
+        dist = _dist()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist else (1, 0)
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if dist is None and (config.pp_degree > 1 or launched > 1):
+            raise ValueError(f"torch.distributed is not initialised (pp_degree={config.pp_degree}, "
+                             f"WORLD_SIZE={launched}); call torch.distributed.init_process_group() "
+                             f"before building the PipelineEngine (launch with torchrun)")
+        dp = config.resolve_dp_degree(world)
+        if getattr(model, "config", None) is None:
+            raise ValueError(f"{type(model).__name__} has no HF `config`; pass a transformers "
+                             f"AutoModelForCausalLM model (Llama, Mistral, Qwen2, Qwen3)")
+        # Model checks before any process group exists: every rank fails the same way, early.
+        self.spec = ModelSpec.from_hf_config(model.config)
+        if config.pp_degree > self.spec.num_layers:
+            raise ValueError(f"pp_degree={config.pp_degree} is larger than the model's "
+                             f"{self.spec.num_layers} decoder layers; use pp_degree <= "
+                             f"{self.spec.num_layers}")
+        self.planner = planner
+        self.layout = ParallelLayout(world, rank, config.pp_degree, dp, tied_embeddings=_tied(model),
+                                     timeout_s=config.p2p_timeout_s)
+        ranges = partition_layers(self.spec.num_layers, config.pp_degree,
+                                  layer_split=config.layer_split,
+                                  last_stage_extra=self.spec.embedding_params / self.spec.layer_params)
+        self.layers_per_stage = [len(r) for r in ranges]
+        self.stage = build_stage(model, self.layout.stage_index, ranges[self.layout.stage_index])
+        self.device = torch.device(device) if device is not None else self._default_device()
+        self.stage.to(self.device)
+        self.dtype = next((p.dtype for p in self.stage.parameters() if p.is_floating_point()),
+                          torch.float32)
+        self.runner = StageRunner(self.stage, loss_chunk_tokens=config.loss_chunk_tokens,
+                                  attention_backend=config.attention_backend)
+        comm = (StageComm(self.layout, timeout_s=config.p2p_timeout_s, device=self.device,
+                          dtype=self.dtype) if config.pp_degree > 1 else None)
+        self.executor = PipelineExecutor(self.runner, self.layout, comm)
+        self.last_plan: Plan | None = None
+        self.step_count = 0
+        self._profile = None  # loaded on first use of the default planner
+
+    @staticmethod
+    def _default_device() -> torch.device:
+        if torch.cuda.is_available():
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dev)
+            return dev
+        return torch.device("cpu")
+
+    # --- parameters ----------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters under their original HF names."""
+        return self.stage.named_parameters()
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.named_parameters() if p.requires_grad]
+
+    def _tied_params(self) -> list[torch.nn.Parameter]:
+        if not (self.layout.has_tied_pair and (self.layout.is_first_stage or self.layout.is_last_stage)):
+            return []
+        params = dict(self.stage.named_parameters(remove_duplicate=False))
+        return [params[n] for n in self.stage.tied_parameter_names if params[n].requires_grad]
+
+    # --- planning ------------------------------------------------------------------------
+    def _memory_budget_bytes(self) -> float | None:
+        if self.config.memory_budget_gib is not None:
+            return self.config.memory_budget_gib * 2**30
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            return total - self.config.memory_reserve_gib * 2**30
+        return None
+
+    def _default_plan(self, lengths: list[int]):
+        from ..planner.api import plan_step  # lazy: the engine imports without the planner
+        from ..planner.hardware import HardwareProfile
+
+        c = self.config
+        if self._profile is None and c.profile is not None:
+            self._profile = HardwareProfile.load(c.profile)
+        return plan_step(lengths, self.spec, pp_degree=c.pp_degree, dp_degree=self.layout.dp_degree,
+                         schedule=c.schedule, memory_budget_bytes=self._memory_budget_bytes(),
+                         profile=self._profile, layers_per_stage=self.layers_per_stage,
+                         max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
+                         checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens)
+
+    def _plan_locally(self, lengths: list[int]) -> tuple[Plan, Any]:
+        result = self.planner(lengths, self) if self.planner is not None else self._default_plan(lengths)
+        if isinstance(result, Plan):
+            return result, None
+        if not getattr(result, "feasible", False) or result.plan is None:
+            raise ValueError(f"no feasible plan for a batch of {len(lengths)} sequences "
+                             f"({sum(lengths)} tokens, longest {max(lengths)}): "
+                             f"{getattr(result, 'error', None)}; raise memory_budget_gib, pp_degree "
+                             f"or lower the batch's token budget")
+        return result.plan, getattr(result, "simulation", None)
+
+    def make_plan(self, lengths: list[int]) -> tuple[Plan, Any]:
+        """Plan a step (same result on every rank); returns ``(plan, simulation or None)``."""
+        dist = _dist()
+        if not (self.config.seed_plan_on_rank0 and dist and self.layout.world_size > 1):
+            return self._plan_locally(lengths)
+        box: list[Any] = [None]
+        if self.layout.rank == 0:
+            try:
+                plan, sim = self._plan_locally(lengths)
+                box[0] = ("ok", plan.to_dict(), sim)
+            except ValueError as exc:  # every rank must learn of the failure, not hang
+                box[0] = ("error", str(exc), None)
+        dist.broadcast_object_list(box, src=0)
+        status, payload, sim = box[0]
+        if status != "ok":
+            raise ValueError(payload)
+        return Plan.from_dict(payload), sim
+
+    def _check_plan(self, plan: Plan, lengths: list[int]) -> None:
+        lay = self.layout
+        if plan.pp_degree != lay.pp_degree or plan.dp_degree != lay.dp_degree:
+            raise ValueError(f"plan is for pp={plan.pp_degree}, dp={plan.dp_degree} but the engine "
+                             f"runs pp={lay.pp_degree}, dp={lay.dp_degree}; plan with the engine's degrees")
+        if list(plan.sequences) != list(lengths):
+            raise ValueError(f"plan covers sequence lengths {list(plan.sequences)[:8]}... but the batch "
+                             f"has {lengths[:8]}...; plan the same batch that you run")
+        if plan.layers_per_stage and list(plan.layers_per_stage) != self.layers_per_stage:
+            raise ValueError(f"plan assumes layers per stage {plan.layers_per_stage}, the engine has "
+                             f"{self.layers_per_stage}; pass layers_per_stage=engine.layers_per_stage")
+
+    # --- collectives ---------------------------------------------------------------------
+    def _all_reduce(self, tensors: list[torch.Tensor], group, ranks: list[int], what: str) -> None:
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        dist = _dist()
+        start = 0
+        while start < len(tensors):
+            end, size = start, 0
+            while end < len(tensors) and (end == start or size + tensors[end].numel() <= _BUCKET_ELEMENTS):
+                size += tensors[end].numel()
+                end += 1
+            bucket = tensors[start:end]
+            flat = _flatten_dense_tensors(bucket)
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            wait_collective(work, timeout_s=self.config.p2p_timeout_s, layout=self.layout,
+                            ranks=ranks, what=what, step=self.step_count)
+            for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                t.copy_(reduced)
+            start = end
+
+    def _sync_gradients(self) -> None:
+        lay = self.layout
+        if lay.world_size == 1:
+            return
+        params = self._trainable()
+        for p in params:  # every rank of a group must reduce the same tensors
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        tied = self._tied_params()
+        if tied:
+            pair = [lay.global_rank(lay.dp_rank, 0), lay.global_rank(lay.dp_rank, lay.pp_degree - 1)]
+            self._all_reduce([p.grad for p in tied], lay.tied_group, pair, "tied-embedding gradient sum")
+        if lay.dp_degree > 1:
+            self._all_reduce([p.grad for p in params], lay.dp_group,
+                             lay.dp_ranks_of_stage(lay.stage_index), "data-parallel gradient all-reduce")
+
+    def _global_sum(self, value: float, what: str) -> float:
+        dist = _dist()
+        if self.layout.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        work = dist.all_reduce(t, async_op=True)
+        wait_collective(work, timeout_s=self.config.p2p_timeout_s, layout=self.layout,
+                        ranks=list(range(self.layout.world_size)), what=what, step=self.step_count)
+        return float(t.item())
+
+    # --- steps ---------------------------------------------------------------------------
+    def _prepare(self, batch, plan: Plan | None):
+        from .unit_tensors import label_token_count
+
+        batch = _normalise_batch(batch)
+        lengths = [int(i["input_ids"].numel()) if isinstance(i["input_ids"], torch.Tensor)
+                   else len(i["input_ids"]) for i in batch]
+        n_labels = label_token_count(batch)
+        if n_labels < 1:
+            raise ValueError(f"the batch of {len(batch)} sequences has no label tokens (all labels "
+                             f"are -100 or every sequence has one token); the mean loss is undefined")
+        sim = None
+        if plan is None:
+            plan, sim = self.make_plan(lengths)
+        self._check_plan(plan, lengths)
+        return batch, lengths, n_labels, plan, sim
+
+    def train_step(self, batch, *, plan: Plan | None = None) -> StepOutput:
+        """Forward + backward of the global ``batch``; gradients accumulate into ``.grad``."""
+        t0 = time.perf_counter()
+        self.step_count += 1
+        batch, lengths, n_labels, plan, sim = self._prepare(batch, plan)
+        self.last_plan = plan
+        stash = {}
+        for p in self._trainable():
+            if p.grad is not None:
+                stash[p] = p.grad
+                p.grad = None
+        self.stage.train()
+        try:
+            self.runner.begin_step(plan, batch, n_labels)
+            result = self.executor.run(plan, step=self.step_count, train=True)
+            self.runner.end_step()
+            self._sync_gradients()
+        except BaseException:
+            # Keep what was accumulated before this step; drop the failed step's partial grads.
+            for p in self._trainable():
+                p.grad = stash.get(p)
+            raise
+        for p, old in stash.items():
+            p.grad = old if p.grad is None else old.add_(p.grad)
+        loss = self._global_sum(result.loss_part, "loss sum")
+        return StepOutput(loss=loss, num_tokens=sum(lengths), num_label_tokens=n_labels, plan=plan,
+                          simulation=sim, timeline=result.timeline,
+                          step_time_s=time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def eval_step(self, batch, *, plan: Plan | None = None) -> float:
+        """Mean token loss of ``batch`` through the pipeline, forwards only; same on every rank."""
+        self.step_count += 1
+        batch, _, n_labels, plan, _ = self._prepare(batch, plan)
+        was_training = self.stage.training
+        self.stage.eval()
+        try:
+            self.runner.begin_step(plan, batch, n_labels)
+            result = self.executor.run(plan, step=self.step_count, train=False)
+            self.runner.end_step()
+        finally:
+            self.stage.train(was_training)
+        return self._global_sum(result.loss_part, "eval loss sum")
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale gradients so their global L2 norm (all stages, tied weight once) is <= max_norm."""
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        grads = [p.grad for p in self._trainable() if p.grad is not None]
+        skip = ({id(p) for p in self._tied_params()} if self.layout.is_last_stage else set())
+        local = sum(float(p.grad.detach().double().pow(2).sum())
+                    for p in self._trainable() if p.grad is not None and id(p) not in skip)
+        lay = self.layout
+        if lay.pp_degree > 1:
+            # After the DP all-reduce every replica holds the same gradients: the replica's
+            # stages are enough.
+            t = torch.tensor([local], dtype=torch.float64, device=self.device)
+            work = _dist().all_reduce(t, group=lay.pp_group, async_op=True)
+            wait_collective(work, timeout_s=self.config.p2p_timeout_s, layout=lay,
+                            ranks=lay.pp_ranks_of_replica(lay.dp_rank), what="gradient-norm sum",
+                            step=self.step_count)
+            local = float(t.item())
+        total = math.sqrt(local)
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total
+
+    def gather_timeline(self, timeline: Timeline) -> Timeline:
+        """Merge every rank's timeline of a step (collective: call on all ranks)."""
+        dist = _dist()
+        if self.layout.world_size == 1:
+            return timeline
+        parts: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(parts, timeline.to_dict())
+        return Timeline.merge([Timeline.from_dict(p) for p in parts])

@@ -1,0 +1,36 @@
+"""A dead or stuck rank ends every other rank with an error naming a peer, the step and the action,
+within the p2p timeout plus a margin: never a hang."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.distributed.launch import run_ranks
+
+TIMEOUT_S = 5.0
+ERROR = re.compile(r"FAILED_AS_EXPECTED after ([\d.]+)s: rank (\d) \(stage \d, dp 0\): step 2, action ([FB]\d+|end of step.*?): (.*)")
+
+
+@pytest.mark.parametrize("mode", ["die", "stuck"])
+def test_other_ranks_fail_with_named_peer(mode):
+    results = run_ranks("dead_rank.py", 4, [mode, str(TIMEOUT_S)], timeout_s=90)
+    culprit = results[1]
+    assert "sabotage" in culprit.output, culprit.output[-3000:]
+    if mode == "die":
+        assert culprit.returncode == 17
+    for r in (0, 2, 3):
+        res = results[r]
+        assert not res.timed_out, f"rank {r} hung:\n{res.output[-3000:]}"
+        assert res.returncode == 3, f"rank {r} exit {res.returncode}:\n{res.output[-3000:]}"
+        m = ERROR.search(res.output)
+        assert m, f"rank {r} printed no clear error:\n{res.output[-3000:]}"
+        elapsed, me, _action, text = m.groups()
+        assert int(me) == r
+        # Neighbours of rank 1 must name it; rank 3 may instead name rank 2, which failed first.
+        named = {int(x) for x in re.findall(r"rank (\d) \(stage", text)}
+        assert (named == {1}) if r in (0, 2) else (named & {1, 2}), text
+        assert "died" in text or "stuck" in text, text
+        assert float(elapsed) < TIMEOUT_S * 2 + 10, f"rank {r} took {elapsed}s"
+        if mode == "stuck":  # exited on its own, not only once the stuck rank went away
+            assert res.elapsed_s < culprit.elapsed_s, (r, res.elapsed_s, culprit.elapsed_s)

@@ -1,0 +1,98 @@
+"""Shared pieces of the distributed test workers: process-group start-up and one exact-gradient case.
+
+A case builds the same tiny random model twice from one seed: one copy is the unsplit float64
+reference (plain HF forward/backward in this process), the other is cut into this rank's stage by
+``PipelineEngine``.  Every gradient this rank holds must equal the reference's, and the union of all
+ranks' parameter names must cover the whole model, so a parameter that silently gets no gradient
+or is dropped from every stage fails the case.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from infinipipe_hf import InfiniPipeConfig  # noqa: E402
+from infinipipe_hf.runtime.engine import PipelineEngine  # noqa: E402
+from tests.distributed.plans import make_plan  # noqa: E402
+from tests.helpers.reference import (assert_grads_close, random_batch,  # noqa: E402
+                                     reference_loss_and_grads, tiny_model)
+
+CKPT = {
+    "none": None,
+    "all": lambda stage, unit, layers: layers,
+    "mixed": lambda stage, unit, layers: (stage + unit) % (layers + 1),
+}
+
+
+def init() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+
+
+def log(msg: str) -> None:
+    print(f"[rank {dist.get_rank()}] {msg}", flush=True)
+
+
+def reference(family: str, tie: bool, batches: list[list[dict]], num_layers: int = 4, seed: int = 0):
+    """Reference loss per batch and the summed gradients of all batches (names incl. tied alias)."""
+    model = tiny_model(family, seed=seed, num_layers=num_layers, tie=tie)
+    # HF's eager attention runs its softmax in float32 (~1e-7 relative error); SDPA stays in
+    # float64, which the 1e-10 comparison needs.
+    model.config._attn_implementation = "sdpa"
+    losses, total = [], {}
+    for batch in batches:
+        loss, _ = reference_loss_and_grads(model, batch)
+        losses.append(loss)
+        for n, p in model.named_parameters(remove_duplicate=False):
+            total[n] = total.get(n, 0) + p.grad.detach().clone()
+    return losses, total, model
+
+
+def check_grads(engine: PipelineEngine, want: dict) -> float:
+    got = {}
+    for n, p in engine.named_parameters():
+        assert p.grad is not None, f"{n} has no gradient on rank {dist.get_rank()}"
+        got[n] = p.grad
+    worst = assert_grads_close(got, {n: want[n] for n in got})
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(got))
+    covered = set().union(*map(set, names))
+    missing = set(want) - covered
+    assert not missing, f"parameters on no stage: {sorted(missing)[:5]}"
+    return worst
+
+
+def run_case(name: str, *, family: str, tie: bool, pp: int, lengths: list[int], units_per_dp,
+             ckpt: str = "none", labels: bool = False, layer_split=None, num_layers: int = 4,
+             seed: int = 0) -> None:
+    t0 = time.time()
+    batch = random_batch(lengths, seed=seed + 1, with_labels=labels)
+    (want_loss,), want, _ = reference(family, tie, [batch], num_layers, seed)
+    model = tiny_model(family, seed=seed, num_layers=num_layers, tie=tie)
+    engine = PipelineEngine(model, InfiniPipeConfig(pp_degree=pp, layer_split=layer_split,
+                                                    p2p_timeout_s=60))
+    plan = make_plan(lengths, units_per_dp, pp, engine.layers_per_stage, checkpoint=CKPT[ckpt])
+    out = engine.train_step(batch, plan=plan)
+    assert abs(out.loss - want_loss) <= 1e-10 * abs(want_loss), (out.loss, want_loss)
+    worst = check_grads(engine, want)
+    log(f"CASE {name} OK loss={out.loss:.12f} worst_rel={worst:.2e} {time.time() - t0:.2f}s")
+
+
+# Batches producing slice, hybrid and packed units.  Seq 0 (37 tokens) is cut in three slices,
+# the tail packed with seq 1 (hybrid); seq 4 in two, its tail packed with seq 2; seqs 3 and 5 packed.
+LENGTHS = [37, 11, 8, 5, 23, 6]
+UNITS_DP1 = [[
+    [(0, 0, 13)], [(0, 13, 25)], [(0, 25, 37), (1, 0, 11)],
+    [(4, 0, 15)], [(4, 15, 23), (2, 0, 8)], [(3, 0, 5), (5, 0, 6)],
+]]
+UNITS_DP2 = [
+    [[(0, 0, 13)], [(0, 13, 25)], [(0, 25, 37), (3, 0, 5)]],
+    [[(4, 0, 15)], [(4, 15, 23), (2, 0, 8)], [(1, 0, 11), (5, 0, 6)]],
+]

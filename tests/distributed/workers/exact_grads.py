@@ -1,0 +1,146 @@
+"""Exact-gradient worker: many cases in one launch (process start-up is the expensive part).
+
+``exact_grads.py pp2`` (2 ranks): pp 2 cases for Llama/Mistral/Qwen2, tied and untied, checkpoint
+counts none/all/mixed, accumulation, eval, gradient clipping, user errors.
+``exact_grads.py world4`` (4 ranks): pp 4 and dp 2 x pp 2 cases, DP accumulation, timelines.
+Prints ``CASE <name> OK`` per passed case and ``ALL OK``; any failure raises (non-zero exit).
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+from common import (LENGTHS, UNITS_DP1, UNITS_DP2, CKPT, InfiniPipeConfig, PipelineEngine, check_grads,
+                    dist, init, log, make_plan, random_batch, reference, run_case, tiny_model, torch)
+
+
+def accumulation(name: str, *, family: str, tie: bool, pp: int, units_a, units_b, lengths_b) -> None:
+    """Two train_steps accumulate: .grad equals the sum of both batches' reference gradients."""
+    batch_a = random_batch(LENGTHS, seed=11, with_labels=True)
+    batch_b = random_batch(lengths_b, seed=12)
+    losses, want, _ = reference(family, tie, [batch_a, batch_b])
+    engine = PipelineEngine(tiny_model(family, tie=tie), InfiniPipeConfig(pp_degree=pp, p2p_timeout_s=60))
+    lps = engine.layers_per_stage
+    out_a = engine.train_step(batch_a, plan=make_plan(LENGTHS, units_a, pp, lps, CKPT["mixed"]))
+    out_b = engine.train_step(batch_b, plan=make_plan(lengths_b, units_b, pp, lps))
+    for got, exp in zip((out_a.loss, out_b.loss), losses):
+        assert abs(got - exp) <= 1e-10 * abs(exp), (got, exp)
+    worst = check_grads(engine, want)
+    log(f"CASE {name} OK worst_rel={worst:.2e}")
+
+
+def eval_and_clip(pp: int) -> None:
+    batch = random_batch(LENGTHS, seed=21, with_labels=True)
+    (want_loss,), want, ref = reference("llama", True, [batch])
+    engine = PipelineEngine(tiny_model("llama", tie=True), InfiniPipeConfig(pp_degree=pp, p2p_timeout_s=60))
+    plan = make_plan(LENGTHS, UNITS_DP1, pp, engine.layers_per_stage)
+    got = engine.eval_step(batch, plan=plan)
+    assert abs(got - want_loss) <= 1e-10 * abs(want_loss), (got, want_loss)
+    assert all(p.grad is None for p in engine.parameters()), "eval_step produced gradients"
+    engine.train_step(batch, plan=plan)
+    want_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+    norm = engine.clip_grad_norm_(0.05)
+    assert want_norm > 0.05 and math.isclose(norm, want_norm, rel_tol=1e-10), (norm, want_norm)
+    clipped = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    worst = check_grads(engine, clipped)
+    log(f"CASE eval_and_clip OK eval_loss={got:.12f} norm={norm:.6e} worst_rel={worst:.2e}")
+
+
+def expect_value_error(name: str, fragment: str, fn) -> None:
+    try:
+        fn()
+    except ValueError as exc:
+        assert fragment in str(exc), f"{name}: message {str(exc)!r} lacks {fragment!r}"
+        log(f"CASE {name} OK error={str(exc)[:90]!r}")
+        return
+    raise AssertionError(f"{name}: no ValueError raised")
+
+
+def user_errors() -> None:
+    import transformers
+
+    world = dist.get_world_size()
+    expect_value_error("pp_not_dividing_world", f"does not divide world size {world}",
+                       lambda: PipelineEngine(tiny_model("llama"), InfiniPipeConfig(pp_degree=world + 1)))
+    expect_value_error("pp_larger_than_layers", "larger than the model's 1 decoder layers",
+                       lambda: PipelineEngine(tiny_model("llama", num_layers=1),
+                                              InfiniPipeConfig(pp_degree=world)))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2,
+                                                                vocab_size=50, bos_token_id=0,
+                                                                eos_token_id=0))
+    expect_value_error("unsupported_model", "not supported",
+                       lambda: PipelineEngine(gpt2, InfiniPipeConfig(pp_degree=world)))
+
+
+def plan_on_rank0() -> None:
+    """seed_plan_on_rank0: only rank 0 plans; the others get the plan (or its error) broadcast."""
+    batch = random_batch(LENGTHS, seed=31)
+    (want_loss,), want, _ = reference("llama", False, [batch])
+
+    def planner(lengths, engine):
+        assert dist.get_rank() == 0, "planner called on a rank other than 0"
+        return make_plan(lengths, UNITS_DP1, 2, engine.layers_per_stage)
+
+    cfg = InfiniPipeConfig(pp_degree=2, seed_plan_on_rank0=True, p2p_timeout_s=60)
+    engine = PipelineEngine(tiny_model("llama"), cfg, planner=planner)
+    out = engine.train_step(batch)
+    assert abs(out.loss - want_loss) <= 1e-10 * abs(want_loss)
+    check_grads(engine, want)
+
+    class Infeasible:
+        plan, feasible, error = None, False, "unit of 9000 tokens exceeds the budget"
+
+    bad = PipelineEngine(tiny_model("llama"), cfg, planner=lambda lengths, engine: Infeasible())
+    expect_value_error("rank0_plan_error_reaches_all", "exceeds the budget", lambda: bad.train_step(batch))
+    log("CASE plan_on_rank0 OK")
+
+
+def pp2() -> None:
+    run_case("pp2_llama_untied_ckpt_none", family="llama", tie=False, pp=2, lengths=LENGTHS,
+             units_per_dp=UNITS_DP1)
+    run_case("pp2_mistral_tied_ckpt_all", family="mistral", tie=True, pp=2, lengths=LENGTHS,
+             units_per_dp=UNITS_DP1, ckpt="all", labels=True)
+    run_case("pp2_qwen2_untied_ckpt_mixed", family="qwen2", tie=False, pp=2, lengths=LENGTHS,
+             units_per_dp=UNITS_DP1, ckpt="mixed", labels=True)
+    run_case("pp2_llama_tied_split13", family="llama", tie=True, pp=2, lengths=LENGTHS,
+             units_per_dp=UNITS_DP1, ckpt="mixed", layer_split=[1, 3])
+    accumulation("pp2_accumulation", family="qwen2", tie=True, pp=2, units_a=UNITS_DP1,
+                 units_b=[[[(0, 0, 6)], [(0, 6, 9), (1, 0, 4)]]], lengths_b=[9, 4])
+    eval_and_clip(2)
+    plan_on_rank0()
+    user_errors()
+
+
+def world4() -> None:
+    run_case("pp4_llama_untied_ckpt_mixed", family="llama", tie=False, pp=4, lengths=LENGTHS,
+             units_per_dp=UNITS_DP1, ckpt="mixed", labels=True)
+    run_case("pp4_qwen2_tied_ckpt_all", family="qwen2", tie=True, pp=4, lengths=LENGTHS,
+             units_per_dp=UNITS_DP1, ckpt="all")
+    run_case("pp4_mistral_untied_ckpt_none", family="mistral", tie=False, pp=4, lengths=LENGTHS,
+             units_per_dp=UNITS_DP1)
+    run_case("dp2pp2_llama_tied_ckpt_mixed", family="llama", tie=True, pp=2, lengths=LENGTHS,
+             units_per_dp=UNITS_DP2, ckpt="mixed", labels=True)
+    run_case("dp2pp2_mistral_untied_ckpt_all", family="mistral", tie=False, pp=2, lengths=LENGTHS,
+             units_per_dp=UNITS_DP2, ckpt="all")
+    # A replica with no units (fewer sequences than replicas) still joins every reduction.
+    run_case("dp2pp2_idle_replica", family="qwen2", tie=True, pp=2, lengths=[9, 4],
+             units_per_dp=[[[(0, 0, 5)], [(0, 5, 9), (1, 0, 4)]], []], ckpt="mixed")
+    accumulation("dp2pp2_accumulation", family="llama", tie=True, pp=2, units_a=UNITS_DP2,
+                 units_b=[[[(0, 0, 6)], [(0, 6, 9)]], [[(1, 0, 4)]]], lengths_b=[9, 4])
+    # The merged timeline holds every rank's actions of the step exactly once.
+    engine = PipelineEngine(tiny_model("llama"), InfiniPipeConfig(pp_degree=4, p2p_timeout_s=60))
+    plan = make_plan(LENGTHS, UNITS_DP1, 4, engine.layers_per_stage)
+    out = engine.train_step(random_batch(LENGTHS), plan=plan)
+    merged = engine.gather_timeline(out.timeline)
+    want = sorted((s, str(a)) for s in range(4) for a in plan.stage_actions(0, s))
+    assert sorted((e.stage, e.action) for e in merged.events) == want
+    assert all(e.end_s >= e.start_s for e in merged.events) and 0 <= merged.bubble_fraction() < 1
+    log(f"CASE pp4_timeline OK span={merged.span_s * 1e3:.1f}ms bubble={merged.bubble_fraction():.2f}")
+
+
+if __name__ == "__main__":
+    init()
+    {"pp2": pp2, "world4": world4}[sys.argv[1]]()
+    dist.barrier()
+    log("ALL OK")
+    dist.destroy_process_group()

@@ -1,0 +1,43 @@
+"""Pure checks of the runtime's layout arithmetic and timeline data (no process groups)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infinipipe_hf.runtime.layout import ParallelLayout
+from infinipipe_hf.runtime.timeline import Timeline, TimelineEvent
+
+
+def test_layout_coordinates_dp2_pp4():
+    lays = [ParallelLayout(8, r, 4, 2, groups_enabled=False) for r in range(8)]
+    assert [(l.dp_rank, l.stage_index) for l in lays] == [(d, s) for d in range(2) for s in range(4)]
+    l5 = lays[5]
+    assert (l5.prev_rank, l5.next_rank) == (4, 6)
+    assert lays[4].prev_rank is None and lays[7].next_rank is None
+    assert l5.dp_ranks_of_stage(1) == [1, 5] and l5.pp_ranks_of_replica(1) == [4, 5, 6, 7]
+    assert l5.describe() == "rank 5 (stage 1, dp 1)"
+
+
+def test_layout_rejects_bad_world():
+    with pytest.raises(ValueError, match="!= world size 6"):
+        ParallelLayout(6, 0, 4, 2, groups_enabled=False)
+
+
+def test_tied_pair_only_across_stages():
+    assert ParallelLayout(2, 0, 2, 1, tied_embeddings=True, groups_enabled=False).has_tied_pair
+    assert not ParallelLayout(2, 0, 1, 2, tied_embeddings=True, groups_enabled=False).has_tied_pair
+
+
+def test_timeline_roundtrip_merge_and_bubble():
+    a = Timeline(3, [TimelineEvent(0, 0, 0, "F0", 10.0, 11.0), TimelineEvent(0, 0, 0, "B0", 13.0, 14.0)])
+    b = Timeline(3, [TimelineEvent(1, 1, 0, "F0", 11.0, 12.0, wait_s=0.5),
+                     TimelineEvent(1, 1, 0, "B0", 12.0, 13.0)])
+    merged = Timeline.merge([Timeline.from_dict(json.loads(a.to_json())), b])
+    assert [e.action for e in merged.events] == ["F0", "F0", "B0", "B0"]
+    assert merged.span_s == 4.0
+    # busy: rank 0 2 s, rank 1 1.5 s, out of 2 ranks x 4 s
+    assert merged.bubble_fraction() == pytest.approx(1 - 3.5 / 8)
+    assert merged.relative().start_s == 0.0
+    with pytest.raises(AssertionError):
+        Timeline.merge([a, Timeline(4, [])])
