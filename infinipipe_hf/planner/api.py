@@ -20,6 +20,7 @@ from .baselines import make_packed_units, make_uniform_slices, packing_candidate
 from .checkpoint_solver import solve_checkpointing
 from .cost_model import CostModel
 from .dp_assign import assign_sequences
+from .estimate import PipelineEstimator
 from .grouping import group_pipelines
 from .hardware import HardwareProfile
 from .model_spec import ModelSpec
@@ -32,8 +33,11 @@ from .units import Unit
 from .validator import validate
 
 SCHEDULES = ("epp", "packed-1f1b", "seq1f1b", "gpipe")
-DEFAULT_SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+DEFAULT_SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MIN_SLICE_TOKENS = 256
+EXACT_CANDIDATES = 3  # EPP knob settings planned and simulated exactly, best estimates first
+MAX_GROUPING_BLOCKS = 24
+MAX_EXACT_CANDIDATES = 8  # when the best estimates do not fit, a few more are tried
 
 
 @dataclass
@@ -90,7 +94,7 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
               profile: HardwareProfile | None = None, layers_per_stage: Sequence[int] | None = None,
               max_tokens_per_unit: int | None = None, num_slices: Sequence[int] | None = None,
               checkpointing: str = "adaptive", loss_chunk_tokens: int = 4096,
-              solver_time_limit_s: float = 1.0, cost: CostModel | None = None) -> PlanResult:
+              solver_time_limit_s: float = 0.5, cost: CostModel | None = None) -> PlanResult:
     """Plan one training step of ``lengths`` (one global batch) with ``schedule``."""
     t0 = time.perf_counter()
     if schedule not in SCHEDULES:
@@ -118,6 +122,8 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     tried: list[dict] = []
     last_error = None
     for knobs, make_plan in builders[schedule]():
+        if schedule == "epp" and best is not None and len(tried) >= EXACT_CANDIDATES:
+            break  # ranked by the estimate: later candidates rarely win and each costs ~0.1-0.3 s
         try:
             plan = make_plan()
         except ValueError as exc:  # a knob value that cannot hold some sequence
@@ -134,6 +140,14 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
         error = _infeasible_message(lengths, cost, schedule, last_error)
         return PlanResult(schedule, None, None, False, error, elapsed, tried)
     plan, sim = best
+    if policy == "adaptive":
+        # Candidates were compared with the greedy solver (milliseconds); only the winner pays for
+        # the MILP, which never does worse than the greedy start it is checked against.
+        sol = solve_checkpointing(plan, cost, policy="adaptive", time_limit_s=solver_time_limit_s)
+        if sol.feasible and sol.recompute_time_s < plan.info.get("recompute_time_s", float("inf")):
+            plan.checkpoint_layers = sol.checkpoint_layers
+            plan.info["checkpoint_method"] = sol.method
+            sim = simulate(plan, cost)
     validate(plan, cost, max_tokens_per_unit=max_tokens_per_unit)
     plan.info["candidates_tried"] = len(tried)
     return PlanResult(schedule, plan, sim, True, None, time.perf_counter() - t0, tried)
@@ -148,62 +162,106 @@ def _slice_count_candidates(lengths: Sequence[int], num_slices: Sequence[int] | 
     return ks
 
 
+def _token_floor_candidates(lengths: Sequence[int]) -> list[int | None]:
+    """Unit token floors tried next to the slice mesh: packing short sequences into units larger than
+    the longest sequence's slice pays off when every sequence is short (few, efficient units)."""
+    longest = max(lengths)
+    return [None] + [p for p in (4096, 8192, 16384) if p > longest and p < sum(lengths)]
+
+
 def _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, policy, time_limit):
+    """EPP knobs ranked by the closed-form estimate; the best few are planned and simulated exactly."""
+    ranked = []
+    floors = _token_floor_candidates(lengths) if max_tokens_per_unit is None else [None]
     for k in _slice_count_candidates(lengths, num_slices):
-        yield {"num_slices": k}, (lambda k=k: _epp_plan(lengths, replicas, cost, k, max_tokens_per_unit,
-                                                        policy, time_limit))
+        for floor in (floors if k == 1 else [None]):
+            try:
+                staged = _epp_units(lengths, replicas, cost, k, max_tokens_per_unit, floor)
+            except ValueError:
+                continue
+            ranked.append((max(est for _, _, est in staged), k, floor, staged))
+    ranked.sort(key=lambda r: (r[0], r[1]))
+    for est, k, floor, staged in ranked[:MAX_EXACT_CANDIDATES]:
+        knobs = {"num_slices": k, "estimate_s": est}
+        if floor:
+            knobs["unit_token_floor"] = floor
+        yield knobs, (lambda k=k, floor=floor, staged=staged:
+                      _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit))
 
 
-def _epp_plan(lengths, replicas, cost, k, max_tokens_per_unit, policy, time_limit) -> Plan:
+def _epp_units(lengths, replicas, cost, k, max_tokens_per_unit, floor):
+    """Per replica: (slicing result, pipelines of units, estimated time)."""
+    staged = []
+    next_id = 0
+    for seqs in replicas:
+        if not seqs:
+            staged.append((None, [], 0.0))
+            continue
+        res = make_elastic_units(lengths, cost, k, seqs=seqs, max_tokens_per_unit=max_tokens_per_unit,
+                                 first_unit_id=next_id, min_token_budget=floor)
+        next_id += len(res.units)
+        per_id = {u.id: u for u in res.units}
+        blocks = _blocks_by_slice_count(res.units, res.slice_counts)
+        if len(blocks) > MAX_GROUPING_BLOCKS:
+            blocks = _merge_blocks(blocks, MAX_GROUPING_BLOCKS)
+        estimator = PipelineEstimator(res.units, cost, lengths)
+        groups = group_pipelines(blocks, estimator.time_of_ids)
+        pipelines = [[per_id[i] for i in ids] for ids in groups]
+        est = sum(estimator.time_of_ids(ids) for ids in groups)
+        staged.append((res, pipelines, est))
+    return staged
+
+
+def _merge_blocks(blocks: list[list[int]], limit: int) -> list[list[int]]:
+    """Merge neighbouring blocks (smallest first) until at most ``limit`` remain."""
+    blocks = [list(b) for b in blocks]
+    while len(blocks) > limit:
+        i = min(range(len(blocks) - 1), key=lambda j: len(blocks[j]) + len(blocks[j + 1]))
+        blocks[i:i + 2] = [blocks[i] + blocks[i + 1]]
+    return blocks
+
+
+def _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit) -> Plan:
     units: list[Unit] = []
     actions = {}
     info = {"num_slices": k, "token_budget": [], "balance": []}
-    for dp_rank, seqs in enumerate(replicas):
-        if not seqs:
+    if floor:
+        info["unit_token_floor"] = floor
+    for dp_rank, (res, pipelines, _) in enumerate(staged):
+        if res is None:
             actions[dp_rank] = [[] for _ in range(cost.pp_degree)]
             continue
-        res = make_elastic_units(lengths, cost, k, seqs=seqs, max_tokens_per_unit=max_tokens_per_unit,
-                                 first_unit_id=len(units))
         info["token_budget"].append(res.token_budget)
         info["balance"].append(round(res.balance(), 4))
-        blocks = _blocks_by_slice_count(res.units, res.slice_counts)
-        per_id = {u.id: u for u in res.units}
-
-        def pipeline_time(ids, per_id=per_id, dp_rank=dp_rank):
-            trial = _assemble(lengths, cost, [[per_id[i] for i in ids]], dp_rank, "epp")
-            sol = solve_checkpointing(trial, cost, policy="greedy" if policy == "adaptive" else policy)
-            if not sol.feasible:
-                return float("inf")
-            trial.checkpoint_layers = sol.checkpoint_layers
-            return simulate(trial, cost).step_time_s
-
-        groups = group_pipelines(blocks, pipeline_time) if len(blocks) > 1 else [list(blocks[0])]
-        pipelines = [[per_id[i] for i in ids] for ids in groups]
         part_units, actions[dp_rank] = _replica_actions(lengths, cost, pipelines, dp_rank, "epp")
         units.extend(part_units)
     plan = Plan("epp", cost.pp_degree, len(replicas), list(lengths), units, actions, {},
                 list(cost.layers_per_stage), info)
-    sol = solve_checkpointing(plan, cost, policy=policy, time_limit_s=time_limit)
+    sol = solve_checkpointing(plan, cost, policy="greedy" if policy == "adaptive" else policy,
+                              time_limit_s=time_limit)
     if not sol.feasible:
         raise ValueError(sol.message or "no checkpointing fits the memory budget")
     plan.checkpoint_layers = sol.checkpoint_layers
     plan.info["checkpoint_method"] = sol.method
+    plan.info["recompute_time_s"] = sol.recompute_time_s
     return plan
 
 
 def _blocks_by_slice_count(units: Sequence[Unit], slice_counts: dict[int, int]) -> list[list[int]]:
-    """Consecutive runs of units whose (first) sequence has the same slice count."""
+    """Grouping blocks: one per slice chain of a long sequence, one per run of packed units.
+
+    A chain never straddles two pipelines; separate blocks per chain let the grouping DP put a
+    pipeline boundary between two long sequences (their K/V stores then never coexist).
+    """
     blocks: list[list[int]] = []
-    last = None
+    last_is_chain = False
     for u in units:
         count = max(slice_counts.get(s.seq, 1) for s in u.segments)
-        if count != last or not blocks:
-            # a chain of slices must stay in one block: only start a block at a chain's first unit
-            if blocks and any(s.start > 0 for s in u.segments):
-                blocks[-1].append(u.id)
-                continue
+        continues_chain = any(s.start > 0 for s in u.segments)
+        starts_chain = count > 1 and not continues_chain
+        if not blocks or starts_chain or (count == 1 and last_is_chain):
             blocks.append([u.id])
-            last = count
+            last_is_chain = starts_chain
         else:
             blocks[-1].append(u.id)
     return blocks
@@ -229,13 +287,6 @@ def _replica_actions(lengths, cost, pipelines: Sequence[Sequence[Unit]], dp_rank
             warm = one_f_one_b_warmup(pp)
         per_pipeline.append(build_pipeline_actions([u.id for u in tagged], backward_order(tagged, lengths), pp, warm))
     return units, concat_pipelines(per_pipeline)
-
-
-def _assemble(lengths, cost, pipelines: Sequence[Sequence[Unit]], dp_rank: int, schedule: str) -> Plan:
-    """A one-replica plan of some pipelines, for estimates during grouping."""
-    units, stage_actions = _replica_actions(lengths, cost, pipelines, 0, schedule)
-    return Plan(schedule, cost.pp_degree, 1, list(lengths), units, {0: stage_actions}, {},
-                list(cost.layers_per_stage))
 
 
 # --- baselines ------------------------------------------------------------------------------
@@ -279,8 +330,10 @@ def largest_trainable_length(cost: CostModel, max_slices: int = max(DEFAULT_SLIC
     """Longest single sequence that fits fully checkpointed and maximally sliced (binary search)."""
 
     def fits(n: int) -> bool:
+        k = min(max_slices, max(1, n // MIN_SLICE_TOKENS))
         try:
-            plan = _epp_plan([n], [[0]], cost, min(max_slices, max(1, n // MIN_SLICE_TOKENS)), None, "full", 1.0)
+            staged = _epp_units([n], [[0]], cost, k, None, None)
+            plan = _epp_plan([n], [[0]], cost, k, None, staged, "full", 1.0)
         except ValueError:
             return False
         return simulate(plan, cost).feasible

@@ -29,7 +29,7 @@ from scipy import sparse
 
 from .actions import Action
 from .cost_model import CostModel, UnitShape
-from .memory import live_windows, memory_points
+from .memory import MemoryPoint, live_windows, memory_points
 from .plan import Plan
 
 
@@ -51,6 +51,7 @@ class ReplicaProblem:
     row_action: list[Action]
     row_action_index: np.ndarray
     budget: float
+    stage_points: dict[int, list[MemoryPoint]]  # every point of every stage, for verification
 
     @property
     def num_vars(self) -> int:
@@ -121,7 +122,6 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int) -> ReplicaProblem:
     pp = plan.pp_degree
     by_id = plan.unit_by_id
     budget = cost.memory_budget_bytes
-    cell_of: dict[tuple[int, int], int] = {}
     cell_stage: list[int] = []
     cell_unit: list[int] = []
     cell_layers: list[int] = []
@@ -129,14 +129,15 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int) -> ReplicaProblem:
     cell_key: list[tuple] = []
     slope: list[float] = []
     zero_act: list[float] = []
-    r_data: list[float] = []
-    r_row: list[int] = []
-    r_col: list[int] = []
-    need: list[float] = []
-    row_stage: list[int] = []
+    row_chunks: list[np.ndarray] = []
+    col_chunks: list[np.ndarray] = []
+    base_chunks: list[np.ndarray] = []
+    stage_chunks: list[np.ndarray] = []
+    index_chunks: list[np.ndarray] = []
     row_action: list[Action] = []
-    row_action_index: list[int] = []
-    layer_s_of: dict[int, float] = {}
+    n_rows = 0
+    unit_facts: dict[int, tuple[int, float]] = {}  # tokens, recompute seconds of one layer
+    stage_points: dict[int, list[MemoryPoint]] = {}
     for p in range(pp):
         actions = plan.stage_actions(dp_rank, p)
         layers = cost.num_layers(p)
@@ -144,56 +145,58 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int) -> ReplicaProblem:
         for a in actions:
             if not a.is_forward and a.unit not in back_pos:
                 back_pos[a.unit] = len(back_pos)
-        for a in actions:
-            if (p, a.unit) in cell_of:
-                continue
-            uid = a.unit
-            tokens = by_id[uid].num_tokens
-            if uid not in layer_s_of:
-                shape = UnitShape.of(by_id[uid].segments)
-                layer_s_of[uid] = cost.recompute_time(p, shape, 1)
-            cell_of[(p, uid)] = len(cell_stage)
+        cell_here: dict[int, int] = {}
+        for uid in dict.fromkeys(a.unit for a in actions):
+            if uid not in unit_facts:
+                unit = by_id[uid]
+                unit_facts[uid] = (unit.num_tokens, cost.recompute_time(p, UnitShape.of(unit.segments), 1))
+            tokens, layer_s = unit_facts[uid]
+            cell_here[uid] = len(cell_stage)
             cell_stage.append(p)
             cell_unit.append(uid)
             cell_layers.append(layers)
-            cell_layer_s.append(layer_s_of[uid])
+            cell_layer_s.append(layer_s)
             k = back_pos.get(uid)
             # A unit with no backward here (invalid plan) gets a variable of its own.
             cell_key.append(("d", k + (pp - 1 - p), layers) if k is not None else ("orphan", p, uid))
             a0 = cost.activation_bytes(p, tokens, 0)
             zero_act.append(a0)
             slope.append(a0 - cost.activation_bytes(p, tokens, 1))
-        points = memory_points(plan, cost, dp_rank, p)
+        points = stage_points[p] = memory_points(plan, cost, dp_rank, p)
         if not points:
             continue
         firsts, lasts = live_windows(points, actions)
         base = np.array([pt.base_bytes for pt in points])
-        keep = undominated(base, np.array(firsts), np.array(lasts))
-        for i in np.flatnonzero(keep):
-            pt = points[i]
-            cells = [cell_of[(p, u)] for u in pt.live_units]
-            n_i = pt.base_bytes + sum(zero_act[c] for c in cells) - budget
-            row = len(need)
-            need.append(n_i)
-            row_stage.append(p)
-            row_action.append(actions[pt.action_index])
-            row_action_index.append(pt.action_index)
-            r_row.extend([row] * len(cells))
-            r_col.extend(cells)
-            r_data.extend(slope[c] for c in cells)
+        kept = np.flatnonzero(undominated(base, np.array(firsts), np.array(lasts)))
+        lives = [points[i].live_units for i in kept]
+        counts = np.fromiter(map(len, lives), dtype=np.int64, count=len(lives))
+        col_chunks.append(np.fromiter((cell_here[u] for live in lives for u in live), dtype=np.int64,
+                                      count=int(counts.sum())))
+        row_chunks.append(np.repeat(np.arange(n_rows, n_rows + len(kept)), counts))
+        base_chunks.append(base[kept])
+        stage_chunks.append(np.full(len(kept), p, dtype=np.int64))
+        index_chunks.append(np.array([points[i].action_index for i in kept], dtype=np.int64))
+        row_action.extend(actions[points[i].action_index] for i in kept)
+        n_rows += len(kept)
     keys = sorted(set(cell_key), key=repr)
     var_of = {key: i for i, key in enumerate(keys)}
     cell_var = np.array([var_of[k] for k in cell_key], dtype=np.int64)
-    n_cells = len(cell_stage)
     layers_arr = np.array(cell_layers, dtype=np.int64)
     layer_s_arr = np.array(cell_layer_s, dtype=float)
     var_ub = np.zeros(len(keys), dtype=np.int64)
     var_ub[cell_var] = layers_arr  # all cells of a variable share the layer count
-    var_cost = np.bincount(cell_var, weights=layer_s_arr, minlength=len(keys)) if n_cells else np.zeros(0)
-    rows = sparse.csr_matrix((r_data, (r_row, r_col)), shape=(len(need), n_cells))
+    var_cost = np.bincount(cell_var, weights=layer_s_arr, minlength=len(keys)).astype(float)
+
+    def cat(chunks: list[np.ndarray], dtype) -> np.ndarray:
+        return np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype=dtype)
+
+    r_row, r_col = cat(row_chunks, np.int64), cat(col_chunks, np.int64)
+    slope_arr, zero_arr = np.array(slope, dtype=float), np.array(zero_act, dtype=float)
+    need = cat(base_chunks, float) - budget + np.bincount(r_row, weights=zero_arr[r_col], minlength=n_rows)
+    rows = sparse.csr_matrix((slope_arr[r_col], (r_row, r_col)), shape=(n_rows, len(cell_stage)))
     return ReplicaProblem(
         dp_rank=dp_rank, cell_stage=np.array(cell_stage, dtype=np.int64),
         cell_unit=np.array(cell_unit, dtype=np.int64), cell_layers=layers_arr, cell_layer_s=layer_s_arr,
-        cell_var=cell_var, var_ub=var_ub, var_cost_s=var_cost, rows=rows, need=np.array(need, dtype=float),
-        row_stage=np.array(row_stage, dtype=np.int64), row_action=row_action,
-        row_action_index=np.array(row_action_index, dtype=np.int64), budget=budget)
+        cell_var=cell_var, var_ub=var_ub, var_cost_s=var_cost, rows=rows, need=need,
+        row_stage=cat(stage_chunks, np.int64), row_action=row_action, row_action_index=cat(index_chunks, np.int64),
+        budget=budget, stage_points=stage_points)

@@ -23,8 +23,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Mapping
 
-from .cost_model import CostModel
 from .actions import Action
+from .cost_model import CostModel
 from .plan import Plan
 
 
@@ -41,27 +41,29 @@ class MemoryPoint:
     finished), the running one included, in the order of their forwards."""
 
 
-@dataclass(frozen=True)
-class _UnitFacts:
-    tokens: int
-    kv_adds: tuple[tuple[int, float], ...]  # (seq, bytes) entering the KV store at its forward
-    frees: tuple[int, ...]  # seqs whose first slice is in this unit: KV freed after its backward
-
-
-def _unit_facts(plan: Plan, cost: CostModel, stage: int, unit_ids) -> dict[int, _UnitFacts]:
+def _unit_facts(plan: Plan, cost: CostModel, stage: int, actions: list[Action]):
+    """Per unit of the stage: (tokens, [(seq, KV bytes entering the store)], [seqs it frees])."""
     by_id = plan.unit_by_id
-    facts: dict[int, _UnitFacts] = {}
-    for uid in unit_ids:
+    facts: dict[int, tuple[int, list[tuple[int, float]], list[int]]] = {}
+    for a in actions:
+        uid = a.unit
         if uid in facts:
             continue
         unit = by_id.get(uid)
         if unit is None:
             raise ValueError(f"stage {stage} runs unit {uid}, which is not among the plan's units "
                              f"{sorted(by_id)[:10]}...; build actions from plan.units")
-        kv_adds = tuple((s.seq, cost.kv_bytes(stage, s.length)) for s in unit.segments
-                        if plan.continues_after(s))
-        frees = tuple(s.seq for s in unit.segments if s.start == 0)
-        facts[uid] = _UnitFacts(unit.num_tokens, kv_adds, frees)
+        tokens = 0
+        kv_adds: list[tuple[int, float]] = []
+        frees: list[int] = []
+        for seg in unit.segments:
+            n = seg.end - seg.start
+            tokens += n
+            if plan.continues_after(seg):
+                kv_adds.append((seg.seq, cost.kv_bytes(stage, n)))
+            if seg.start == 0:
+                frees.append(seg.seq)  # the first slice's backward is the sequence's last
+        facts[uid] = (tokens, kv_adds, frees)
     return facts
 
 
@@ -72,30 +74,30 @@ def memory_points(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list
     if dp_rank not in plan.actions:
         raise ValueError(f"dp_rank {dp_rank} not in the plan (dp ranks {sorted(plan.actions)})")
     actions = plan.stage_actions(dp_rank, stage)
-    facts = _unit_facts(plan, cost, stage, (a.unit for a in actions))
+    facts = _unit_facts(plan, cost, stage, actions)
     static = cost.static_bytes(stage)
     kv_by_seq: dict[int, float] = {}
     kv_total = 0.0
     live: dict[int, None] = {}  # insertion-ordered set: forwards arrive in time order
     points: list[MemoryPoint] = []
     for i, a in enumerate(actions):
-        f = facts[a.unit]
+        tokens, kv_adds, frees = facts[a.unit]
         if a.is_forward:
             # The new K/V exist as soon as the forward has run its first layer.
-            for seq, b in f.kv_adds:
+            for seq, b in kv_adds:
                 kv_by_seq[seq] = kv_by_seq.get(seq, 0.0) + b
                 kv_total += b
             live[a.unit] = None
-            work = cost.working_bytes(stage, f.tokens, 0, backward=False)
+            work = cost.working_bytes(stage, tokens, 0, backward=False)
             points.append(MemoryPoint(i, static + kv_total + work, tuple(live)))
         else:
             # A backward without its forward is the validator's to report; count the unit live
             # while it runs so the point is still conservative.
             live.setdefault(a.unit, None)
-            work = cost.working_bytes(stage, f.tokens, 1, backward=True)
+            work = cost.working_bytes(stage, tokens, 1, backward=True)
             points.append(MemoryPoint(i, static + kv_total + work, tuple(live)))
             del live[a.unit]
-            for seq in f.frees:
+            for seq in frees:
                 kv_total -= kv_by_seq.pop(seq, 0.0)
     return points
 
@@ -111,18 +113,22 @@ def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
 
 
 def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
-                     checkpoint_layers: Mapping[int, int] | None = None) -> float:
+                     checkpoint_layers: Mapping[int, int] | None = None, *,
+                     points: list[MemoryPoint] | None = None) -> float:
     """Peak over the stage's actions of :func:`point_bytes` (``plan.checkpoint_layers`` by default).
 
-    Keeps a running sum of live activations instead of summing every point's live set, so it is
-    linear in the number of actions even for GPipe-like schedules where everything is live.
+    ``points`` may pass :func:`memory_points` of the same stage when the caller has them.  Keeps a
+    running sum of live activations instead of summing every point's live set, so it is linear in
+    the number of actions even for GPipe-like schedules where everything is live.
     """
     if checkpoint_layers is None:
         checkpoint_layers = plan.checkpoint_layers.get(stage, {})
-    points = memory_points(plan, cost, dp_rank, stage)
+    if points is None:
+        points = memory_points(plan, cost, dp_rank, stage)
     if not points:
         return cost.static_bytes(stage)
     actions = plan.stage_actions(dp_rank, stage)
+    assert len(points) == len(actions), "points are not this stage's"
     by_id = plan.unit_by_id
     act: dict[int, float] = {}
     live_sum = 0.0

@@ -8,16 +8,19 @@ Design.  Every decision uses the per-layer forward+backward time of the cost mod
    ``a1 x^2 + a2 x = (j / K) (a1 L^2 + a2 L)`` (closed form; ``b`` cancels because every slice
    pays it once).  Later slices own a wider attention band, so they are shorter.  The rounded cuts
    are the *mesh*; the slowest rounded slice is the *time budget*; the first (longest) slice is
-   the *token budget*.  A ``max_tokens_per_unit`` cap smaller than that raises ``K`` until the
-   first slice fits (the first slice is the longest, so every slice then fits).
-2. Every sequence longer than the first cut is *long* and is cut at the same absolute mesh
+   the *token budget* (rounding may make a later slice one token longer; the largest counts).
+   A ``max_tokens_per_unit`` cap smaller than that raises ``K`` until the largest slice fits.
+2. Every sequence longer than the token budget is *long* and is cut at the same absolute mesh
    positions.  Between two cuts its slice has exactly the context and length of the longest
    sequence's slice there, so the same time; its remainder after its last cut (the *tail*) is
    shorter than the mesh interval it lies in, so it is cheaper.  Everything else is *short*.
 3. Each tail seeds a bucket; short sequences, longest first, go to the fullest bucket that still
    fits both budgets after adding them (best fit; a tail's band cost, with its context, counts).
    When none fits, a new bucket opens.  A bucket with a tail becomes a hybrid unit, the others
-   packed units.  Tails never share a bucket, so a unit never holds two last slices.
+   packed units.  Tails never share a bucket, so a unit never holds two last slices.  (DESIGN
+   4.2 orders buckets by time per token; under best fit that order only breaks exact ties, so
+   ties go to the earliest bucket and packed units keep their creation order, which puts the
+   lightest leftovers last, where a pipeline's drain is on the critical path.)
 
 Trade-off: one mesh for the whole batch (the paper's choice) keeps slices of different long
 sequences identical in shape and the schedule simple, at the price of tails of arbitrary size;
@@ -118,7 +121,7 @@ class SlicingResult:
     units: list[Unit]
     """EPP forward order: long sequences (most slices first, then longer first, then seq id), each
     one's slices consecutive (its tail inside a hybrid unit when short sequences joined it), then
-    packed units (heaviest time per token first).  Ids consecutive from ``first_unit_id``."""
+    packed units (in creation order, i.e. by their longest member).  Ids consecutive from ``first_unit_id``."""
     num_slices: int
     """Slice count ``K`` of the longest sequence (raised by ``max_tokens_per_unit``, clamped to
     its length)."""
@@ -127,7 +130,8 @@ class SlicingResult:
     time_budget_s: float
     """Per-layer forward+backward time of the slowest slice of the longest sequence."""
     token_budget: int
-    """Tokens of the first (longest) slice: no unit holds more."""
+    """Tokens of the largest slice of the longest sequence (its first, up to rounding): no unit
+    holds more; sequences not longer than this are short."""
     slice_counts: dict[int, int]
     """Global seq id -> number of units the sequence spans (1 for short sequences)."""
     unit_times_s: list[float] = field(default_factory=list)
@@ -140,31 +144,47 @@ class SlicingResult:
         return max(self.unit_times_s) / (sum(self.unit_times_s) / len(self.unit_times_s))
 
 
+def largest_slice(length: int, cuts: Sequence[int]) -> int:
+    """Tokens of the largest slice: the first, up to one token of rounding."""
+    if not cuts:
+        return length
+    return int(np.diff(np.asarray([0, *cuts, length])).max())
+
+
 def _mesh_for(longest: int, num_slices: int, lt: LayerTime, max_tokens: int | None) -> tuple[int, list[int]]:
-    """Slice count and cuts of the longest sequence, raising K until the first slice fits."""
+    """Slice count and cuts of the longest sequence: the least K >= num_slices whose largest slice
+    fits ``max_tokens`` (every sequence fits: K = L gives one-token slices)."""
     k = min(num_slices, longest)
     cuts = equal_time_cuts(longest, k, lt)
-    first = cuts[0] if cuts else longest
-    if max_tokens is None or first <= max_tokens:
+    if max_tokens is None or largest_slice(longest, cuts) <= max_tokens:
         return k, cuts
-    # Smallest K whose (unrounded) first slice fits, from the closed form; then step for rounding.
+    # Bisection on K between a failing and a fitting count (K = L: one-token slices always fit),
+    # seeded by the closed-form K whose unrounded first slice is exactly the cap.
+    lo, hi = k, longest
     total = lt.a1 * float(longest) ** 2 + lt.a2 * longest
     cap = lt.a1 * float(max_tokens) ** 2 + lt.a2 * max_tokens
-    if cap > 0 and total > 0:
-        k = max(k + 1, min(longest, math.ceil(total / cap) - 1))
-    else:
-        k = max(k + 1, min(longest, math.ceil(longest / max_tokens) - 1))
-    while True:
-        cuts = equal_time_cuts(longest, k, lt)
-        if cuts[0] <= max_tokens:
-            return k, cuts
-        assert k < longest, (k, longest, max_tokens)  # K = L gives 1-token slices
-        k += 1
+    guess = math.ceil(total / cap) if cap > 0 and total > 0 else math.ceil(longest / max_tokens)
+    fits = {hi: equal_time_cuts(longest, hi, lt)}
+    for probe in (guess, guess + 1):
+        if lo < probe < hi:
+            cuts = equal_time_cuts(longest, probe, lt)
+            if largest_slice(longest, cuts) <= max_tokens:
+                hi, fits[probe] = probe, cuts
+                break
+            lo = probe
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        cuts = equal_time_cuts(longest, mid, lt)
+        if largest_slice(longest, cuts) <= max_tokens:
+            hi, fits[mid] = mid, cuts
+        else:
+            lo = mid
+    return hi, fits[hi]
 
 
 def make_elastic_units(lengths: Sequence[int], cost: CostModel, num_slices: int, *,
                        seqs: Sequence[int] | None = None, max_tokens_per_unit: int | None = None,
-                       first_unit_id: int = 0) -> SlicingResult:
+                       first_unit_id: int = 0, min_token_budget: int | None = None) -> SlicingResult:
     """Elastic units of the sequences ``seqs`` (default: all) of the batch ``lengths``.
 
     ``num_slices`` is the slice count of the longest of those sequences; ``max_tokens_per_unit``
@@ -186,8 +206,15 @@ def make_elastic_units(lengths: Sequence[int], cost: CostModel, num_slices: int,
     bounds = [0] + cuts + [longest]
     slice_times = [lt.b + lt.segment(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
     time_budget = max(slice_times)
-    token_budget = bounds[1]
+    token_budget = largest_slice(longest, cuts)
     assert max_tokens_per_unit is None or token_budget <= max_tokens_per_unit
+    if min_token_budget is not None and min_token_budget > token_budget:
+        # Units may be larger than a slice of the longest sequence: packing many short sequences
+        # into fewer, bigger units runs the GPU better when slices would be small.
+        if max_tokens_per_unit is not None:
+            min_token_budget = min(min_token_budget, max_tokens_per_unit)
+        token_budget = int(min_token_budget)
+        time_budget = max(time_budget, lt.b + lt.segment(0, token_budget))
 
     long_seqs = [s for s in order if lens[s] > token_budget]
     short_seqs = [s for s in order if lens[s] <= token_budget]
@@ -223,10 +250,15 @@ def make_elastic_units(lengths: Sequence[int], cost: CostModel, num_slices: int,
         n = lens[s]
         dt = lt.segment(0, n)
         # Best fit: the bucket left with the least time slack (first such on ties).
-        np.copyto(score, np.inf)
-        np.copyto(score, t_slack, where=(t_slack >= dt) & (k_slack >= n))
-        i = int(score.argmin())
-        if score[i] == np.inf:
+        i = -1
+        if n_open:
+            ts, sc = t_slack[:n_open], score[:n_open]
+            sc.fill(np.inf)
+            np.copyto(sc, ts, where=(ts >= dt) & (k_slack[:n_open] >= n))
+            i = int(sc.argmin())
+            if sc[i] == np.inf:
+                i = -1
+        if i < 0:
             i = n_open
             n_open += 1
             b_time[i] = lt.b
@@ -251,8 +283,9 @@ def make_elastic_units(lengths: Sequence[int], cost: CostModel, num_slices: int,
             times.append(lt.b + lt.segment(seg.start, seg.end))
         seg_lists.append([segs[-1]] + members[i])
         times.append(float(b_time[i]))
-    packed = sorted(range(n_tails, n_open), key=lambda i: (-b_time[i] / b_tok[i], i))
-    for i in packed:
+    # Packed buckets in creation order: by their longest member, so the lightest leftovers run
+    # last, where a pipeline's drain is on the critical path.
+    for i in range(n_tails, n_open):
         seg_lists.append(members[i])
         times.append(float(b_time[i]))
     for s in short_seqs:

@@ -49,18 +49,15 @@ class Unit:
     segments: tuple[Segment, ...]
     pipeline: int = 0
     dp_rank: int = 0
+    # Derived once: the planner's hot loops read these hundreds of thousands of times per batch.
+    num_tokens: int = field(init=False, repr=False, compare=False)
+    seqs: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         assert self.segments, f"unit {self.id} has no segments"
         object.__setattr__(self, "segments", tuple(self.segments))
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.length for s in self.segments)
-
-    @property
-    def seqs(self) -> tuple[int, ...]:
-        return tuple(s.seq for s in self.segments)
+        object.__setattr__(self, "num_tokens", sum(s.end - s.start for s in self.segments))
+        object.__setattr__(self, "seqs", tuple(s.seq for s in self.segments))
 
     def kind(self, lengths: Sequence[int]) -> UnitKind:
         """Classify against the batch's sequence lengths."""

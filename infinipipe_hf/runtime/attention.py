@@ -104,6 +104,9 @@ def register_backend(name: str, fn: AttentionBackend, is_available: Callable[[to
 def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """The backend ``name`` for ``device``; ``"auto"``: flash, then varlen on CUDA, else sdpa."""
     device = torch.device(device)
+    # --- hook (issue 6): CUDA varlen/flash backends register themselves on import -----------
+    from . import attention_cuda  # noqa: F401
+    # ------------------------------------------------------------------------------------------
     if name == "auto":
         order = _AUTO_ORDER_CUDA if device.type == "cuda" else ("sdpa",)
         for cand in order:

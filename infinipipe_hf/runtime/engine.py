@@ -17,9 +17,12 @@ can be injected (``planner=callable(lengths, engine) -> Plan | PlanResult``, or
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -188,21 +191,45 @@ class PipelineEngine:
 
     def make_plan(self, lengths: list[int]) -> tuple[Plan, Any]:
         """Plan a step (same result on every rank); returns ``(plan, simulation or None)``."""
-        dist = _dist()
-        if not (self.config.seed_plan_on_rank0 and dist and self.layout.world_size > 1):
+        if self.layout.world_size == 1:
             return self._plan_locally(lengths)
+        if self.config.seed_plan_on_rank0:
+            return self._plan_on_rank0(lengths)
+        plan, sim = self._plan_locally(lengths)
+        if self._plans_agree(plan):
+            return plan, sim
+        # A planner with a wall-clock limit (the MILP solver) can differ between ranks; running
+        # different plans would mismatch shapes, so everyone takes rank 0's.
+        warnings.warn(f"step {self.step_count}: ranks planned differently (is the planner "
+                      f"deterministic? a solver time limit can make it not); using rank 0's plan. "
+                      f"Set InfiniPipeConfig(seed_plan_on_rank0=True) to always do so", stacklevel=3)
+        return self._plan_on_rank0(lengths, (plan, sim))
+
+    def _plan_on_rank0(self, lengths: list[int], planned: tuple[Plan, Any] | None = None):
         box: list[Any] = [None]
         if self.layout.rank == 0:
             try:
-                plan, sim = self._plan_locally(lengths)
+                plan, sim = planned if planned is not None else self._plan_locally(lengths)
                 box[0] = ("ok", plan.to_dict(), sim)
             except ValueError as exc:  # every rank must learn of the failure, not hang
                 box[0] = ("error", str(exc), None)
-        dist.broadcast_object_list(box, src=0)
+        _dist().broadcast_object_list(box, src=0)
         status, payload, sim = box[0]
         if status != "ok":
             raise ValueError(payload)
         return Plan.from_dict(payload), sim
+
+    def _plans_agree(self, plan: Plan) -> bool:
+        """True when every rank holds the same plan (one tiny all-reduce of a digest)."""
+        body = {k: v for k, v in plan.to_dict().items() if k != "info"}
+        digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()
+        h = int.from_bytes(digest[:7], "big")
+        t = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
+        work = _dist().all_reduce(t, op=_dist().ReduceOp.MAX, async_op=True)
+        wait_collective(work, timeout_s=self.config.p2p_timeout_s, layout=self.layout,
+                        ranks=list(range(self.layout.world_size)), what="plan agreement check",
+                        step=self.step_count)
+        return int(t[0]) == -int(t[1])
 
     def _check_plan(self, plan: Plan, lengths: list[int]) -> None:
         lay = self.layout
@@ -276,6 +303,9 @@ class PipelineEngine:
         sim = None
         if plan is None:
             plan, sim = self.make_plan(lengths)
+        elif self.layout.world_size > 1 and not self._plans_agree(plan):
+            raise ValueError(f"step {self.step_count}: the plan passed to this rank differs from "
+                             f"other ranks' plans; pass the same plan on every rank")
         self._check_plan(plan, lengths)
         return batch, lengths, n_labels, plan, sim
 

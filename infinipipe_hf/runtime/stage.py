@@ -142,8 +142,13 @@ class StageModule(nn.Module):
 def build_stage(model: nn.Module, stage_index: int, layer_range: range) -> StageModule:
     """Prune ``model`` (in place, on its current device) to the stage owning ``layer_range``.
 
-    Pass a copy when building several stages from one model in one process.
+    Pass a copy when building several stages from one model in one process.  A PEFT model is
+    unwrapped: the stage holds its base model, with the adapters, under base-model names.
     """
+    if hasattr(model, "get_base_model") and model.get_base_model() is not model:
+        # PEFT wrapper: prune the HF model inside it (LoRA layers live in its decoder layers), so
+        # names are the base model's (``model.layers.0.self_attn.q_proj.lora_A.default.weight``).
+        model = model.get_base_model()
     _check_supported(model)
     num_layers = len(model.model.layers)
     if not isinstance(layer_range, range) or layer_range.step != 1 or len(layer_range) < 1 \
@@ -157,12 +162,20 @@ def build_stage(model: nn.Module, stage_index: int, layer_range: range) -> Stage
     if is_first != (stage_index == 0):
         raise ValueError(f"stage_index={stage_index} with layer_range={layer_range}: the first stage "
                          f"(index 0) must start at layer 0 and only it may")
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    # The config decides (not tensor identity), so every rank of an engine agrees on it without
+    # looking at weights; a config-tied model whose tensors were untied by hand is not supported.
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if tied and model.lm_head.weight is not model.model.embed_tokens.weight:
+        warnings.warn("config.tie_word_embeddings is True but lm_head.weight and embed_tokens.weight "
+                      "are different tensors; infinipipe_hf treats them as tied (their gradients are "
+                      "summed across the first and last stage)", stacklevel=2)
 
-    if getattr(model, "is_gradient_checkpointing", False):
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         warnings.warn("HF gradient_checkpointing is on; disabling it on the stage: infinipipe_hf "
                       "checkpoints decoder layers per (stage, unit) from the plan instead", stacklevel=2)
-        model.gradient_checkpointing_disable()
+        for m in model.modules():
+            if getattr(m, "gradient_checkpointing", False) is True:
+                m.gradient_checkpointing = False
     inner = model.model
     layers = inner.layers
     kept = nn.ModuleDict({str(i): layers[i] for i in layer_range})

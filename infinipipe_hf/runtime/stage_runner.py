@@ -45,12 +45,18 @@ class StageRunner:
         self._tensors: dict[int, UnitTensors] = {}
         self._pending: dict[int, _Pending] = {}
         self._forwarded: set[int] = set()
+        self._backward_done: set[tuple[int, int]] = set()  # (seq, start) of segments done backward
 
     # --- step lifecycle --------------------------------------------------------------------
     def begin_step(self, plan: Plan, batch: list[dict], label_token_count: int) -> None:
         if len(batch) != len(plan.sequences):
             raise ValueError(f"the batch has {len(batch)} sequences but the plan was made for "
                              f"{len(plan.sequences)}; plan the batch you run")
+        lengths = [len(item["input_ids"]) for item in batch]
+        if lengths != list(plan.sequences):
+            bad = next(i for i, (a, b) in enumerate(zip(lengths, plan.sequences)) if a != b)
+            raise ValueError(f"sequence {bad} of the batch has {lengths[bad]} tokens but the plan was "
+                             f"made for {plan.sequences[bad]}; plan the batch you run")
         if label_token_count < 1:
             raise ValueError(f"label_token_count must be >= 1, got {label_token_count}; "
                              f"is every label -100?")
@@ -59,6 +65,7 @@ class StageRunner:
         self._tensors.clear()
         self._pending.clear()
         self._forwarded.clear()
+        self._backward_done.clear()
         self.kv_store.clear()
 
     def end_step(self) -> None:
@@ -66,6 +73,7 @@ class StageRunner:
         self._tensors.clear()
         self._pending.clear()
         self._forwarded.clear()
+        self._backward_done.clear()
         self.kv_store.clear()
         self._plan = self._batch = None
         if left:
@@ -95,8 +103,10 @@ class StageRunner:
 
     def _context(self, t: UnitTensors) -> EPPUnitContext:
         plan = self._plan
-        offsets = tuple(int(x) for x in t.cu_seqlens_q.tolist())
-        return EPPUnitContext(t.unit_id, t.segments, offsets,
+        offsets = [0]
+        for seg in t.segments:  # from the plan, not cu_seqlens_q: no device sync on CUDA
+            offsets.append(offsets[-1] + seg.length)
+        return EPPUnitContext(t.unit_id, t.segments, tuple(offsets),
                               tuple(plan.continues_after(s) for s in t.segments),
                               self.kv_store, self.backend)
 
@@ -132,7 +142,11 @@ class StageRunner:
 
     # --- the API ---------------------------------------------------------------------------
     def forward(self, unit_id: int, hidden_in: torch.Tensor | None) -> torch.Tensor:
-        """Run the unit; return the detached hidden out (non-last) or loss part (last stage)."""
+        """Run the unit; return the detached hidden out (non-last) or loss part (last stage).
+
+        The runner keeps ``hidden_in``'s storage until the unit's backward (autograd saves it):
+        the caller must not write into that buffer again before then (e.g. reuse it for a recv).
+        """
         self._require_step()
         if unit_id in self._forwarded:
             raise RuntimeError(f"stage {self.stage.stage_index}: unit {unit_id} already ran forward this step")
@@ -144,10 +158,18 @@ class StageRunner:
 
     def backward(self, unit_id: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
         """Backward of the unit; return the gradient of its input (None on stage 0)."""
-        pending = self._pending.pop(unit_id, None)
+        pending = self._pending.get(unit_id)
         if pending is None:
             raise RuntimeError(f"stage {self.stage.stage_index}: backward of unit {unit_id} without a "
                                f"pending forward (B{unit_id} before F{unit_id}, or twice)")
+        unit = self._plan.unit_by_id[unit_id]
+        for seg in unit.segments:
+            # The K/V gradients of a slice are complete only once its successor ran backward.
+            if self._plan.continues_after(seg) and (seg.seq, seg.end) not in self._backward_done:
+                raise RuntimeError(
+                    f"stage {self.stage.stage_index}: backward of unit {unit_id} (sequence {seg.seq} "
+                    f"tokens [{seg.start}, {seg.end})) before the backward of the later slice starting "
+                    f"at {seg.end}; a sequence's slices must run backward last slice first")
         if self.stage.is_last:
             if grad_out is not None:
                 raise ValueError("the last stage backpropagates its own loss; pass grad_out=None")
@@ -158,9 +180,10 @@ class StageRunner:
                 raise ValueError(f"stage {self.stage.stage_index} unit {unit_id}: grad_out must have "
                                  f"shape {tuple(pending.output.shape)}, got {got}")
             grad = grad_out.to(device=pending.output.device, dtype=pending.output.dtype)
+        del self._pending[unit_id]
         torch.autograd.backward(pending.output, grad)
-        unit = self._plan.unit_by_id[unit_id]
         for seg in unit.segments:
+            self._backward_done.add((seg.seq, seg.start))
             if seg.start == 0 and self._plan.continues_after(seg):
                 self.kv_store.free_sequence(seg.seq)
         self._tensors.pop(unit_id, None)

@@ -14,7 +14,7 @@ ERROR = re.compile(r"FAILED_AS_EXPECTED after ([\d.]+)s: rank (\d) \(stage \d, d
 
 @pytest.mark.parametrize("mode", ["die", "stuck"])
 def test_other_ranks_fail_with_named_peer(mode):
-    results = run_ranks("dead_rank.py", 4, [mode, str(TIMEOUT_S)], timeout_s=90)
+    results = run_ranks("dead_rank.py", 4, [mode, str(TIMEOUT_S)], timeout_s=150)
     culprit = results[1]
     assert "sabotage" in culprit.output, culprit.output[-3000:]
     if mode == "die":

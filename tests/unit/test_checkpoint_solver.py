@@ -199,7 +199,8 @@ def test_falls_back_to_greedy_when_solver_fails(monkeypatch):
     class Failed:
         x, status, fun, message = None, 4, None, "forced failure"
 
-    monkeypatch.setattr(cs, "_highs", lambda *a, **k: Failed())
+    monkeypatch.setattr(cs, "milp", lambda *a, **k: Failed())
+    monkeypatch.setattr(cs, "linprog", lambda *a, **k: Failed())
     plan = epp_plan([1500, 700, 600, 500, 300, 200], 3, 500, 700)
     cost = budget_between(plan, TINY, [2, 2, 2], 0.3)
     sol = solve_checkpointing(plan, cost)
@@ -213,7 +214,8 @@ def test_none_needed_skips_solver(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("solver called although nothing needs checkpointing")
 
-    monkeypatch.setattr(cs, "_highs", boom)
+    monkeypatch.setattr(cs, "milp", boom)
+    monkeypatch.setattr(cs, "linprog", boom)
     plan = epp_plan([1500, 700, 600, 500, 300, 200], 3, 500, 700)
     cost = budget_between(plan, TINY, [2, 2, 2], 1.01)
     sol = solve_checkpointing(plan, cost)
@@ -260,6 +262,11 @@ def test_user_errors():
         solve_checkpointing(plan, cost, policy="sometimes")
     with pytest.raises(ValueError, match="pp_degree"):
         solve_checkpointing(plan, tiny_cost([2, 2, 2]))
+    plan.layers_per_stage = [2, 4]
+    with pytest.raises(ValueError, match="layers_per_stage"):
+        solve_checkpointing(plan, cost)
+    with pytest.raises(ValueError, match="time_limit_s"):
+        solve_checkpointing(plan, tiny_cost([2, 4]), time_limit_s=0)
 
 
 def test_dp_replicas_solved_separately():
@@ -285,7 +292,7 @@ def test_large_plan_is_fast(pp, frac):
     layers = CostModel(LLAMA8B, pp_degree=pp).layers_per_stage
     cost = budget_between(plan, LLAMA8B, layers, frac)
     t0 = time.perf_counter()
-    sol = solve_checkpointing(plan, cost)
+    sol = solve_checkpointing(plan, cost, time_limit_s=1.0)  # what plan_step passes
     dt = time.perf_counter() - t0
     t0 = time.perf_counter()
     uni = solve_checkpointing(plan, cost, policy="uniform")
@@ -321,7 +328,8 @@ def test_greedy_policy_never_calls_solver(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("greedy policy must not call HiGHS")
 
-    monkeypatch.setattr(cs, "_highs", boom)
+    monkeypatch.setattr(cs, "milp", boom)
+    monkeypatch.setattr(cs, "linprog", boom)
     sol = solve_checkpointing(plan, cost, policy="greedy")
     assert sol.feasible and sol.method == "greedy"
     assert adaptive.recompute_time_s <= sol.recompute_time_s + 1e-12

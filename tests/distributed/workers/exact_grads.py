@@ -95,6 +95,29 @@ def plan_on_rank0() -> None:
     log("CASE plan_on_rank0 OK")
 
 
+def plan_disagreement() -> None:
+    """Ranks whose planner disagrees run rank 0's plan (with a warning); explicit plans that
+    differ between ranks are a ValueError on every rank, never a hang."""
+    import warnings
+
+    batch = random_batch(LENGTHS, seed=51)
+    (want_loss,), want, _ = reference("mistral", True, [batch])
+    other = [[[(0, 0, 20)], [(0, 20, 37), (1, 0, 11)], [(4, 0, 23), (2, 0, 8)], [(3, 0, 5), (5, 0, 6)]]]
+    mine = UNITS_DP1 if dist.get_rank() == 0 else other
+    engine = PipelineEngine(tiny_model("mistral", tie=True), InfiniPipeConfig(pp_degree=2, p2p_timeout_s=60),
+                            planner=lambda lengths, e: make_plan(lengths, mine, 2, e.layers_per_stage))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = engine.train_step(batch)
+    assert any("planned differently" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert len(out.plan.units) == 6 and abs(out.loss - want_loss) <= 1e-10 * abs(want_loss)
+    check_grads(engine, want)
+    plan = make_plan(LENGTHS, mine, 2, engine.layers_per_stage)
+    expect_value_error("explicit_plans_differ", "differs from other ranks",
+                       lambda: engine.train_step(batch, plan=plan))
+    log("CASE plan_disagreement OK")
+
+
 def pp2() -> None:
     run_case("pp2_llama_untied_ckpt_none", family="llama", tie=False, pp=2, lengths=LENGTHS,
              units_per_dp=UNITS_DP1)
@@ -108,7 +131,34 @@ def pp2() -> None:
                  units_b=[[[(0, 0, 6)], [(0, 6, 9), (1, 0, 4)]]], lengths_b=[9, 4])
     eval_and_clip(2)
     plan_on_rank0()
+    plan_disagreement()
     user_errors()
+
+
+def planner_available() -> bool:
+    try:
+        import infinipipe_hf.planner.api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_planner(name: str, *, pp: int, family: str, tie: bool) -> None:
+    """The engine's own planner (plan_step) on a batch long enough to be sliced."""
+    from infinipipe_hf.planner.units import UnitKind
+
+    lengths = [700, 130, 90, 60, 300, 20]
+    batch = random_batch(lengths, seed=41, with_labels=True)
+    (want_loss,), want, _ = reference(family, tie, [batch])
+    cfg = InfiniPipeConfig(pp_degree=pp, max_tokens_per_unit=256, p2p_timeout_s=60)
+    engine = PipelineEngine(tiny_model(family, tie=tie), cfg)
+    out = engine.train_step(batch)
+    kinds = {u.kind(lengths) for u in out.plan.units}
+    assert UnitKind.SLICE in kinds or UnitKind.HYBRID in kinds, (kinds, str(out.plan))
+    assert abs(out.loss - want_loss) <= 1e-10 * abs(want_loss), (out.loss, want_loss)
+    worst = check_grads(engine, want)
+    log(f"CASE {name} OK units={len(out.plan.units)} kinds={sorted(k.value for k in kinds)} "
+        f"worst_rel={worst:.2e}")
 
 
 def world4() -> None:
@@ -127,6 +177,9 @@ def world4() -> None:
              units_per_dp=[[[(0, 0, 5)], [(0, 5, 9), (1, 0, 4)]], []], ckpt="mixed")
     accumulation("dp2pp2_accumulation", family="llama", tie=True, pp=2, units_a=UNITS_DP2,
                  units_b=[[[(0, 0, 6)], [(0, 6, 9)]], [[(1, 0, 4)]]], lengths_b=[9, 4])
+    if planner_available():
+        default_planner("default_planner_pp4", pp=4, family="llama", tie=False)
+        default_planner("default_planner_dp2pp2", pp=2, family="qwen2", tie=True)
     # The merged timeline holds every rank's actions of the step exactly once.
     engine = PipelineEngine(tiny_model("llama"), InfiniPipeConfig(pp_degree=4, p2p_timeout_s=60))
     plan = make_plan(LENGTHS, UNITS_DP1, 4, engine.layers_per_stage)

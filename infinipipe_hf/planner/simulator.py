@@ -1,0 +1,166 @@
+"""Simulator: replay a plan with the cost model for step time, bubbles, recompute and memory.
+
+Design: each DP replica is replayed on its own (:func:`replay.replay`): a stage runs its action
+list in order, a forward waits for the previous stage's forward of the unit plus the transfer, a
+backward for the next stage's backward (on the last stage its own forward); durations are
+``cost.forward_time`` / ``cost.backward_time`` with the plan's checkpointed-layer counts (the
+backward includes the recompute).  Replicas run in parallel, so the step ends with the slowest.
+Memory per action comes from :mod:`memory` (the same points the checkpoint solver constrains), so
+simulator, solver and validator agree on what "fits" means.
+
+Trade-off: the memory timeline records each action's *peak* from its start until the next
+action starts; idle gaps therefore show the previous peak rather than the lower resident level.
+That is conservative and is what decides feasibility; the exact shape between peaks is not
+modelled.  Communication is a pure delay (no contention, sends never block compute).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .actions import Action
+from .cost_model import CostModel, UnitShape
+from .memory import memory_points
+from .plan import Plan
+from .replay import replay
+
+
+@dataclass
+class ActionEvent:
+    dp_rank: int
+    stage: int
+    action: str
+    start_s: float
+    end_s: float
+    recompute_s: float
+    """Part of a backward spent recomputing checkpointed layers (0 for forwards)."""
+
+
+@dataclass
+class SimulationResult:
+    step_time_s: float
+    tokens_per_s: float
+    bubble_fraction: float
+    """Idle share of stage-time over the step (all stages of all replicas)."""
+    peak_memory_bytes: list[float]
+    """Per stage, max over DP replicas."""
+    memory_budget_bytes: float
+    recompute_time_s: float
+    """Total over stages and replicas."""
+    events: list[ActionEvent]
+    memory_timeline: dict[tuple[int, int], list[tuple[float, float]]]
+    """(dp_rank, stage) -> (time, bytes) steps: each action's peak from its start on."""
+    feasible: bool
+    """Every stage's peak is within the budget."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self, *, include_events: bool = False) -> dict:
+        d = {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "bubble_fraction": self.bubble_fraction,
+            "peak_memory_bytes": list(self.peak_memory_bytes),
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "recompute_time_s": self.recompute_time_s,
+            "feasible": self.feasible,
+            "info": dict(self.info),
+        }
+        if include_events:
+            d["events"] = [asdict(e) for e in self.events]
+            d["memory_timeline"] = {f"{r},{s}": [list(p) for p in pts]
+                                    for (r, s), pts in sorted(self.memory_timeline.items())}
+        return d
+
+
+class PlanDeadlockError(ValueError):
+    """The plan's action lists cannot all run: some stage waits forever (run the validator)."""
+
+
+def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
+    """Replay ``plan`` under ``cost``; raises :class:`PlanDeadlockError` if it cannot complete."""
+    if cost.pp_degree != plan.pp_degree:
+        raise ValueError(f"cost model has pp_degree={cost.pp_degree} but the plan has {plan.pp_degree}; "
+                         f"build the CostModel with pp_degree={plan.pp_degree}")
+    by_id = plan.unit_by_id
+    shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
+    p = plan.pp_degree
+    events: list[ActionEvent] = []
+    timeline: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    peaks = [0.0] * p
+    busy = 0.0
+    step = 0.0
+    recompute_total = 0.0
+
+    def missing(uid: int) -> ValueError:
+        return ValueError(f"an action names unit {uid}, which is not among the plan's units; "
+                          f"validate the plan (infinipipe_hf.planner.validator.validate)")
+
+    def duration(stage: int, a: Action) -> float:
+        if a.unit not in shapes:
+            raise missing(a.unit)
+        if a.is_forward:
+            return cost.forward_time(stage, shapes[a.unit])
+        return cost.backward_time(stage, shapes[a.unit], plan.checkpointed(stage, a.unit))
+
+    def transfer(a: Action) -> float:
+        if a.unit not in by_id:
+            raise missing(a.unit)
+        return cost.transfer_time(by_id[a.unit].num_tokens)
+
+    for r in sorted(plan.actions):
+        stage_actions = plan.actions[r]
+        rep = replay(stage_actions, duration, transfer)
+        if not rep.complete:
+            stuck = ", ".join(f"stage {s} at {stage_actions[s][i]} (#{i})" for s, i in rep.stuck(stage_actions))
+            raise PlanDeadlockError(f"dp replica {r} deadlocks: {stuck} wait forever; run "
+                                    f"validate(plan) for the stage-by-time grid")
+        for s, acts in enumerate(stage_actions):
+            ck = plan.checkpoint_layers.get(s, {})
+            for i, a in enumerate(acts):
+                rec = 0.0 if a.is_forward else cost.recompute_time(s, shapes[a.unit], ck.get(a.unit, 0))
+                recompute_total += rec
+                busy += rep.end[s][i] - rep.start[s][i]
+                events.append(ActionEvent(r, s, str(a), rep.start[s][i], rep.end[s][i], rec))
+            if acts:
+                step = max(step, rep.end[s][-1])
+            values = _point_values(plan, cost, r, s)
+            timeline[(r, s)] = [(rep.start[s][i], v) for i, v in enumerate(values)]
+            peaks[s] = max(peaks[s], max(values, default=cost.static_bytes(s)))
+    capacity = step * p * plan.dp_degree
+    bubble = 1.0 - busy / capacity if capacity > 0 else 0.0
+    budget = float(cost.memory_budget_bytes)
+    return SimulationResult(
+        step_time_s=step,
+        tokens_per_s=plan.num_tokens / step if step > 0 else 0.0,
+        bubble_fraction=max(0.0, bubble),
+        peak_memory_bytes=peaks,
+        memory_budget_bytes=budget,
+        recompute_time_s=recompute_total,
+        events=events,
+        memory_timeline=timeline,
+        feasible=all(x <= budget for x in peaks),
+        info={"num_pipelines": plan.num_pipelines, "num_units": len(plan.units)},
+    )
+
+
+def _point_values(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list[float]:
+    """``memory.point_bytes`` of every point of the stage, with a running sum of live activations.
+
+    Equal to summing each point's live set (tested) but linear in the number of actions, which
+    matters for GPipe-like plans where hundreds of units are live at once.
+    """
+    ck = plan.checkpoint_layers.get(stage, {})
+    by_id = plan.unit_by_id
+    actions = plan.stage_actions(dp_rank, stage)
+    held: dict[int, float] = {}
+    live_sum = 0.0
+    values: list[float] = []
+    for point in memory_points(plan, cost, dp_rank, stage):
+        a = actions[point.action_index]
+        if a.unit not in held:
+            held[a.unit] = cost.activation_bytes(stage, by_id[a.unit].num_tokens, ck.get(a.unit, 0))
+            live_sum += held[a.unit]
+        values.append(point.base_bytes + live_sum)
+        if not a.is_forward:
+            live_sum -= held.pop(a.unit)
+    return values

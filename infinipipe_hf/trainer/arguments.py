@@ -1,0 +1,177 @@
+"""``EPPTrainingArguments``: ``transformers.TrainingArguments`` plus the pipeline and data knobs.
+
+Design: a ``Trainer`` script keeps its arguments and adds ``pp_degree`` (and usually
+``tokens_per_step``).  Settings of ``TrainingArguments`` that mean something different under a
+token-budget pipeline are either mapped (``ddp_timeout`` becomes the point-to-point timeout), or
+ignored with a warning that says what decides instead (``per_device_train_batch_size``: the token
+budget), or rejected with a ``ValueError`` when running with them would be wrong (``fp16`` needs a
+loss scaler the pipeline does not have; FSDP/DeepSpeed would shard what the pipeline already
+splits).  Trade-off: ``per_device_*_batch_size`` default to ``None`` here (not 8) so we can tell a
+value the user set from the default; after the checks they are set to 1 so HF's bookkeeping
+(``train_batch_size``, logs) keeps working.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from ..config import CHECKPOINTING, SCHEDULES, InfiniPipeConfig
+
+LONG_DOCUMENT_POLICIES = ("split", "reject")
+
+
+@dataclass
+class EPPTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` for :class:`~infinipipe_hf.trainer.EPPTrainer` (elastic pipeline)."""
+
+    pp_degree: int = field(default=1, metadata={
+        "help": "Pipeline stages; the number of processes must be a multiple (dp_degree = world / pp)."})
+    """Pipeline stages; world size must be a multiple of it (``dp_degree = world // pp_degree``)."""
+
+    tokens_per_step: int = field(default=16384, metadata={
+        "help": "Token budget of one global batch (all DP replicas together); replaces the batch size."})
+    """Token budget of one global batch: the sampler fills it with whole documents (or pieces of
+    long ones).  With ``gradient_accumulation_steps=n`` one optimizer step sees up to n budgets."""
+
+    epp_schedule: str = field(default="epp", metadata={
+        "help": f"Pipeline schedule: one of {', '.join(SCHEDULES)} (the last three are baselines)."})
+    """``epp`` or a baseline (``packed-1f1b``, ``seq1f1b``, ``gpipe``) on the same runtime."""
+
+    memory_budget_gib: float | None = field(default=None, metadata={
+        "help": "Memory per device the plan must fit; default: the GPU's memory (unlimited on CPU)."})
+    """Memory per device the plan must stay under; ``None``: the device's memory (CPU: unlimited)."""
+
+    checkpointing: str = field(default="adaptive", metadata={
+        "help": "Activation checkpointing: adaptive (per stage and unit), none or full."})
+    """``adaptive`` (the solver picks layers per stage and unit), ``none`` or ``full``."""
+
+    max_tokens_per_unit: int | None = field(default=None, metadata={
+        "help": "Upper bound on tokens in one pipeline micro-unit; default: the planner chooses."})
+    """Upper bound on tokens in one micro-unit; ``None`` lets the planner choose per batch."""
+
+    long_document_policy: str = field(default="split", metadata={
+        "help": "Documents longer than the model's max positions or tokens_per_step: split or reject."})
+    """``split``: cut such a document into independent pieces of at most the limit;
+    ``reject``: raise a ValueError naming the document."""
+
+    profile: str | None = field(default=None, metadata={
+        "help": "Cost profile JSON (python -m infinipipe_hf.profile); default: the shipped H100 profile."})
+    """Path of a cost-profile JSON; ``None`` uses the shipped H100/bf16 profile."""
+
+    layer_split: list[int] | None = field(default=None, metadata={
+        "help": "Explicit decoder layers per stage (sums to the layer count); default: balanced."})
+    """Explicit decoder layers per stage; ``None`` balances cost across stages."""
+
+    peak_tflops: float | None = field(default=None, metadata={
+        "help": "Peak TFLOP/s of one device for the MFU estimate; default: from the profile on GPU."})
+    """Peak dense TFLOP/s of one device, for the logged MFU; ``None``: the profile's value on
+    CUDA, no MFU on CPU."""
+
+    plan_ahead: bool = field(default=True, metadata={
+        "help": "Plan the next global batch on a background thread while the current one trains."})
+    """Plan one batch ahead on a worker thread (off the critical path); ``False`` plans each
+    batch when its step starts."""
+
+    per_device_train_batch_size: int | None = field(default=None, metadata={
+        "help": "Ignored by EPPTrainer: tokens_per_step decides the global batch."})
+    """Ignored (warning when set): the token budget ``tokens_per_step`` forms the batches."""
+
+    per_device_eval_batch_size: int | None = field(default=None, metadata={
+        "help": "Ignored by EPPTrainer: evaluation batches are filled up to tokens_per_step."})
+    """Ignored (warning when set): evaluation batches are filled up to ``tokens_per_step``."""
+
+    def __post_init__(self) -> None:
+        self._check_epp_fields()
+        import torch
+
+        if not self.use_cpu and not torch.cuda.is_available():
+            # Without use_cpu HF treats a torchrun/accelerate CPU launch as one process (world 1,
+            # every rank "main"), while the pipeline runs on all of them.
+            self.use_cpu = True
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+            if getattr(self, name) is not None:
+                warnings.warn(f"{name}={getattr(self, name)} is ignored by EPPTrainer: batches are "
+                              f"filled up to tokens_per_step={self.tokens_per_step} tokens; set "
+                              f"tokens_per_step to change the batch size", UserWarning, stacklevel=3)
+            # HF's bookkeeping (train_batch_size, logs, checkpoint comparison) needs an int.
+            setattr(self, name, 1)
+        super().__post_init__()
+        self._check_conflicts()
+
+    def _check_epp_fields(self) -> None:
+        if not isinstance(self.pp_degree, int) or self.pp_degree < 1:
+            raise ValueError(f"pp_degree must be a positive integer, got {self.pp_degree!r}")
+        if not isinstance(self.tokens_per_step, int) or self.tokens_per_step < 2:
+            raise ValueError(f"tokens_per_step must be an integer >= 2 (the token budget of one "
+                             f"global batch), got {self.tokens_per_step!r}")
+        if self.epp_schedule not in SCHEDULES:
+            raise ValueError(f"epp_schedule={self.epp_schedule!r} is not known; use one of "
+                             f"{', '.join(SCHEDULES)}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(f"checkpointing={self.checkpointing!r} is not known; use one of "
+                             f"{', '.join(CHECKPOINTING)}")
+        if self.long_document_policy not in LONG_DOCUMENT_POLICIES:
+            raise ValueError(f"long_document_policy={self.long_document_policy!r} is not known; use "
+                             f"'split' (cut long documents into pieces) or 'reject' (raise)")
+        if self.memory_budget_gib is not None and not self.memory_budget_gib > 0:
+            raise ValueError(f"memory_budget_gib must be > 0 (GiB per device), got {self.memory_budget_gib}")
+        if self.max_tokens_per_unit is not None and self.max_tokens_per_unit < 1:
+            raise ValueError(f"max_tokens_per_unit must be >= 1, got {self.max_tokens_per_unit}")
+        if self.profile is not None and not os.path.isfile(self.profile):
+            raise ValueError(f"profile={self.profile!r} is not a file; pass the JSON written by "
+                             f"`python -m infinipipe_hf.profile` or leave profile=None")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}")
+
+    def _check_conflicts(self) -> None:
+        if self.fp16 or self.fp16_full_eval:
+            raise ValueError("fp16=True is not supported by EPPTrainer (the pipeline has no loss "
+                             "scaler); use bf16=True, or neither for full precision")
+        if self.fsdp or self.deepspeed:
+            raise ValueError("fsdp/deepspeed cannot be combined with EPPTrainer: the pipeline already "
+                             "splits the model across processes and does data parallelism itself; "
+                             "remove fsdp/deepspeed and use pp_degree")
+        if self.auto_find_batch_size:
+            raise ValueError("auto_find_batch_size is not supported by EPPTrainer; lower "
+                             "tokens_per_step or set memory_budget_gib instead")
+        if self.activation_checkpointing:
+            warnings.warn(
+                f"activation_checkpointing/gradient_checkpointing=True is ignored by EPPTrainer: "
+                f"checkpointing={self.checkpointing!r} decides which decoder layers are recomputed per "
+                f"(stage, unit); use checkpointing='full' to checkpoint every layer or 'adaptive' to let "
+                f"the planner fit the memory budget with the least recompute", UserWarning, stacklevel=3)
+            # Trainer.train would otherwise switch on HF's own checkpointing on the full model.
+            self.activation_checkpointing = self.gradient_checkpointing = False
+        if self.dataloader_drop_last:
+            warnings.warn("dataloader_drop_last=True is ignored: the token-budget sampler trains every "
+                          "token of an epoch exactly once", UserWarning, stacklevel=3)
+        if self.train_sampling_strategy != "random":
+            warnings.warn(f"train_sampling_strategy={self.train_sampling_strategy!r} is ignored: "
+                          f"EPPTrainer uses its length-aware token-budget sampler (shuffled per epoch "
+                          f"with data_seed/seed)", UserWarning, stacklevel=3)
+        if self.torch_compile:
+            warnings.warn("torch_compile=True is ignored: the pipeline stage is driven layer by layer "
+                          "and is not compiled", UserWarning, stacklevel=3)
+
+    @property
+    def place_model_on_device(self) -> bool:
+        # The engine moves only this rank's stage to the device; moving the whole model first
+        # would need the full model's memory on every GPU.
+        return False
+
+    def to_infinipipe_config(self) -> InfiniPipeConfig:
+        """The :class:`InfiniPipeConfig` these arguments describe."""
+        return InfiniPipeConfig(
+            pp_degree=self.pp_degree,
+            schedule=self.epp_schedule,
+            memory_budget_gib=self.memory_budget_gib,
+            profile=self.profile,
+            layer_split=list(self.layer_split) if self.layer_split is not None else None,
+            checkpointing=self.checkpointing,
+            max_tokens_per_unit=self.max_tokens_per_unit,
+            # A stuck peer surfaces after the same time a stuck DDP collective would.
+            p2p_timeout_s=float(self.ddp_timeout),
+        )

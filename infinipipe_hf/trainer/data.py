@@ -1,0 +1,308 @@
+"""The trainer's data path: dataset -> token lists -> token-budget global batches.
+
+Design:
+- ``prepare_token_dataset`` accepts a dataset with an ``input_ids`` column (optionally ``labels``)
+  or a ``text`` column plus a tokenizer (tokenized once with ``datasets.map``), else it raises.
+- Documents become *pieces* ``(doc, start, end)``: a document longer than the limit (the model's
+  max positions or ``tokens_per_step``) is cut into near-equal independent pieces, or rejected.
+  Documents shorter than 2 tokens carry no next-token target and are skipped with a warning.
+- ``TokenBudgetBatchSampler`` packs pieces into batches of at most ``tokens_per_step`` tokens with
+  best-fit decreasing, so batches are full and every token of an epoch is in exactly one batch.
+  Each epoch (``set_epoch``) reshuffles with ``seed + epoch``: ties between equally long pieces
+  are broken randomly and the batch order is shuffled.
+- Every rank builds the same batches (no sharding): the pipeline plans the whole global batch
+  and assigns sequences to DP replicas itself.
+
+Trade-off: best-fit decreasing only looks at lengths, so the *number* of batches per epoch is the
+same every epoch (HF's Trainer computes steps per epoch once, and exact resume relies on it),
+at the price of batch composition varying across epochs only among pieces of equal length.
+"""
+from __future__ import annotations
+
+import bisect
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous token range of one document that trains as its own sequence."""
+
+    doc: int
+    """Index of the document in the token dataset."""
+    start: int
+    """First token (inclusive)."""
+    end: int
+    """One past the last token."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"piece of document {self.doc} needs 0 <= start < end, got "
+                             f"[{self.start}, {self.end})")
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def _column_names(dataset) -> list[str]:
+    names = getattr(dataset, "column_names", None)
+    if names is not None:
+        return list(names)
+    if len(dataset) == 0:
+        return []
+    first = dataset[0]
+    return list(first.keys()) if isinstance(first, dict) else []
+
+
+def prepare_token_dataset(dataset, tokenizer=None, *, add_eos: bool = True, what: str = "train_dataset"):
+    """Return a dataset whose items have ``input_ids`` (and maybe ``labels``) token lists.
+
+    ``text`` datasets are tokenized with ``tokenizer`` (an EOS token is appended so documents
+    stay delimited, unless ``add_eos=False`` or the tokenizer already ends with it).
+    """
+    if dataset is None:
+        return None
+    cols = _column_names(dataset)
+    if "input_ids" in cols:
+        return dataset
+    if "text" in cols:
+        if tokenizer is None:
+            raise ValueError(f"{what} has a 'text' column but no tokenizer was given; pass "
+                             f"processing_class=tokenizer to EPPTrainer or tokenize into 'input_ids'")
+        if not hasattr(dataset, "map"):
+            raise ValueError(f"{what} with a 'text' column must be a datasets.Dataset (to tokenize with "
+                             f".map); got {type(dataset).__name__}: tokenize it into 'input_ids' first")
+        eos = getattr(tokenizer, "eos_token_id", None) if add_eos else None
+
+        def tokenize(batch):
+            ids = tokenizer(batch["text"])["input_ids"]
+            if eos is not None:
+                ids = [x if x and x[-1] == eos else list(x) + [eos] for x in ids]
+            return {"input_ids": ids}
+
+        return dataset.map(tokenize, batched=True, remove_columns=cols, desc="Tokenizing")
+    raise ValueError(f"{what} has columns {cols} but EPPTrainer needs token ids: an 'input_ids' "
+                     f"column (optionally 'labels'), or a 'text' column plus a tokenizer "
+                     f"(processing_class=...)")
+
+
+def document_lengths(dataset) -> list[int]:
+    """Token count of every document (reads only the ``input_ids`` column when it can)."""
+    if hasattr(dataset, "column_names") and hasattr(dataset, "select_columns"):
+        return [len(x) for x in dataset.select_columns(["input_ids"])["input_ids"]]
+    return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+
+
+def split_documents(lengths: Sequence[int], limit: int, policy: str = "split") -> list[Piece]:
+    """Pieces covering every token of every trainable document exactly once, each <= ``limit``.
+
+    ``split`` cuts a longer document into ``ceil(n / limit)`` near-equal pieces (equal sizes keep
+    the planner's units balanced better than one full piece plus a short rest).
+    """
+    if limit < 2:
+        raise ValueError(f"the document length limit must be >= 2 tokens, got {limit}")
+    if policy not in ("split", "reject"):
+        raise ValueError(f"long_document_policy={policy!r} is not known; use 'split' or 'reject'")
+    pieces: list[Piece] = []
+    skipped = 0
+    for doc, n in enumerate(lengths):
+        n = int(n)
+        if n < 2:
+            skipped += 1
+            continue
+        if n <= limit:
+            pieces.append(Piece(doc, 0, n))
+            continue
+        if policy == "reject":
+            raise ValueError(f"document {doc} has {n} tokens, more than the limit of {limit} (the "
+                             f"smaller of tokens_per_step and the model's max_position_embeddings); "
+                             f"raise tokens_per_step, drop or truncate the document, or set "
+                             f"long_document_policy='split'")
+        k = -(-n // limit)
+        bounds = [round(i * n / k) for i in range(k + 1)]
+        pieces.extend(Piece(doc, a, b) for a, b in zip(bounds[:-1], bounds[1:]))
+    if skipped:
+        warnings.warn(f"{skipped} document(s) with fewer than 2 tokens have no next-token target and "
+                      f"are skipped", UserWarning, stacklevel=2)
+    return pieces
+
+
+def best_fit_decreasing(lengths: Sequence[int], order: Sequence[int], budget: int) -> list[list[int]]:
+    """Pack items (visited longest first, ties in ``order``) into bins of at most ``budget``.
+
+    Each item goes to the fullest open bin it fits in (best fit).  Returns item indices per bin,
+    bins in creation order.  Decisions depend only on the lengths, so the bin count is the same
+    for every tie order.
+    """
+    rank = {item: pos for pos, item in enumerate(order)}
+    items = sorted(order, key=lambda i: (-lengths[i], rank[i]))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (remaining capacity, bin id), sorted
+    for i in items:
+        n = lengths[i]
+        if n > budget:
+            raise ValueError(f"item {i} of {n} tokens exceeds the budget of {budget}")
+        pos = bisect.bisect_left(free, (n, -1))
+        if pos < len(free):
+            cap, b = free.pop(pos)
+            bins[b].append(i)
+            cap -= n
+        else:
+            b = len(bins)
+            bins.append([i])
+            cap = budget - n
+        if cap > 0:
+            bisect.insort(free, (cap, b))
+    return bins
+
+
+class TokenBudgetBatchSampler(Sampler[list[int]]):
+    """Yields lists of piece indices, each list one global batch of <= ``tokens_per_step`` tokens."""
+
+    def __init__(self, piece_lengths: Sequence[int], tokens_per_step: int, *, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        if tokens_per_step < 2:
+            raise ValueError(f"tokens_per_step must be >= 2, got {tokens_per_step}")
+        too_long = [i for i, n in enumerate(piece_lengths) if n > tokens_per_step]
+        if too_long:
+            raise ValueError(f"piece {too_long[0]} has {piece_lengths[too_long[0]]} tokens, more than "
+                             f"tokens_per_step={tokens_per_step}; split documents with split_documents")
+        self.piece_lengths = [int(n) for n in piece_lengths]
+        self.tokens_per_step = int(tokens_per_step)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.epoch = 0
+        # Bin count is independent of the tie order, so it is computed once.
+        self._num_batches = len(best_fit_decreasing(self.piece_lengths, range(len(self.piece_lengths)),
+                                                    self.tokens_per_step))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def batches(self, epoch: int | None = None) -> list[list[int]]:
+        """The batches of ``epoch`` (default: the current one), in the order they are yielded."""
+        epoch = self.epoch if epoch is None else epoch
+        n = len(self.piece_lengths)
+        if not self.shuffle:
+            bins = best_fit_decreasing(self.piece_lengths, range(n), self.tokens_per_step)
+            return [sorted(b) for b in bins]
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(n, generator=g).tolist()
+        bins = best_fit_decreasing(self.piece_lengths, order, self.tokens_per_step)
+        assert len(bins) == self._num_batches
+        perm = torch.randperm(len(bins), generator=g).tolist()
+        return [bins[i] for i in perm]
+
+    def __iter__(self):
+        return iter(self.batches())
+
+    def __len__(self) -> int:
+        return self._num_batches
+
+
+class PieceDataset(Dataset):
+    """Item ``i`` is piece ``i`` as ``{"input_ids": [...], "labels": [...]}`` (python ints)."""
+
+    def __init__(self, token_dataset, pieces: Sequence[Piece]) -> None:
+        self.token_dataset = token_dataset
+        self.pieces = list(pieces)
+        self.has_labels = "labels" in _column_names(token_dataset)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        p = self.pieces[i]
+        row = self.token_dataset[p.doc]
+        ids = _as_list(row["input_ids"])
+        item = {"input_ids": ids[p.start:p.end]}
+        if self.has_labels and row.get("labels") is not None:
+            labels = _as_list(row["labels"])
+            if len(labels) != len(ids):
+                raise ValueError(f"document {p.doc} has {len(ids)} input_ids but {len(labels)} labels; "
+                                 f"labels must align with input_ids (use -100 for ignored positions)")
+            item["labels"] = labels[p.start:p.end]
+        return item
+
+
+def _as_list(x) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return [int(t) for t in x]
+
+
+class GlobalBatchCollator:
+    """Turns dataset items into the engine's global batch: a list of ``{"input_ids", "labels"}``.
+
+    No padding: the pipeline packs and slices sequences itself.  Labels default to the inputs
+    (the model shifts them); extra columns are dropped.
+    """
+
+    def __call__(self, items: list[dict[str, Any]]) -> list[dict[str, list[int]]]:
+        batch = []
+        for i, item in enumerate(items):
+            if "input_ids" not in item:
+                raise ValueError(f"item {i} of the batch has keys {sorted(item)}; it needs 'input_ids'")
+            ids = _as_list(item["input_ids"])
+            labels = _as_list(item["labels"]) if item.get("labels") is not None else list(ids)
+            if len(labels) != len(ids):
+                raise ValueError(f"item {i}: {len(ids)} input_ids but {len(labels)} labels")
+            batch.append({"input_ids": ids, "labels": labels})
+        return batch
+
+
+def label_token_count(batch: Sequence[dict]) -> int:
+    """Next-token targets in a global batch (labels after the shift, not -100)."""
+    return sum(sum(1 for t in item.get("labels", item["input_ids"])[1:] if t != -100) for item in batch)
+
+
+class GlobalBatchLoader(DataLoader):
+    """A ``DataLoader`` over pieces whose ``set_epoch`` reaches the token-budget sampler.
+
+    HF's Trainer calls ``set_epoch`` on the loader; a plain ``DataLoader`` has none.  When
+    ``lookahead`` is set, it is called with every batch one batch before that batch is yielded
+    (the first one right away), so its plan can be computed while the previous batch trains.
+    """
+
+    lookahead: Callable[[list[dict]], None] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        it = super().__iter__()
+        return it if self.lookahead is None else self._ahead(it, self.lookahead)
+
+    @staticmethod
+    def _ahead(it, lookahead):
+        try:
+            current = next(it)
+        except StopIteration:
+            return
+        lookahead(current)
+        for upcoming in it:
+            lookahead(upcoming)
+            yield current
+            current = upcoming
+        yield current
+
+
+def build_global_batch_loader(token_dataset, *, tokens_per_step: int, max_length: int,
+                              long_document_policy: str = "split", seed: int = 0, shuffle: bool = True,
+                              num_workers: int = 0, pin_memory: bool = False) -> GlobalBatchLoader:
+    """Loader yielding the same global batches on every rank (nothing is sharded)."""
+    limit = min(int(tokens_per_step), int(max_length))
+    pieces = split_documents(document_lengths(token_dataset), limit, long_document_policy)
+    if not pieces:
+        raise ValueError("the dataset has no document with at least 2 tokens; nothing to train on")
+    sampler = TokenBudgetBatchSampler([p.length for p in pieces], tokens_per_step, seed=seed,
+                                      shuffle=shuffle)
+    return GlobalBatchLoader(PieceDataset(token_dataset, pieces), batch_sampler=sampler,
+                             collate_fn=GlobalBatchCollator(), num_workers=num_workers,
+                             pin_memory=pin_memory)

@@ -1,0 +1,91 @@
+"""Turning the user's model into this rank's pipeline engine: PEFT unwrapping, dtype, engine build.
+
+Design: the engine prunes the HF model *in place* to this rank's stage, so the object the user
+passed (and that ``Trainer`` keeps as ``self.model``) afterwards holds exactly this rank's
+parameters under their original names.  A ``peft`` ``PeftModel`` is unwrapped to its base model
+(``get_base_model()``, which already contains the LoRA modules) for the stage build; the
+``PeftModel`` wrapper stays valid and is what adapters are saved from.  Frozen base weights stay
+frozen: the engine and the optimizer only touch parameters with ``requires_grad``.
+
+bf16: ``bf16=True`` casts the model to bfloat16 before the stage is built (pure bf16 weights,
+activations and point-to-point transfers, since the pipeline sends hidden states in the stage's
+dtype).  On CPU it does the same but warns: CPU bf16 matmuls are slow on most CPUs.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from ..runtime.engine import PipelineEngine
+
+# Dense bf16 peak TFLOP/s per device, for the MFU estimate when peak_tflops is not given.
+_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+                     "A10G": 125.0, "L4": 121.0}
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def hf_model_of(model):
+    """The ``PreTrainedModel`` the stage is cut from (the base model of a ``PeftModel``)."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def count_parameters(model) -> int:
+    """Parameters of the whole (unsplit) model, a tied weight counted once; for MFU."""
+    return sum(p.numel() for p in hf_model_of(model).parameters())
+
+
+def apply_precision(model, args) -> None:
+    if not args.bf16:
+        return
+    if not torch.cuda.is_available():
+        warnings.warn("bf16=True on CPU: the stage weights, activations and transfers are cast to "
+                      "bfloat16 and run slowly on most CPUs; drop bf16=True to train in the model's "
+                      "dtype", UserWarning, stacklevel=3)
+    model.to(torch.bfloat16)
+
+
+def check_world(args) -> tuple[int, int]:
+    """``(world_size, dp_degree)``; a clear error when pp_degree does not divide the world."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1"))
+    if world % args.pp_degree != 0:
+        ok = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"pp_degree={args.pp_degree} does not divide the {world} processes launched; "
+                         f"use pp_degree in {ok} or launch a multiple of {args.pp_degree} processes")
+    return world, world // args.pp_degree
+
+
+def build_engine(model, args, planner=None) -> PipelineEngine:
+    """Cut this rank's stage out of ``model`` (in place) and wrap it in a ``PipelineEngine``."""
+    base = hf_model_of(model)
+    n_layers = getattr(getattr(base, "config", None), "num_hidden_layers", None)
+    if n_layers is not None and args.pp_degree > n_layers:
+        raise ValueError(f"pp_degree={args.pp_degree} cannot split a model with {n_layers} decoder "
+                         f"layers (each stage needs at least one); use pp_degree <= {n_layers}")
+    check_world(args)
+    apply_precision(model, args)
+    return PipelineEngine(base, args.to_infinipipe_config(), planner=planner)
+
+
+def peak_flops_per_device(args, device: torch.device) -> float | None:
+    """Peak FLOP/s of one device: ``args.peak_tflops``, else a table of known GPUs, else None."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in _PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None

@@ -1,0 +1,93 @@
+"""Planning the next global batch in a background thread while the current one trains.
+
+Design (DESIGN.md section 3, "plan one step ahead"): the training loader calls ``submit`` for
+each batch one batch *before* yielding it, which starts ``engine.make_plan`` on a worker thread;
+``take`` in ``training_step`` returns that plan (and its simulation), waiting only if planning is
+slower than a step.  Plans are a pure function of the batch's lengths, so planning early changes
+nothing in the result, only when it is computed.  Batches are consumed in the order they are
+submitted, so a FIFO suffices; a batch that was not submitted (after a resume, the Trainer
+rebuilds the loader without the look-ahead) or does not match the queue head is planned
+synchronously and the queue is dropped.
+
+Collectives never run on the worker thread (they would race the step's own communication):
+the thread only plans locally; ``take`` (main thread) checks that all ranks planned the same
+(one small all-reduce, the engine's check) and otherwise returns ``None`` so the engine plans
+the step itself, with its fall-back to rank 0's plan (a solver with a wall-clock limit can make
+ranks disagree).  With ``seed_plan_on_rank0`` every step is planned by the engine.
+
+Trade-off: the planner is Python and holds the GIL while it runs; the overlap comes from the
+training step's torch kernels and communication, which release it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+
+def batch_lengths(batch) -> tuple[int, ...]:
+    return tuple(len(item["input_ids"]) for item in batch)
+
+
+class PlanAhead:
+    """FIFO of plans being computed for upcoming batches of one engine."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.enabled = not engine.config.seed_plan_on_rank0
+        self._queue: deque[tuple[tuple[int, ...], Future]] = deque()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-plan") if self.enabled else None
+        self.hits = 0
+        """Batches whose plan came from the look-ahead (for tests and logs)."""
+
+    def submit(self, batch) -> None:
+        if self._pool is None:
+            return
+        key = batch_lengths(batch)
+        # Local planning only: no collective on this thread.
+        self._queue.append((key, self._pool.submit(self.engine._plan_locally, list(key))))
+
+    def take(self, batch) -> tuple[Any, Any] | None:
+        """``(plan, simulation)`` for ``batch`` if it was submitted, else ``None``."""
+        key = batch_lengths(batch)
+        if not (self._queue and self._queue[0][0] == key):
+            self.clear()
+            return None
+        _, future = self._queue.popleft()
+        try:
+            plan, sim = future.result()
+        except ValueError:  # e.g. infeasible: the engine re-plans and reports it on every rank
+            plan, sim = None, None
+        if not self._all_agree(plan):
+            return None  # every rank gets the same answer, so all re-plan in the engine together
+        self.hits += 1
+        return plan, sim
+
+    def _all_agree(self, plan) -> bool:
+        """True when every rank holds the same (not None) plan; one all-reduce, main thread."""
+        if self.engine.layout.world_size == 1:
+            return plan is not None
+        import torch
+        import torch.distributed as dist
+
+        h = 0
+        if plan is not None:
+            body = {k: v for k, v in plan.to_dict().items() if k != "info"}
+            h = 1 + int.from_bytes(hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()[:7], "big")
+        t = torch.tensor([h, -h], dtype=torch.int64, device=self.engine.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return h != 0 and int(t[0]) == -int(t[1])
+
+    def clear(self) -> None:
+        # Finish (and ignore) queued work so no planner thread outlives its batch's relevance.
+        while self._queue:
+            _, future = self._queue.popleft()
+            future.cancel() or future.exception()
+
+    def close(self) -> None:
+        self.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

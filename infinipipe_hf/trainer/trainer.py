@@ -1,0 +1,242 @@
+"""``EPPTrainer``: ``transformers.Trainer`` running the model as an elastic pipeline.
+
+Design (like TRL's ``SFTTrainer``: a few hooks overridden, ``super()`` does the rest):
+- ``__init__`` cuts this rank's stage out of the model (``PipelineEngine``, in place), so
+  ``self.model`` afterwards holds exactly this rank's parameters under their HF names.
+- ``_wrap_model`` returns the stage module, so Trainer never wraps the model in DDP/FSDP nor
+  lets accelerate prepare it: the engine does DP itself.  Only the optimizer is prepared.
+- Data: ``get_*_dataloader`` build a token-budget ``GlobalBatchLoader`` that yields the *same*
+  global batch on every rank (accelerate would shard it).
+- ``training_step`` = ``engine.train_step(global batch)``; gradient accumulation weights every
+  micro-batch by its share of the label tokens, so n accumulated batches give the gradient of
+  the mean token loss over all of them, as HF does with ``num_items_in_batch``.
+- Clipping uses the engine's global norm; saving writes HF checkpoints stage by stage
+  (``checkpoint_io``); resume restores per-stage optimizer state, the scheduler and per-rank RNG.
+Trade-off: evaluation returns the loss only (logits never leave the last stage), so
+``compute_metrics`` is not supported; ``predict`` returns the loss without predictions.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import warnings
+
+import torch
+from transformers import Trainer
+from transformers.trainer_utils import EvalLoopOutput
+
+from . import checkpoint_io as ckio
+from .arguments import EPPTrainingArguments
+from .data import GlobalBatchCollator, build_global_batch_loader, label_token_count, prepare_token_dataset
+from .model_setup import build_engine, count_parameters, hf_model_of, is_peft_model, peak_flops_per_device
+from .plan_ahead import PlanAhead
+from .step_metrics import StepMetrics
+
+TRAINING_ARGS_NAME = "training_args.bin"
+
+
+def _prepare_eval(eval_dataset, tokenizer):
+    if isinstance(eval_dataset, dict):
+        return {k: prepare_token_dataset(v, tokenizer, what=f"eval_dataset[{k!r}]")
+                for k, v in eval_dataset.items()}
+    return prepare_token_dataset(eval_dataset, tokenizer, what="eval_dataset")
+
+
+class EPPTrainer(Trainer):
+    """A ``Trainer`` whose model runs as an elastic pipeline over ``pp_degree`` stages.
+
+    Same arguments as ``Trainer``; ``args`` must be :class:`EPPTrainingArguments`.  ``planner``
+    (``callable(lengths, engine) -> Plan | PlanResult``) replaces the default planner, for tests
+    and experiments.  ``data_collator`` is ignored: the trainer builds unpadded global batches.
+    """
+
+    def __init__(self, model=None, args: EPPTrainingArguments | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, model_init=None, *,
+                 planner=None, **kwargs):
+        if args is None:
+            args = EPPTrainingArguments(output_dir="tmp_trainer")
+        if not isinstance(args, EPPTrainingArguments):
+            raise ValueError(f"EPPTrainer needs EPPTrainingArguments, got {type(args).__name__}; replace "
+                             f"TrainingArguments(...) by EPPTrainingArguments(..., pp_degree=N)")
+        if model_init is not None:
+            raise ValueError("model_init is not supported by EPPTrainer (the stage is cut out of one "
+                             "model instance); pass model=... instead")
+        if model is None:
+            raise ValueError("EPPTrainer needs a model: an AutoModelForCausalLM or a peft PeftModel")
+        if data_collator is not None:
+            warnings.warn(f"data_collator={type(data_collator).__name__} is ignored: EPPTrainer builds "
+                          f"unpadded global batches of up to tokens_per_step tokens itself; put label "
+                          f"masking into a 'labels' column of the dataset", UserWarning, stacklevel=2)
+        if kwargs.get("compute_metrics") is not None:
+            warnings.warn("compute_metrics is ignored: evaluation reports the pipeline's loss only "
+                          "(logits stay on the last stage)", UserWarning, stacklevel=2)
+            kwargs["compute_metrics"] = None
+        if args.neftune_noise_alpha is not None:
+            raise ValueError("neftune_noise_alpha is not supported by EPPTrainer; remove it")
+        train_dataset = prepare_token_dataset(train_dataset, processing_class, what="train_dataset")
+        eval_dataset = _prepare_eval(eval_dataset, processing_class)
+        num_params = count_parameters(model)
+        base_config = hf_model_of(model).config
+        self._attn_implementation = getattr(base_config, "_attn_implementation", None)
+        super().__init__(model=model, args=args, data_collator=GlobalBatchCollator(),
+                         train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, **kwargs)
+        self.engine = build_engine(self.model, args, planner)
+        self.is_peft = is_peft_model(self.model)
+        self._max_length = int(getattr(base_config, "max_position_embeddings", None) or args.tokens_per_step)
+        self._step_metrics = StepMetrics(num_params, self.engine.layout.world_size,
+                                         peak_flops_per_device(args, self.engine.device))
+        self.plan_ahead = PlanAhead(self.engine) if args.plan_ahead else None
+
+    # --- model and optimizer ----------------------------------------------------------------
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        # Not self.model: Trainer then skips accelerator.prepare(model) (no DDP); DP is the engine's.
+        return self.engine.stage
+
+    def create_optimizer(self, model=None):
+        return super().create_optimizer(self.engine.stage.hf_model)
+
+    # --- data --------------------------------------------------------------------------------
+    def _global_loader(self, dataset, shuffle: bool):
+        args = self.args
+        return build_global_batch_loader(
+            dataset, tokens_per_step=args.tokens_per_step, max_length=self._max_length,
+            long_document_policy=args.long_document_policy,
+            seed=args.data_seed if args.data_seed is not None else args.seed, shuffle=shuffle,
+            num_workers=args.dataloader_num_workers, pin_memory=False)
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("EPPTrainer: training requires a train_dataset")
+        loader = self._global_loader(self.train_dataset, shuffle=True)
+        if self.plan_ahead is not None:
+            loader.lookahead = self.plan_ahead.submit
+        return loader
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("EPPTrainer: evaluation requires an eval_dataset")
+        dataset = prepare_token_dataset(dataset, self.processing_class, what="eval_dataset")
+        return self._global_loader(dataset, shuffle=False)
+
+    def get_test_dataloader(self, test_dataset):
+        dataset = prepare_token_dataset(test_dataset, self.processing_class, what="test_dataset")
+        return self._global_loader(dataset, shuffle=False)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        # Every rank holds the whole global batch: the count is already global.
+        return batches, sum(label_token_count(b) for b in batches)
+
+    def _track_num_input_tokens(self, inputs):
+        if self.args.include_num_input_tokens_seen != "no":
+            self.state.num_input_tokens_seen += sum(len(item["input_ids"]) for item in inputs)
+
+    def floating_point_ops(self, inputs) -> int:
+        # Trainer sums this over all processes; every rank sees the whole batch.
+        tokens = sum(len(item["input_ids"]) for item in inputs)
+        return int(6 * self._step_metrics.num_params * tokens / self.engine.layout.world_size)
+
+    # --- training ----------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        self._step_metrics.start()
+        n = label_token_count(inputs)
+        if n == 0:  # same decision on every rank: the batch is global
+            warnings.warn("a batch has no label tokens (all -100); it is skipped", UserWarning)
+            return torch.zeros((), dtype=torch.float64, device=self.args.device)
+        total = int(num_items_in_batch) if num_items_in_batch else n
+        weight = n / total
+        # Accumulate weight * grad(batch) onto what earlier micro-batches left: the engine adds its
+        # gradient to .grad, so rescale before and after (exact up to rounding).
+        trainable = [p for _, p in self.engine.named_parameters() if p.requires_grad]
+        if weight != 1.0:
+            for p in trainable:
+                if p.grad is not None:
+                    p.grad.div_(weight)
+        planned = self.plan_ahead.take(inputs) if self.plan_ahead is not None else None
+        out = self.engine.train_step(inputs, plan=planned[0] if planned else None)
+        if weight != 1.0:
+            for p in trainable:
+                if p.grad is not None:
+                    p.grad.mul_(weight)
+        self._step_metrics.add(out, planned[1] if planned else out.simulation)
+        # float64 so callers (and tests) see the engine's loss unrounded.
+        return torch.tensor(out.loss * weight, dtype=torch.float64, device=self.args.device)
+
+    def _clip_grad_norm(self, model):
+        return self.engine.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self.engine.clip_grad_norm_(math.inf) if grad_norm is None else grad_norm
+
+    def log(self, logs, start_time=None):
+        if "loss" in logs:  # a training log line: add the pipeline's window metrics
+            logs.update(self._step_metrics.flush(self.engine.device))
+        super().log(logs, start_time)
+
+    # --- evaluation --------------------------------------------------------------------------
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        loss_sum, labels, samples = 0.0, 0, 0
+        for batch in dataloader:
+            samples += len(batch)
+            n = label_token_count(batch)
+            if n:
+                loss_sum += self.engine.eval_step(batch) * n
+                labels += n
+        if labels == 0:
+            raise ValueError(f"{description}: the dataset has no label tokens; nothing to evaluate")
+        metrics = {f"{metric_key_prefix}_loss": loss_sum / labels}
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=samples)
+
+    # --- saving and resuming -------------------------------------------------------------------
+    def _hf_config(self):
+        cfg = copy.deepcopy(hf_model_of(self.model).config)
+        # The stage switched attention to the pipeline's function; the saved model must not need it.
+        cfg._attn_implementation = self._attn_implementation
+        return cfg
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Collective (all ranks): an HF checkpoint (or PEFT adapter) of the whole model."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.is_peft:
+            ckio.save_adapter(self.engine, self.model, output_dir)
+        else:
+            base = hf_model_of(self.model)
+            ckio.save_full_model(self.engine, output_dir, self._hf_config(),
+                                 getattr(base, "generation_config", None))
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        ckio.save_optimizer_state(self.engine, self.optimizer, self.lr_scheduler, output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        ckio.check_layout(self.engine, resume_from_checkpoint)
+        if self.is_peft:
+            ckio.load_adapter_weights(self.engine, self.model, resume_from_checkpoint)
+        else:
+            ckio.load_stage_weights(self.engine, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            ckio.load_optimizer_state(self.engine, self.optimizer, self.lr_scheduler, checkpoint,
+                                      self.engine.device)
+
+    def _load_best_model(self) -> None:
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
