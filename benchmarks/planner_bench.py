@@ -28,25 +28,26 @@ from infinipipe_hf.planner.model_spec import ModelSpec
 SETUPS = [("llama2-7b", 4), ("llama2-13b", 8)]
 
 
-def real_batch(corpus: str, n: int, seed: int) -> list[int]:
-    """A global batch of ``n`` real document lengths (SmolLM2 tokenizer), sampled with a seed."""
-    from infinipipe_hf.data.corpus import document_lengths
-
-    lengths = [x for x in document_lengths(corpus) if x > 0]
+def real_batch(corpora: tuple[str, ...], n: int, seed: int) -> list[int]:
+    """``n`` real document lengths (SmolLM2 tokenizer) drawn without replacement from the pooled corpora."""
     import random
 
+    from infinipipe_hf.data.corpus import document_lengths
+
+    pool = [x for corpus in corpora for x in document_lengths(corpus) if x > 0]
     rng = random.Random(seed)
-    return [rng.choice(lengths) for _ in range(n)] if len(lengths) < n else rng.sample(lengths, n)
+    return rng.sample(pool, min(n, len(pool)))
 
 
 def batches(quick: bool) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
-    for corpus in (("stdlib",) if quick else ("stdlib", "shakespeare", "kjv")):
-        try:
-            out[f"real:{corpus}"] = real_batch(corpus, 128 if quick else 512, seed=0)
-        except Exception as exc:  # a missing optional corpus package is reported, not fatal
-            print(f"skipping real:{corpus}: {exc}", file=sys.stderr)
     n = 128 if quick else 512
+    real = [("stdlib",)] if quick else [("stdlib",), ("stdlib", "shakespeare", "kjv")]
+    for corpora in real:
+        try:
+            out["real:" + "+".join(corpora)] = real_batch(corpora, n, seed=0)
+        except Exception as exc:  # a missing optional corpus package is reported, not fatal
+            print(f"skipping real:{'+'.join(corpora)}: {exc}", file=sys.stderr)
     out["synthetic:slimpajama-like"] = synthetic.slimpajama_like(n=n, max_len=131072, seed=0)
     out["synthetic:prolong-like"] = synthetic.prolong_like(n=n, max_len=131072, seed=0)
     out["synthetic:short-only"] = synthetic.short_only(n=n, max_len=2048, seed=0)

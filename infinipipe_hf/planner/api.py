@@ -12,6 +12,7 @@ robustness against a cost model that is only approximately right about where the
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -180,7 +181,8 @@ def _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, po
             except ValueError:
                 continue
             ranked.append((max(est for _, _, est in staged), k, floor, staged))
-    ranked.sort(key=lambda r: (r[0], r[1]))
+    # Among candidates the estimate calls infeasible, more slices (less memory) go first.
+    ranked.sort(key=lambda r: (r[0], -r[1] if math.isinf(r[0]) else r[1]))
     for est, k, floor, staged in ranked[:MAX_EXACT_CANDIDATES]:
         knobs = {"num_slices": k, "estimate_s": est}
         if floor:

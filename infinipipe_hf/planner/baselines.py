@@ -26,7 +26,7 @@ from .cost_model import CostModel
 from .sequence_processor import select_sequences
 from .units import Segment, Unit
 
-SLICE_COUNTS = (1, 2, 4, 8, 16)
+SLICE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SLICE_TOKENS = 256
 """Uniform slices thinner than this run the GPU badly (DESIGN.md section 1); not searched."""
 MIN_PACK_LOG2 = 10

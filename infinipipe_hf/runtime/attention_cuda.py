@@ -44,6 +44,7 @@ _CU_CACHE_MAX = 256
 def cu_seqlens(q_offsets: tuple[int, ...], key_lens: tuple[int, ...],
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 ``cu_seqlens`` for queries and keys on ``device``, cached across layers."""
+    device = torch.device(device)
     key = (str(device), tuple(q_offsets), tuple(key_lens))
     hit = _CU_CACHE.get(key)
     if hit is None:
@@ -52,8 +53,11 @@ def cu_seqlens(q_offsets: tuple[int, ...], key_lens: tuple[int, ...],
             cu_k.append(cu_k[-1] + n)
         if len(_CU_CACHE) >= _CU_CACHE_MAX:
             _CU_CACHE.clear()
-        hit = (torch.tensor(q_offsets, dtype=torch.int32).to(device),
-               torch.tensor(cu_k, dtype=torch.int32).to(device))
+        host = [torch.tensor(x, dtype=torch.int32) for x in (q_offsets, cu_k)]
+        if device.type == "cuda":
+            # A copy from pageable memory synchronises the stream; a pinned one is queued.
+            host = [t.pin_memory() for t in host]
+        hit = tuple(t.to(device, non_blocking=True) for t in host)
         _CU_CACHE[key] = hit
     return hit
 

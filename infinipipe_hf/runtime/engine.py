@@ -4,8 +4,8 @@ Design: the engine owns one rank's view of the job: its ``ParallelLayout`` (proc
 ``StageModule`` (a contiguous block of decoder layers of the HF model, original parameter names),
 a ``StageRunner`` (single-process forward/backward per unit) and a ``PipelineExecutor`` (the
 action loop with point-to-point transfers).  ``train_step`` is: lengths -> plan (identical on
-every rank, or planned on rank 0 and broadcast) -> execute -> tied-embedding sum -> DP all-reduce
--> loss all-reduce.  Gradients accumulate like ``loss.backward()``: gradients already in ``.grad``
+every rank, checked by one all-reduce of a digest; or planned on rank 0 and broadcast) -> execute
+-> tied-embedding sum -> DP all-reduce -> loss all-reduce.  Gradients accumulate like ``loss.backward()``: gradients already in ``.grad``
 are stashed before the step and added back after the reductions, so they are never all-reduced
 twice.
 

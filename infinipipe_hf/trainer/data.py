@@ -1,8 +1,9 @@
 """The trainer's data path: dataset -> token lists -> token-budget global batches.
 
 Design:
-- ``prepare_token_dataset`` accepts a dataset with an ``input_ids`` column (optionally ``labels``)
-  or a ``text`` column plus a tokenizer (tokenized once with ``datasets.map``), else it raises.
+- ``prepare_token_dataset`` accepts a dataset with an ``input_ids`` column (optionally ``labels``;
+  an ``attention_mask`` column means padded data: masked tokens are dropped) or a ``text`` column
+  plus a tokenizer (tokenized once with ``datasets.map``), else it raises.
 - Documents become *pieces* ``(doc, start, end)``: a document longer than the limit (the model's
   max positions or ``tokens_per_step``) is cut into near-equal independent pieces, or rejected.
   Documents shorter than 2 tokens carry no next-token target and are skipped with a warning.
@@ -69,6 +70,9 @@ def prepare_token_dataset(dataset, tokenizer=None, *, add_eos: bool = True, what
         return None
     cols = _column_names(dataset)
     if "input_ids" in cols:
+        if "attention_mask" in cols and hasattr(dataset, "map"):
+            return dataset.map(_strip_padding, batched=True, remove_columns=["attention_mask"],
+                               desc="Removing padding")
         return dataset
     if "text" in cols:
         if tokenizer is None:
@@ -89,6 +93,16 @@ def prepare_token_dataset(dataset, tokenizer=None, *, add_eos: bool = True, what
     raise ValueError(f"{what} has columns {cols} but EPPTrainer needs token ids: an 'input_ids' "
                      f"column (optionally 'labels'), or a 'text' column plus a tokenizer "
                      f"(processing_class=...)")
+
+
+def _strip_padding(batch):
+    # Pre-padded data: the pipeline packs and slices sequences itself, so padding would only be
+    # trained on.  Labels (when present) are aligned with input_ids and filtered the same way.
+    keep = [[bool(m) for m in mask] for mask in batch["attention_mask"]]
+    out = {"input_ids": [[t for t, k in zip(ids, ks) if k] for ids, ks in zip(batch["input_ids"], keep)]}
+    if "labels" in batch:
+        out["labels"] = [[t for t, k in zip(lab, ks) if k] for lab, ks in zip(batch["labels"], keep)]
+    return out
 
 
 def document_lengths(dataset) -> list[int]:

@@ -44,13 +44,13 @@ for i, (name, ids) in enumerate(docs):
 # %% [markdown]
 # ## The plan
 #
-# SmolLM2-135M's config at pp 2; the longest sequence is cut into 3 slices of equal time. Genesis
+# SmolLM2-135M's config at pp 2; the longest sequence is cut into 2 slices of equal time. Genesis
 # is cut at the same absolute positions, so its remainder (the *tail slice*) is short and gets a
 # short file packed next to it: a hybrid unit.
 
 # %%
 spec = ModelSpec.from_json_file(config_path("smollm2-135m"))
-plan = plan_step(lengths, spec, pp_degree=2, num_slices=[3]).plan
+plan = plan_step(lengths, spec, pp_degree=2, num_slices=[2]).plan
 print(plan)
 kinds = {u.id: u.kind(lengths) for u in plan.units}
 assert set(kinds.values()) == set(UnitKind), "this batch is chosen to give all three kinds"
@@ -97,7 +97,9 @@ def show(unit, rows_per_segment=4):
     return t
 
 
-first_of = {k: next(u for u in plan.units if kinds[u.id] is k) for k in UnitKind}
+# The first unit of each kind (for packed units: the one holding the most sequences).
+first_of = {k: max((u for u in plan.units if kinds[u.id] is k), key=lambda u: (len(u.segments), -u.id))
+            for k in UnitKind}
 slice_t = show(first_of[UnitKind.SLICE])
 
 # %% [markdown]
@@ -159,11 +161,14 @@ plt.show()
 # %%
 import copy
 
+import transformers
+
 from infinipipe_hf.models.smollm2 import load_smollm2
 from infinipipe_hf.runtime.local_pipeline import run_plan_locally
 from infinipipe_hf.runtime.partition import partition_layers
 from infinipipe_hf.runtime.stage import build_stage
 
+transformers.utils.logging.disable_progress_bar()
 t0 = time.perf_counter()
 model, _ = load_smollm2()
 with torch.no_grad():  # reference: sum of token losses over every document / number of targets

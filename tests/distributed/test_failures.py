@@ -1,5 +1,6 @@
 """A dead or stuck rank ends every other rank with an error naming a peer, the step and the action,
-within the p2p timeout plus a margin: never a hang."""
+within the p2p timeout plus a margin: never a hang.  Three ranks (pp 3): rank 1 fails, both
+neighbours must report it.  Launcher limits are generous because the machine may be shared."""
 from __future__ import annotations
 
 import re
@@ -14,12 +15,12 @@ ERROR = re.compile(r"FAILED_AS_EXPECTED after ([\d.]+)s: rank (\d) \(stage \d, d
 
 @pytest.mark.parametrize("mode", ["die", "stuck"])
 def test_other_ranks_fail_with_named_peer(mode):
-    results = run_ranks("dead_rank.py", 4, [mode, str(TIMEOUT_S)], timeout_s=150)
+    results = run_ranks("dead_rank.py", 3, [mode, str(TIMEOUT_S)], timeout_s=300)
     culprit = results[1]
     assert "sabotage" in culprit.output, culprit.output[-3000:]
     if mode == "die":
         assert culprit.returncode == 17
-    for r in (0, 2, 3):
+    for r in (0, 2):
         res = results[r]
         assert not res.timed_out, f"rank {r} hung:\n{res.output[-3000:]}"
         assert res.returncode == 3, f"rank {r} exit {res.returncode}:\n{res.output[-3000:]}"
@@ -27,9 +28,8 @@ def test_other_ranks_fail_with_named_peer(mode):
         assert m, f"rank {r} printed no clear error:\n{res.output[-3000:]}"
         elapsed, me, _action, text = m.groups()
         assert int(me) == r
-        # Neighbours of rank 1 must name it; rank 3 may instead name rank 2, which failed first.
         named = {int(x) for x in re.findall(r"rank (\d) \(stage", text)}
-        assert (named == {1}) if r in (0, 2) else (named & {1, 2}), text
+        assert named == {1}, text
         assert "died" in text or "stuck" in text, text
         assert float(elapsed) < TIMEOUT_S * 2 + 10, f"rank {r} took {elapsed}s"
         if mode == "stuck":  # exited on its own, not only once the stuck rank went away

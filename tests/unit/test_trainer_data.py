@@ -185,6 +185,15 @@ def test_token_dataset_passes_through_and_plain_lists_work():
     assert sorted(len(x["input_ids"]) for b in loader for x in b) == [2, 4]
 
 
+def test_padded_dataset_loses_its_padding():
+    ds = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 0, 0], [8, 9, 0, 0, 0]],
+                                     "attention_mask": [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]],
+                                     "labels": [[-100, 6, 7, -100, -100], [8, 9, -100, -100, -100]]})
+    out = prepare_token_dataset(ds)
+    assert out["input_ids"] == [[5, 6, 7], [8, 9]] and out["labels"] == [[-100, 6, 7], [8, 9]]
+    assert "attention_mask" not in out.column_names
+
+
 def test_collator_defaults_labels_and_checks_alignment():
     c = GlobalBatchCollator()
     batch = c([{"input_ids": torch.tensor([1, 2, 3]), "attention_mask": [1, 1, 1]}])

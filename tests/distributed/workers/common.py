@@ -8,7 +8,6 @@ or is dropped from every stage fails the case.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Failure worker: rank 1 dies (``die``: ``os._exit``) or hangs (``stuck``) before its 3rd action.
+"""Failure worker (any world size >= 3, one pipeline): rank 1 dies (``die``: ``os._exit``) or hangs (``stuck``) before its 3rd action.
 
 Every other rank must end with a ``RuntimeError`` naming a peer, the step and the action within the
 p2p timeout; it prints ``FAILED_AS_EXPECTED after <s>: <message>`` and exits with code 3.

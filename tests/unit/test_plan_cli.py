@@ -1,0 +1,84 @@
+"""The planner CLI contract of DESIGN.md section 9 (python -m infinipipe_hf.plan)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.plan import main
+
+LENGTHS = [30000, 8000, 2000, 1500, 900, 600, 300, 200, 100, 50] * 2
+
+
+@pytest.fixture
+def lengths_file(tmp_path):
+    p = tmp_path / "lengths.txt"
+    p.write_text("\n".join(map(str, LENGTHS)) + "\n")
+    return p
+
+
+def test_json_all_and_emit_plan(lengths_file, tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    rc = main(["--model", str(config_path("llama2-7b")), "--lengths", str(lengths_file), "--pp", "4",
+               "--gpu-memory-gib", "80", "--schedule", "all", "--emit-plan", str(plan_path), "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["schedule"] for r in out] == ["epp", "packed-1f1b", "seq1f1b", "gpipe"]
+    epp = out[0]
+    assert epp["feasible"] and epp["num_tokens"] == sum(LENGTHS)
+    assert epp["memory_budget_bytes"] == 80 * 2**30
+    plan = json.loads(plan_path.read_text())
+    assert plan["schedule"] == "epp" and plan["pp_degree"] == 4 and plan["sequences"] == LENGTHS
+    assert set(plan["actions"]) == {"0"} and len(plan["actions"]["0"]) == 4
+    assert all(a[0] in "FB" for stage in plan["actions"]["0"] for a in stage)
+    covered = sum(e - s for u in plan["units"] for _, s, e in u["segments"])
+    assert covered == sum(LENGTHS)
+    assert (tmp_path / "plan.seq1f1b.json").exists()
+
+
+def test_single_schedule_prints_one_object(lengths_file, capsys):
+    assert main(["--model", str(config_path("llama2-7b")), "--lengths", str(lengths_file), "--pp", "2",
+                 "--schedule", "seq1f1b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out, dict) and out["schedule"] == "seq1f1b"
+
+
+def test_plot(lengths_file, tmp_path):
+    png = tmp_path / "gantt.png"
+    assert main(["--model", str(config_path("llama2-7b")), "--lengths", str(lengths_file), "--pp", "4",
+                 "--schedule", "epp", "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+
+
+def test_errors(lengths_file, tmp_path, capsys):
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 12}))
+    assert main(["--model", str(gpt2), "--lengths", str(lengths_file), "--pp", "2"]) == 2
+    assert "not supported" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["--model", str(config_path("llama2-7b")), "--lengths", str(empty), "--pp", "2"]) == 2
+    assert "empty batch" in capsys.readouterr().err
+    bad = tmp_path / "bad.txt"
+    bad.write_text("12\nabc\n")
+    assert main(["--model", str(config_path("llama2-7b")), "--lengths", str(bad), "--pp", "2"]) == 2
+    assert "bad.txt:2" in capsys.readouterr().err
+
+
+def test_infeasible_is_reported_not_crashed(tmp_path, capsys):
+    p = tmp_path / "huge.txt"
+    p.write_text("50000000\n")
+    assert main(["--model", str(config_path("llama2-7b")), "--lengths", str(p), "--pp", "4",
+                 "--gpu-memory-gib", "80", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["feasible"] is False and "50000000 tokens" in out["error"]
+
+
+def test_module_entry_point(lengths_file):
+    proc = subprocess.run([sys.executable, "-m", "infinipipe_hf.plan", "--model", str(config_path("llama2-7b")),
+                           "--lengths", str(lengths_file), "--pp", "4", "--schedule", "epp", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["feasible"]
