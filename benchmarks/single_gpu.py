@@ -163,7 +163,12 @@ def plot(results: dict, path: Path) -> None:
     names = sorted({r["name"] for r in rows}, key=lambda n: ["hf", "hf_ckpt", "epp"].index(n) if n in
                    ("hf", "hf_ckpt", "epp") else 9)
     lengths = sorted({r["tokens_requested"] for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    tail = [r for r in results["rows"] if r["section"] == "longtail"]
+    axes[2].bar(range(len(tail)), [r.get("tokens_per_s", 0.0) / 1e3 for r in tail],
+                tick_label=[r["name"] + (f"\n{r['error'][:3]}" if "error" in r else "") for r in tail])
+    axes[2].set_title(f"long-tailed batch ({len(results.get('longtail_lengths', []))} sequences): "
+                      f"tokens/s (thousands)", fontsize=9)
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         by_len = {r["tokens_requested"]: r for r in rows if r["name"] == name}
@@ -174,9 +179,9 @@ def plot(results: dict, path: Path) -> None:
         axes[1].bar(xs, mem, width, label=name)
         for x, n in zip(xs, lengths):
             if "error" in by_len.get(n, {}):
-                for ax in axes:
+                for ax in axes[:2]:
                     ax.text(x, 0, by_len[n]["error"][:3], rotation=90, ha="center", va="bottom", fontsize=8)
-    for ax, title in zip(axes, ("tokens/s (thousands)", "peak memory allocated (GiB)")):
+    for ax, title in zip(axes[:2], ("tokens/s (thousands)", "peak memory allocated (GiB)")):
         ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(lengths))])
         ax.set_xticklabels([f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
         ax.set_title(title)

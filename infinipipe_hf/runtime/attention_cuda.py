@@ -143,7 +143,8 @@ def _self_check(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> tup
     query = torch.randn(1, heads, T, d, device=device, dtype=dtype, generator=g)
     keys = [torch.randn(1, kv_heads, c + (q_offsets[i + 1] - q_offsets[i]), d, device=device, dtype=dtype,
                         generator=g) for i, c in enumerate(ctx)]
-    values = [torch.randn_like(k) for k in keys]
+    # Own generator throughout: the global RNG (dropout, checkpoint replay) must not move.
+    values = [torch.randn(k.shape, device=device, dtype=dtype, generator=g) for k in keys]
     a = AttentionSegments(query, keys, values, q_offsets, ctx, d ** -0.5, 0.0, None)
     want = sdpa_backend(AttentionSegments(query.float(), [k.float() for k in keys],
                                           [v.float() for v in values], q_offsets, ctx, d ** -0.5, 0.0, None))

@@ -46,12 +46,12 @@ config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_siz
                      max_position_embeddings=4096, tie_word_embeddings=True)
 model = AutoModelForCausalLM.from_config(config)
 
-# Whole documents as text: Shakespeare and KJV excerpts plus stdlib files (8K tokens in all).
-docs = long_tailed_mix(tokenizer, 8192, long_tokens=768, num_long=4, max_doc_tokens=384)
+# Whole documents as text: Shakespeare and KJV excerpts plus stdlib files (6K tokens in all).
+docs = long_tailed_mix(tokenizer, 6144, long_tokens=640, num_long=4, max_doc_tokens=320)
 train_data = datasets.Dataset.from_dict({"text": [tokenizer.decode(d.input_ids[:-1]) for d in docs]})
 
 args = EPPTrainingArguments(
-    output_dir=cli.output_dir, pp_degree=cli.pp_degree, tokens_per_step=1024,
+    output_dir=cli.output_dir, pp_degree=cli.pp_degree, tokens_per_step=768,
     max_steps=cli.max_steps, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=2,
     logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0)
 trainer = EPPTrainer(model=model, args=args, train_dataset=train_data, processing_class=tokenizer)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
@@ -270,10 +270,6 @@ def assert_weights_match(got: dict, want: dict, what: str, rtol: float = LOSS_RT
     return worst
 
 
-def scenario_dict(scn: Scenario) -> dict:
-    return asdict(scn)
-
-
-__all__ = ["SCENARIOS", "Scenario", "replace", "reference_run", "load_reference", "epp_trainer",
+__all__ = ["SCENARIOS", "Scenario", "reference_run", "load_reference", "epp_trainer",
            "per_step", "assert_close_list", "assert_weights_match", "stage_state", "token_dataset",
            "make_model", "trainable_state", "EVAL_LENGTHS"]
