@@ -132,7 +132,7 @@ def guarded(name: str, fn: Callable[[], dict], device: torch.device, log=print) 
     return row
 
 
-def bench_profile_path(out_dir: Path, base_profile: str | None, dtype: torch.dtype, device: torch.device) -> str:
+def bench_profile_path(base_profile: str | None, dtype: torch.dtype, device: torch.device) -> str:
     """A profile file for the engine whose model-state bytes match this benchmark's training setup.
 
     Parameters, gradients and AdamW states all live in ``dtype`` here (pure bf16 training), so
@@ -146,10 +146,13 @@ def bench_profile_path(out_dir: Path, base_profile: str | None, dtype: torch.dty
     mem = (torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda"
            else prof.memory_gib)
     prof = replace(prof, state_bytes_per_param=4.0 * esize, bytes_per_element=esize, memory_gib=mem)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "bench_profile.json"
-    prof.save(path)
-    return str(path)
+    import tempfile
+
+    # A scratch file: it is derived, and the results directory holds only results.
+    fd, path = tempfile.mkstemp(prefix="bench_profile_", suffix=".json")
+    with open(fd, "w") as f:
+        json.dump(prof.to_dict(), f)
+    return path
 
 
 class ActionTimer:

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     config = gc_.load_config(args.config, args.tiny)
     out = Path(args.out)
-    profile_path = gc_.bench_profile_path(out.parent, args.profile, dtype, device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile_path = gc_.bench_profile_path(args.profile, dtype, device)
     results = {"env": gc_.environment(device), "profile": args.profile or "shipped default",
                "dtype": args.dtype, "rows": []}
     for case in args.cases.split(","):

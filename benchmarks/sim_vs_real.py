@@ -2,10 +2,13 @@
 
     python benchmarks/sim_vs_real.py [--out benchmarks/results/sim_vs_real.json] [--quick]
 
-1. Fit the cost model to this machine: ``infinipipe_hf.profile.run_profile`` times one decoder
-   layer of the benchmark model (transformers' own layer, float32, one thread) forward and
-   forward+backward at a few lengths and the LM head + loss at a few token counts, and fits a
-   ``HardwareProfile`` with ``fit_profile`` (the same path as ``python -m infinipipe_hf.profile``).
+1. Fit the cost model to this machine: one decoder layer of the benchmark model is timed through
+   the runtime's own code path (``StageRunner.forward`` with graph and ``epp`` attention, then
+   ``backward``; float32, one thread) at a few lengths, the LM head + loss with the profiler's
+   ``measure_head``, and the rows are fitted by ``planner.hardware.fit_profile`` (the fitter of
+   ``python -m infinipipe_hf.profile``).  The profiler's own layer rows time the forward under
+   ``no_grad`` with HF's SDPA; in a first run with those rows the runtime's forwards took 1.58x
+   and its backwards 1.26x the simulated time (graph recording, per-segment attention calls).
    Point-to-point cost over gloo/loopback is not measured: latency 0.2 ms and 1 GB/s are assumed
    (a 512-token unit of hidden 256 in float32 is 0.5 MB, so transfers are ~1% of an action).
 2. Run one step with ``PipelineEngine`` (schedule ``epp``, the engine's own planner with that
@@ -14,9 +17,10 @@
    order of actions with the executed one (the engine's merged timeline), (b) simulated step time
    with the measured timeline span, and per action kind the mean measured / simulated duration.
 
-Trade-off: the profile times HF's SDPA layer while the runtime runs the ``epp`` attention (one
-SDPA call per segment, explicit masks for slices with context), and CPU timings on a shared
-machine are noisy; the figure says how far the model is on this machine, not on a GPU.
+Trade-off: the layer is timed on one whole sequence, so packed units (one SDPA call per segment)
+and slices with context (explicit masks) are extrapolated by the fit; CPU timings on a machine
+shared with other jobs are noisy (the profile and the run see different load); the figure says
+how far the model is on this machine, not on a GPU.
 """
 from __future__ import annotations
 
@@ -41,19 +45,72 @@ LENGTHS = [1536, 700, 420, 300, 260, 180, 120, 90]
 MAX_TOKENS_PER_UNIT = 512
 
 
+def runtime_layer_rows(lengths, *, warmup: int, repeat: int) -> list[dict]:
+    """``layer_causal`` rows timed through the runtime's own path: ``StageRunner.forward`` (graph
+    recorded, ``epp`` attention) and ``backward`` of a one-layer middle stage on one sequence."""
+    import torch
+    import transformers
+
+    from infinipipe_hf.planner.actions import Action
+    from infinipipe_hf.planner.plan import Plan
+    from infinipipe_hf.planner.units import Segment, Unit
+    from infinipipe_hf.runtime.stage import build_stage
+    from infinipipe_hf.runtime.stage_runner import StageRunner
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**MODEL, "num_hidden_layers": 3})
+    runner = StageRunner(build_stage(transformers.LlamaForCausalLM(cfg).float(), 1, range(1, 2)))
+    rows = []
+    for n in lengths:
+        plan = Plan("epp", 3, 1, [n], [Unit(0, (Segment(0, 0, n),))],
+                    {0: [[], [Action("F", 0), Action("B", 0)], []]}, {}, [1, 1, 1])
+        x, g = torch.randn(1, n, MODEL["hidden_size"]), torch.randn(1, n, MODEL["hidden_size"])
+        fwd, bwd = [], []
+        for i in range(warmup + repeat):
+            runner.begin_step(plan, [{"input_ids": [0] * n}], n - 1)
+            t0 = time.perf_counter()
+            runner.forward(0, x)
+            t1 = time.perf_counter()
+            runner.backward(0, g)
+            t2 = time.perf_counter()
+            runner.end_step()
+            for prm in runner.stage.parameters():
+                prm.grad = None
+            if i >= warmup:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+        f, b = statistics.median(fwd) * 1e3, statistics.median(bwd) * 1e3
+        rows.append({"kind": "layer_causal", "tokens": n, "fwd_ms": f, "fwd_bwd_ms": f + b,
+                     "saved_bytes_per_token": 0.0})
+    return rows
+
+
 def fit_cpu_profile(quick: bool, log=print):
+    """A float32, one-thread CPU profile of the benchmark model on this machine (see module doc)."""
     import torch
 
-    from infinipipe_hf.profile import run_profile
+    from infinipipe_hf.planner.hardware import fit_profile
+    from infinipipe_hf.profiling.measure import measure_head
+    from infinipipe_hf.profiling.modules import build_modules, reference_shape
 
     torch.set_num_threads(1)
     lengths = (128, 256, 512) if quick else (128, 256, 512, 768, 1024)
-    profile, doc = run_profile({"model_type": "llama", **MODEL}, device="cpu", dtype="fp32",
-                               lengths=lengths, head_tokens=(256, 512, 1024), warmup=1,
-                               repeat=3 if quick else 5, name="cpu-fp32-1thread", log=log)
-    profile = dataclasses.replace(profile, p2p_latency_s=2e-4, p2p_bandwidth_bytes_per_s=1e9,
-                                  memory_gib=64.0)
-    return profile, doc
+    repeat = 3 if quick else 5
+    rows = runtime_layer_rows(lengths, warmup=1, repeat=repeat)
+    m = build_modules({"model_type": "llama", **MODEL}, torch.device("cpu"), torch.float32)
+    rows += [measure_head(m, n, torch.device("cpu"), torch.float32, warmup=1, repeat=repeat)
+             for n in (256, 512, 1024)]
+    for r in rows:
+        log(f"  {r['kind']:>12} {r['tokens']:>5} tokens: fwd {r['fwd_ms']:.1f} ms, fwd+bwd {r['fwd_bwd_ms']:.1f} ms")
+    profile = fit_profile(rows, reference_shape(m.spec), name="cpu-fp32-1thread", memory_gib=64.0,
+                          device="cpu", meta={"rows": rows})
+    # Saved bytes come from the cost model's formula (checked in test_memory_model_vs_runtime.py).
+    from infinipipe_hf.planner.cost_model import _act_elements
+
+    profile = dataclasses.replace(profile, bytes_per_element=4, p2p_latency_s=2e-4,
+                                  p2p_bandwidth_bytes_per_s=1e9,
+                                  activation_bytes_per_token_per_layer=_act_elements(m.spec) * 4.0)
+    return profile, rows
 
 
 def launch(spec: dict, nproc: int, timeout_s: float) -> dict:

@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     config = gc_.load_config(args.config, args.tiny)
     out = Path(args.out)
-    profile_path = gc_.bench_profile_path(out.parent, args.profile, dtype, device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile_path = gc_.bench_profile_path(args.profile, dtype, device)
     methods = args.methods.split(",")
     results = {"model": "tiny" if args.tiny else Path(args.config or "llama3.2-1b").stem,
                "env": gc_.environment(device), "dtype": args.dtype, "args": vars(args), "rows": []}

@@ -208,7 +208,9 @@ def show_plan(engine, out: Path, say) -> dict:
     plan = engine.last_plan
     # Planning is deterministic: re-planning the same lengths gives the executed plan and its
     # simulation (the trainer's look-ahead kept the simulation to itself).
-    replanned, sim = engine.make_plan(list(plan.sequences))
+    # Only rank 0 reports, so this must not be the collective make_plan (it would wait forever
+    # for ranks already in the trainer's next collective).
+    replanned, sim = engine.plan_locally(list(plan.sequences))
     assert replanned.to_dict() == plan.to_dict(), "planning is not deterministic"
     kinds = Counter(u.kind(plan.sequences).value for u in plan.units)
     say(f"plan of step 1 ({plan.schedule}; predicted times use the shipped H100 cost profile):")

@@ -16,6 +16,8 @@ model that trains, saves and reloads like any HF checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -66,6 +68,19 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _conversion_lock(final: Path):
+    """Let one process convert while the others (ranks of one launch) wait, then read its cache:
+    four ranks converting at once cost 4x the CPU and memory of one on a small machine."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def _offline() -> None:
     # Nothing here may touch the hub: the files are local and the machine may have no network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -80,10 +95,21 @@ def load_smollm2_tokenizer(use_cache: bool = True) -> Any:
     final = _converted_dir("tokenizer")
     if use_cache and (final / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(final)
+    if use_cache:
+        with _conversion_lock(final):
+            if (final / "tokenizer_config.json").is_file():  # another process converted it meanwhile
+                return AutoTokenizer.from_pretrained(final)
+            return _convert_tokenizer(final)
+    return _convert_tokenizer(None)
+
+
+def _convert_tokenizer(final: Path | None) -> Any:
+    from transformers import AutoTokenizer
+
     _require_gguf()
     gguf = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if use_cache:
+    if final is not None:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-tok-"))
         tok.save_pretrained(tmp)
@@ -120,6 +146,18 @@ def load_smollm2(dtype: Any = None, use_cache: bool = True) -> tuple[Any, Any]:
         raise ValueError(f"dtype must be a torch.dtype such as torch.float32, got {dtype!r}")
     tokenizer = load_smollm2_tokenizer(use_cache=use_cache)
     final = _converted_dir("model")
+    cached = use_cache and (final / "config.json").is_file()
+    lock = _conversion_lock(final) if use_cache and not cached else contextlib.nullcontext()
+    with lock:
+        model = _load_or_convert_model(final, dtype, use_cache)
+    model.eval()
+    return _strip_quantization(model), tokenizer
+
+
+def _load_or_convert_model(final: Path, dtype: Any, use_cache: bool) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     if use_cache and (final / "config.json").is_file():
         model = AutoModelForCausalLM.from_pretrained(final, dtype=dtype)
     else:
@@ -133,5 +171,4 @@ def load_smollm2(dtype: Any = None, use_cache: bool = True) -> tuple[Any, Any]:
             model.save_pretrained(tmp)
             _publish(tmp, final)
         model = model.to(dtype)
-    model.eval()
-    return _strip_quantization(model), tokenizer
+    return model

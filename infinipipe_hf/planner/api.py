@@ -115,9 +115,10 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     builders = {
         "epp": lambda: _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, policy,
                                        solver_time_limit_s),
-        "packed-1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "packed-1f1b", policy),
-        "seq1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "seq1f1b", policy),
-        "gpipe": lambda: _baseline_candidates(lengths, replicas, cost, "gpipe", policy),
+        "packed-1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "packed-1f1b", policy,
+                                                    max_tokens_per_unit),
+        "seq1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "seq1f1b", policy, max_tokens_per_unit),
+        "gpipe": lambda: _baseline_candidates(lengths, replicas, cost, "gpipe", policy, max_tokens_per_unit),
     }
     best: tuple[Plan, SimulationResult] | None = None
     tried: list[dict] = []
@@ -130,6 +131,15 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
         except ValueError as exc:  # a knob value that cannot hold some sequence
             tried.append({**knobs, "feasible": False, "error": str(exc)})
             last_error = str(exc)
+            continue
+        biggest = max(u.num_tokens for u in plan.units)
+        if max_tokens_per_unit is not None and biggest > max_tokens_per_unit:
+            # Baselines choose their packing/slicing lengths; a knob that makes units larger than
+            # the user's cap is simply not a candidate.
+            last_error = (f"{schedule} with {knobs} makes units of {biggest} tokens, over "
+                          f"max_tokens_per_unit={max_tokens_per_unit}; raise max_tokens_per_unit "
+                          f"or use schedule='epp' or 'seq1f1b', which cut long sequences")
+            tried.append({**knobs, "feasible": False, "error": last_error})
             continue
         sim = simulate(plan, cost)
         tried.append({**knobs, "feasible": sim.feasible, "step_time_s": sim.step_time_s,
@@ -292,8 +302,11 @@ def _replica_actions(lengths, cost, pipelines: Sequence[Sequence[Unit]], dp_rank
 
 
 # --- baselines ------------------------------------------------------------------------------
-def _baseline_candidates(lengths, replicas, cost, schedule, policy):
+def _baseline_candidates(lengths, replicas, cost, schedule, policy, max_tokens_per_unit=None):
     packs = packing_candidates(lengths)
+    if max_tokens_per_unit is not None:
+        # The cap itself (or the longest sequence, which packing never cuts) as the tightest pack.
+        packs = sorted(set(packs) | {max(max(lengths), int(max_tokens_per_unit))})
     slice_counts = slicing_candidates(lengths) if schedule == "seq1f1b" else [1]
     for pack in packs:
         for k in slice_counts:

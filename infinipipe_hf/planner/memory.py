@@ -16,12 +16,23 @@ activations count in full during its forward and backward (their peak is at the 
 KV store: a segment whose sequence continues holds ``cost.kv_bytes(stage, length)`` from its
 forward on the stage until the backward of the unit holding the sequence's first slice
 (``start == 0``) finishes there (backward runs last slice first, so that is the last user).
+
+Speed: the planner's hot paths (checkpoint problem, simulator, validator) never build the
+per-point live tuples, which cost O(actions x units in flight) per stage.  They use a
+:class:`StageTimeline` instead: the base bytes of every point as an array, and, when every unit
+has exactly one forward followed by one backward on the stage (every plan the planner builds),
+each unit's live interval ``[forward index, backward index]``.  Peaks then are a cumulative sum
+of +activation at forwards and -activation after backwards, evaluated in the same order as the
+per-action loop, so every number is bit-for-bit what :func:`memory_points` and
+:func:`point_bytes` give.  Irregular action lists (tests of broken plans) take the plain loops.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
 from typing import Mapping
+
+import numpy as np
 
 from .actions import Action
 from .cost_model import CostModel
@@ -41,64 +52,202 @@ class MemoryPoint:
     finished), the running one included, in the order of their forwards."""
 
 
-def _unit_facts(plan: Plan, cost: CostModel, stage: int, actions: list[Action]):
-    """Per unit of the stage: (tokens, [(seq, KV bytes entering the store)], [seqs it frees])."""
-    by_id = plan.unit_by_id
-    facts: dict[int, tuple[int, list[tuple[int, float]], list[int]]] = {}
-    for a in actions:
-        uid = a.unit
-        if uid in facts:
-            continue
-        unit = by_id.get(uid)
-        if unit is None:
-            raise ValueError(f"stage {stage} runs unit {uid}, which is not among the plan's units "
-                             f"{sorted(by_id)[:10]}...; build actions from plan.units")
-        tokens = 0
-        kv_adds: list[tuple[int, float]] = []
-        frees: list[int] = []
-        for seg in unit.segments:
-            n = seg.end - seg.start
-            tokens += n
-            if plan.continues_after(seg):
-                kv_adds.append((seg.seq, cost.kv_bytes(stage, n)))
-            if seg.start == 0:
-                frees.append(seg.seq)  # the first slice's backward is the sequence's last
-        facts[uid] = (tokens, kv_adds, frees)
-    return facts
+@dataclass(eq=False)
+class StageTimeline:
+    """Array form of one stage's memory points (see the module docstring); built by :func:`stage_timeline`."""
+
+    actions: list[Action]
+    """The stage's action list (the plan's own list object)."""
+    units: np.ndarray
+    """Unit ids in order of first appearance (forward order when ``regular``)."""
+    tokens: np.ndarray
+    """Tokens per unit, in ``units`` order."""
+    slot: np.ndarray
+    """Per action: index of its unit in ``units``."""
+    forward: np.ndarray
+    """Per action: True for a forward."""
+    base: np.ndarray
+    """Per action: ``base_bytes`` of its point (exactly :func:`memory_points`' value)."""
+    regular: bool
+    """Every unit has exactly one forward, then one backward, on the stage."""
+    fpos: np.ndarray | None = None
+    """``regular`` only: action index of each unit's forward (increasing)."""
+    bpos: np.ndarray | None = None
+    """``regular`` only: action index of each unit's backward."""
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+    def activations(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int]) -> np.ndarray:
+        """``cost.activation_bytes`` of every unit (``units`` order) under ``checkpoint_layers``."""
+        get = checkpoint_layers.get
+        act = cost.activation_bytes
+        return np.array([act(stage, t, get(u, 0)) for u, t in zip(self.units.tolist(), self.tokens.tolist())],
+                        dtype=float)
+
+    def point_values(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int]) -> np.ndarray:
+        """:func:`point_bytes` of every point under ``checkpoint_layers`` (bit-identical)."""
+        n = len(self.actions)
+        if n == 0:
+            return np.zeros(0)
+        act = self.activations(cost, stage, checkpoint_layers)
+        if self.regular:
+            # Interleave "+act at the forward" and "-act after the backward" in action order, so
+            # the cumulative sum performs the same float operations as the per-action loop.
+            delta = np.zeros(2 * n)
+            delta[2 * self.fpos] = act
+            delta[2 * self.bpos + 1] = -act
+            return self.base + np.cumsum(delta)[0::2]
+        values = np.empty(n)
+        held: dict[int, float] = {}
+        live_sum = 0.0
+        for j, (k, fw) in enumerate(zip(self.slot.tolist(), self.forward.tolist())):
+            if k not in held:
+                held[k] = float(act[k])
+                live_sum += held[k]
+            values[j] = float(self.base[j]) + live_sum
+            if not fw:
+                live_sum -= held.pop(k)
+        return values
+
+    def peak(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int]) -> float:
+        """Max of :meth:`point_values` (the model states alone when the stage runs nothing)."""
+        if not self.actions:
+            return cost.static_bytes(stage)
+        return float(self.point_values(cost, stage, checkpoint_layers).max())
+
+    def windows(self) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`live_windows` as arrays (``regular`` timelines only)."""
+        assert self.regular, "live windows of an irregular timeline: use live_windows"
+        n = len(self.actions)
+        firsts = np.arange(n)
+        lasts = np.arange(n)
+        fpos, bpos = self.fpos.tolist(), self.bpos.tolist()
+        # firsts[j]: latest forward among the units live at j -- paint intervals by rising forward
+        # index, later paints win.  lasts[j]: earliest backward among them -- paint by falling
+        # backward index.
+        for f, b in zip(fpos, bpos):
+            firsts[f:b + 1] = f
+        for k in np.argsort(-self.bpos, kind="stable").tolist():
+            lasts[fpos[k]:bpos[k] + 1] = bpos[k]
+        return firsts, lasts
 
 
-def memory_points(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list[MemoryPoint]:
-    """One :class:`MemoryPoint` per action of ``plan.stage_actions(dp_rank, stage)``, in order."""
+def _check_stage(plan: Plan, dp_rank: int, stage: int) -> None:
     if not 0 <= stage < plan.pp_degree:
         raise ValueError(f"stage {stage} out of range for pp_degree {plan.pp_degree}; use 0..{plan.pp_degree - 1}")
     if dp_rank not in plan.actions:
         raise ValueError(f"dp_rank {dp_rank} not in the plan (dp ranks {sorted(plan.actions)})")
+
+
+def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> StageTimeline:
+    """:class:`StageTimeline` of ``plan.stage_actions(dp_rank, stage)``."""
+    _check_stage(plan, dp_rank, stage)
     actions = plan.stage_actions(dp_rank, stage)
-    facts = _unit_facts(plan, cost, stage, actions)
-    static = cost.static_bytes(stage)
-    kv_by_seq: dict[int, float] = {}
-    kv_total = 0.0
+    n = len(actions)
+    uid = np.fromiter((a.unit for a in actions), dtype=np.int64, count=n)
+    fwd = np.fromiter((a.kind == "F" for a in actions), dtype=bool, count=n)
+    uniq, first_idx, inv = np.unique(uid, return_index=True, return_inverse=True)
+    order = np.argsort(first_idx, kind="stable")
+    units = uniq[order]
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    slot = rank[inv.reshape(-1)]
+
+    # Per unit: tokens, K/V entering the store at its forward, sequences whose store it frees.
+    by_id = plan.unit_by_id
+    seq_len = plan.sequences
+    nu = len(units)
+    tokens = np.zeros(nu, dtype=np.int64)
+    kv_adds: list[list[tuple[int, float]]] = [[] for _ in range(nu)]
+    frees: list[list[int]] = [[] for _ in range(nu)]
+    work_f = np.empty(nu)
+    work_b = np.empty(nu)
+    for k, u in enumerate(units.tolist()):
+        unit = by_id.get(u)
+        if unit is None:
+            raise ValueError(f"stage {stage} runs unit {u}, which is not among the plan's units "
+                             f"{sorted(by_id)[:10]}...; build actions from plan.units")
+        t = 0
+        for seg in unit.segments:
+            m = seg.end - seg.start
+            t += m
+            if seg.end < seq_len[seg.seq]:
+                kv_adds[k].append((seg.seq, cost.kv_bytes(stage, m)))
+            if seg.start == 0:
+                frees[k].append(seg.seq)  # the first slice's backward is the sequence's last
+        tokens[k] = t
+        work_f[k] = cost.working_bytes(stage, t, 0, backward=False)
+        work_b[k] = cost.working_bytes(stage, t, 1, backward=True)
+
+    # KV store: the same float operations as a per-action loop, but only at the actions that
+    # change it (forwards adding K/V, backwards freeing a sequence that has some).
+    kv_seqs = {q for adds in kv_adds for q, _ in adds}
+    kv = np.zeros(n)
+    if kv_seqs:
+        frees_kv = [[q for q in fr if q in kv_seqs] for fr in frees]
+        has_add = np.fromiter((bool(x) for x in kv_adds), dtype=bool, count=nu)
+        has_free = np.fromiter((bool(x) for x in frees_kv), dtype=bool, count=nu)
+        events = np.flatnonzero(np.where(fwd, has_add[slot], has_free[slot]))
+        kv_by_seq: dict[int, float] = {}
+        kv_total = 0.0
+        change_at: list[int] = []
+        values: list[float] = []
+        slot_l = slot.tolist()
+        fwd_l = fwd.tolist()
+        for j in events.tolist():
+            k = slot_l[j]
+            if fwd_l[j]:
+                # The new K/V exist as soon as the forward has run its first layer.
+                for q, b in kv_adds[k]:
+                    kv_by_seq[q] = kv_by_seq.get(q, 0.0) + b
+                    kv_total += b
+                change_at.append(j)
+            else:
+                for q in frees_kv[k]:
+                    kv_total -= kv_by_seq.pop(q, 0.0)
+                change_at.append(j + 1)  # freed after the backward's own point
+            values.append(kv_total)
+        idx = np.searchsorted(np.asarray(change_at), np.arange(n), side="right") - 1
+        kv = np.where(idx >= 0, np.asarray(values)[np.maximum(idx, 0)], 0.0)
+    base = cost.static_bytes(stage) + kv + np.where(fwd, work_f[slot], work_b[slot])
+
+    fpos = bpos = None
+    regular = False
+    if n:
+        f_units, b_units = slot[fwd], slot[~fwd]
+        if len(f_units) == nu and len(b_units) == nu:
+            fpos = np.full(nu, -1, dtype=np.int64)
+            bpos = np.full(nu, -1, dtype=np.int64)
+            fpos[f_units] = np.flatnonzero(fwd)
+            bpos[b_units] = np.flatnonzero(~fwd)
+            regular = bool((fpos >= 0).all() and (bpos >= 0).all() and (fpos < bpos).all())
+        if not regular:
+            fpos = bpos = None
+    return StageTimeline(actions, units, tokens, slot, fwd, base, regular, fpos, bpos)
+
+
+def memory_points(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list[MemoryPoint]:
+    """One :class:`MemoryPoint` per action of ``plan.stage_actions(dp_rank, stage)``, in order."""
+    return timeline_points(stage_timeline(plan, cost, dp_rank, stage))
+
+
+def timeline_points(tl: StageTimeline) -> list[MemoryPoint]:
+    """The :class:`MemoryPoint` list of a :class:`StageTimeline` (what :func:`memory_points` returns)."""
+    units = tl.units.tolist()
     live: dict[int, None] = {}  # insertion-ordered set: forwards arrive in time order
     points: list[MemoryPoint] = []
-    for i, a in enumerate(actions):
-        tokens, kv_adds, frees = facts[a.unit]
-        if a.is_forward:
-            # The new K/V exist as soon as the forward has run its first layer.
-            for seq, b in kv_adds:
-                kv_by_seq[seq] = kv_by_seq.get(seq, 0.0) + b
-                kv_total += b
-            live[a.unit] = None
-            work = cost.working_bytes(stage, tokens, 0, backward=False)
-            points.append(MemoryPoint(i, static + kv_total + work, tuple(live)))
+    for i, (k, fw, base) in enumerate(zip(tl.slot.tolist(), tl.forward.tolist(), tl.base.tolist())):
+        u = units[k]
+        if fw:
+            live[u] = None
+            points.append(MemoryPoint(i, base, tuple(live)))
         else:
             # A backward without its forward is the validator's to report; count the unit live
             # while it runs so the point is still conservative.
-            live.setdefault(a.unit, None)
-            work = cost.working_bytes(stage, tokens, 1, backward=True)
-            points.append(MemoryPoint(i, static + kv_total + work, tuple(live)))
-            del live[a.unit]
-            for seq in frees:
-                kv_total -= kv_by_seq.pop(seq, 0.0)
+            live.setdefault(u, None)
+            points.append(MemoryPoint(i, base, tuple(live)))
+            del live[u]
     return points
 
 
@@ -114,17 +263,22 @@ def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
 
 def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
                      checkpoint_layers: Mapping[int, int] | None = None, *,
-                     points: list[MemoryPoint] | None = None) -> float:
+                     points: list[MemoryPoint] | None = None,
+                     timeline: StageTimeline | None = None) -> float:
     """Peak over the stage's actions of :func:`point_bytes` (``plan.checkpoint_layers`` by default).
 
-    ``points`` may pass :func:`memory_points` of the same stage when the caller has them.  Keeps a
-    running sum of live activations instead of summing every point's live set, so it is linear in
-    the number of actions even for GPipe-like schedules where everything is live.
+    ``points`` may pass :func:`memory_points` of the same stage, or ``timeline`` its
+    :func:`stage_timeline`, when the caller has them.  Keeps a running sum of live activations
+    instead of summing every point's live set, so it is linear in the number of actions even for
+    GPipe-like schedules where everything is live.
     """
     if checkpoint_layers is None:
         checkpoint_layers = plan.checkpoint_layers.get(stage, {})
     if points is None:
-        points = memory_points(plan, cost, dp_rank, stage)
+        if timeline is None:
+            timeline = stage_timeline(plan, cost, dp_rank, stage)
+        assert timeline.actions is plan.stage_actions(dp_rank, stage), "timeline is not this stage's"
+        return timeline.peak(cost, stage, checkpoint_layers)
     if not points:
         return cost.static_bytes(stage)
     actions = plan.stage_actions(dp_rank, stage)
@@ -142,8 +296,6 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
         if not a.is_forward:
             live_sum -= act.pop(a.unit)
     return peak
-
-
 def live_windows(points: list[MemoryPoint], actions: list[Action]) -> tuple[list[int], list[int]]:
     """For each point, the range ``[first, last]`` of point indices whose live sets contain its own.
 

@@ -189,8 +189,15 @@ class PipelineEngine:
                              f"or lower the batch's token budget")
         return result.plan, getattr(result, "simulation", None)
 
+    def plan_locally(self, lengths: list[int]) -> tuple[Plan, Any]:
+        """This rank's own plan of ``lengths`` and its simulation, with no communication: safe to
+        call from one rank only (reporting, drawing), unlike the collective :meth:`make_plan`."""
+        return self._plan_locally(list(lengths))
+
     def make_plan(self, lengths: list[int]) -> tuple[Plan, Any]:
-        """Plan a step (same result on every rank); returns ``(plan, simulation or None)``."""
+        """Plan a step (same result on every rank); returns ``(plan, simulation or None)``.
+
+        Collective when the world has more than one rank: every rank must call it."""
         if self.layout.world_size == 1:
             return self._plan_locally(lengths)
         if self.config.seed_plan_on_rank0:

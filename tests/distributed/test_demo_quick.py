@@ -37,7 +37,10 @@ def _run_demo(out: Path) -> tuple[int, str]:
         output, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # launcher, torchrun and all four ranks
-        output, _ = proc.communicate()
+        try:  # a rank in another session could still hold the pipe: never wait on it for long
+            output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            output = "(no output: the pipe stayed open after the kill)"
         pytest.fail(f"the quick demo did not finish within {TIMEOUT_S} s; output tail:\n{output[-4000:]}")
     return proc.returncode, output
 

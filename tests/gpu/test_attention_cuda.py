@@ -42,7 +42,8 @@ def _grads(a, out, g):
 
 
 def _rel(x, y):
-    return float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-12))
+    x, y = x.detach().float(), y.detach().float()
+    return float((x - y).norm() / y.norm().clamp_min(1e-12))
 
 
 def _kernel(name):

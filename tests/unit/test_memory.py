@@ -171,3 +171,55 @@ def test_live_windows_reject_broken_windows(cost):
         pts = memory_points(plan, cost, 0, 0)
         with pytest.raises(ValueError, match="unit 0"):
             live_windows(pts, plan.stage_actions(0, 0))
+
+
+def _reference_point_bytes(plan, cost, stage, actions, ck):
+    """Straight-from-the-definition bytes of every point (module docstring of memory.py)."""
+    by_id = plan.unit_by_id
+    fpos = {a.unit: i for i, a in enumerate(actions) if a.is_forward}
+    bpos = {a.unit: i for i, a in enumerate(actions) if not a.is_forward}
+    out = []
+    for i, a in enumerate(actions):
+        total = cost.static_bytes(stage)
+        u = by_id[a.unit]
+        total += cost.working_bytes(stage, u.num_tokens, 0 if a.is_forward else 1, backward=not a.is_forward)
+        for v, f in fpos.items():  # live activations
+            if f <= i <= bpos[v]:
+                total += cost.activation_bytes(stage, by_id[v].num_tokens, ck.get(v, 0))
+        for v, f in fpos.items():  # K/V of continuing segments until the first slice's backward ends
+            if f > i:
+                continue
+            for seg in by_id[v].segments:
+                if seg.end < plan.sequences[seg.seq]:
+                    first = next(w for w in fpos if any(s.seq == seg.seq and s.start == 0
+                                                        for s in by_id[w].segments))
+                    if bpos[first] >= i:
+                        total += cost.kv_bytes(stage, seg.end - seg.start)
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["epp", "seq1f1b", "gpipe"])
+def test_array_timeline_equals_definition_on_planned_steps(schedule):
+    from infinipipe_hf.planner.api import plan_step
+    from infinipipe_hf.planner.memory import stage_timeline
+
+    rng = random.Random(7)
+    lengths = [rng.choice([40, 90, 300, 700, 1500, 3000]) for _ in range(14)]
+    res = plan_step(lengths, SPEC, pp_degree=2, schedule=schedule,
+                    max_tokens_per_unit=512 if schedule != "gpipe" else None, checkpointing="none")
+    plan = res.plan
+    cost = CostModel(SPEC, pp_degree=2, layers_per_stage=[2, 2], memory_budget_bytes=1e12)
+    for s in range(2):
+        actions = plan.stage_actions(0, s)
+        ck = {u.id: rng.randint(0, 2) for u in plan.units}
+        tl = stage_timeline(plan, cost, 0, s)
+        assert tl.regular
+        want = _reference_point_bytes(plan, cost, s, actions, ck)
+        got = tl.point_values(cost, s, ck)
+        assert got.tolist() == pytest.approx(want, rel=1e-12)
+        pts = memory_points(plan, cost, 0, s)
+        assert [point_bytes(p, plan, cost, s, ck) for p in pts] == pytest.approx(want, rel=1e-12)
+        assert stage_peak_bytes(plan, cost, 0, s, ck) == pytest.approx(max(want), rel=1e-12)
+        firsts, lasts = tl.windows()
+        assert (firsts.tolist(), lasts.tolist()) == tuple(map(list, live_windows(pts, actions)))

@@ -80,3 +80,14 @@ def test_sequence_too_long_names_length_and_limit():
     assert not res.feasible
     assert f"{limit * 2} tokens" in res.error and f"the largest that fits is {limit} tokens" in res.error
     assert plan_step([limit, 100], SPEC, pp_degree=4, memory_budget_bytes=budget).feasible
+
+
+def test_baselines_respect_max_tokens_per_unit_or_say_why():
+    from infinipipe_hf.planner.api import plan_step
+
+    lengths = [3000, 700, 300, 90, 40]
+    sliced = plan_step(lengths, SPEC, pp_degree=2, schedule="seq1f1b", max_tokens_per_unit=512)
+    assert sliced.feasible and max(u.num_tokens for u in sliced.plan.units) <= 512
+    packed = plan_step(lengths, SPEC, pp_degree=2, schedule="packed-1f1b", max_tokens_per_unit=512)
+    assert not packed.feasible
+    assert "max_tokens_per_unit=512" in packed.error and "3000" in packed.error

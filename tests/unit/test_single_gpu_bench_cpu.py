@@ -1,6 +1,5 @@
 """The single-GPU benchmark scripts run end to end on CPU with a tiny model (smoke test)."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
