@@ -136,7 +136,7 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int) -> ReplicaProblem:
     index_chunks: list[np.ndarray] = []
     row_action: list[Action] = []
     n_rows = 0
-    unit_facts: dict[int, tuple[int, float]] = {}  # tokens, recompute seconds of one layer
+    unit_facts: dict[int, tuple] = {}  # segments, recompute seconds of one layer
     stage_points: dict[int, list[MemoryPoint]] = {}
     for p in range(pp):
         actions = plan.stage_actions(dp_rank, p)
@@ -149,8 +149,8 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int) -> ReplicaProblem:
         for uid in dict.fromkeys(a.unit for a in actions):
             if uid not in unit_facts:
                 unit = by_id[uid]
-                unit_facts[uid] = (unit.num_tokens, cost.recompute_time(p, UnitShape.of(unit.segments), 1))
-            tokens, layer_s = unit_facts[uid]
+                unit_facts[uid] = (unit.segments, cost.recompute_time(p, UnitShape.of(unit.segments), 1))
+            segments, layer_s = unit_facts[uid]
             cell_here[uid] = len(cell_stage)
             cell_stage.append(p)
             cell_unit.append(uid)
@@ -159,9 +159,9 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int) -> ReplicaProblem:
             k = back_pos.get(uid)
             # A unit with no backward here (invalid plan) gets a variable of its own.
             cell_key.append(("d", k + (pp - 1 - p), layers) if k is not None else ("orphan", p, uid))
-            a0 = cost.activation_bytes(p, tokens, 0)
+            a0 = cost.unit_activation_bytes(p, segments, 0)
             zero_act.append(a0)
-            slope.append(a0 - cost.activation_bytes(p, tokens, 1))
+            slope.append(a0 - cost.unit_activation_bytes(p, segments, 1))
         points = stage_points[p] = memory_points(plan, cost, dp_rank, p)
         if not points:
             continue

@@ -196,6 +196,40 @@ class CostModel:
         """Bytes saved by checkpointing one more layer of the unit (the solver's slope)."""
         return tokens * (self.act_bytes_per_token - self.hidden_bytes_per_token)
 
+    def context_bytes_per_layer(self, segments: Iterable[Segment]) -> float:
+        """Extra bytes one non-checkpointed layer saves for segments that attend to context.
+
+        The attention concatenates a slice's context K/V (read from the KV store) with its own and
+        autograd keeps that concatenation for backward: ``2 * start * kv_dim`` elements beyond the
+        slice's own K/V, which the per-token figure already counts.  Backends that need an explicit
+        lower-right mask also keep it (``attention_mask_bytes_per_element`` per query-key pair).
+        A checkpointed layer keeps neither (its forward reruns in backward).
+        """
+        total = 0.0
+        mask_bpe = self.profile.attention_mask_bytes_per_element
+        for seg in segments:
+            if seg.start > 0:
+                total += seg.start * self.kv_bytes_per_token_per_layer
+                if mask_bpe:
+                    total += mask_bpe * (seg.end - seg.start) * seg.end
+        return total
+
+    def unit_activation_bytes(self, stage_index: int, segments: Sequence[Segment],
+                              checkpointed_layers: int) -> float:
+        """:meth:`activation_bytes` of a unit with these segments, context copies included."""
+        tokens = sum(seg.end - seg.start for seg in segments)
+        act = self.activation_bytes(stage_index, tokens, checkpointed_layers)
+        extra = self.context_bytes_per_layer(segments)
+        if extra:
+            act += (self.layers_per_stage[stage_index] - checkpointed_layers) * extra
+        return act
+
+    def unit_checkpoint_saving(self, stage_index: int, segments: Sequence[Segment]) -> float:
+        """Bytes saved by checkpointing one more layer of a unit with these segments."""
+        tokens = sum(seg.end - seg.start for seg in segments)
+        return (self.activation_bytes_per_checkpointed_layer(stage_index, tokens)
+                + self.context_bytes_per_layer(segments))
+
     def kv_bytes(self, stage_index: int, continuing_tokens: int) -> float:
         """KV-store bytes for tokens whose K/V later slices need: K/V plus pending gradients."""
         return 2 * continuing_tokens * self.layers_per_stage[stage_index] * self.kv_bytes_per_token_per_layer

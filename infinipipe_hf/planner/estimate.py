@@ -50,9 +50,9 @@ class PipelineEstimator:
         self.per_stage = {}
         for st in self.stages:
             layers = cost.num_layers(st)
-            act = [cost.activation_bytes(st, u.num_tokens, 0) for u in self.units]
+            act = [cost.unit_activation_bytes(st, u.segments, 0) for u in self.units]
             kv = [cost.kv_bytes(st, sum(s.length for s in u.segments if s.end < lengths[s.seq])) for u in self.units]
-            save = [cost.activation_bytes_per_checkpointed_layer(st, u.num_tokens) * layers for u in self.units]
+            save = [cost.unit_checkpoint_saving(st, u.segments) * layers for u in self.units]
             redo = [cost.layer_fwd(sh.pairs, sh.tokens) * layers for sh in shapes]
             work = [cost.working_bytes(st, u.num_tokens, 1, backward=True) for u in self.units]
             self.per_stage[st] = (

@@ -65,6 +65,10 @@ class HardwareProfile:
     """Extra bytes alive while one layer runs forward (its peak minus what it keeps)."""
     bytes_per_element: int = 2
     """Activation dtype size (2 for bf16)."""
+    attention_mask_bytes_per_element: float = 0.0
+    """Bytes per (query, key) pair of an explicit mask the attention saves for backward on slices
+    with context: 0 for kernels with native lower-right causality (flash-attn, torch varlen),
+    4 for the SDPA fallback, which turns the boolean mask into a float one and keeps it."""
     state_bytes_per_param: float = 16.0
     """Weights + gradients + optimizer states per parameter (bf16 mixed precision + AdamW: 16)."""
     embedding_token_s: float = 2e-8

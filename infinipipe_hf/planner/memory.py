@@ -29,7 +29,7 @@ per-action loop, so every number is bit-for-bit what :func:`memory_points` and
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import numpy as np
@@ -70,6 +70,8 @@ class StageTimeline:
     """Per action: ``base_bytes`` of its point (exactly :func:`memory_points`' value)."""
     regular: bool
     """Every unit has exactly one forward, then one backward, on the stage."""
+    context_bytes: dict[int, float] = field(default_factory=dict)
+    """Per unit slot with context: :meth:`CostModel.context_bytes_per_layer` (others are 0)."""
     fpos: np.ndarray | None = None
     """``regular`` only: action index of each unit's forward (increasing)."""
     bpos: np.ndarray | None = None
@@ -82,8 +84,11 @@ class StageTimeline:
         """``cost.activation_bytes`` of every unit (``units`` order) under ``checkpoint_layers``."""
         get = checkpoint_layers.get
         act = cost.activation_bytes
-        return np.array([act(stage, t, get(u, 0)) for u, t in zip(self.units.tolist(), self.tokens.tolist())],
-                        dtype=float)
+        layers = cost.layers_per_stage[stage]
+        values = [act(stage, t, get(u, 0)) for u, t in zip(self.units.tolist(), self.tokens.tolist())]
+        for k, extra in self.context_bytes.items():  # slices with context: K/V copies (and masks)
+            values[k] += (layers - get(int(self.units[k]), 0)) * extra
+        return np.array(values, dtype=float)
 
     def point_values(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int]) -> np.ndarray:
         """:func:`point_bytes` of every point under ``checkpoint_layers`` (bit-identical)."""
@@ -163,11 +168,15 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> Sta
     frees: list[list[int]] = [[] for _ in range(nu)]
     work_f = np.empty(nu)
     work_b = np.empty(nu)
+    context_bytes: dict[int, float] = {}
     for k, u in enumerate(units.tolist()):
         unit = by_id.get(u)
         if unit is None:
             raise ValueError(f"stage {stage} runs unit {u}, which is not among the plan's units "
                              f"{sorted(by_id)[:10]}...; build actions from plan.units")
+        extra = cost.context_bytes_per_layer(unit.segments)
+        if extra:
+            context_bytes[k] = extra
         t = 0
         for seg in unit.segments:
             m = seg.end - seg.start
@@ -224,7 +233,7 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> Sta
             regular = bool((fpos >= 0).all() and (bpos >= 0).all() and (fpos < bpos).all())
         if not regular:
             fpos = bpos = None
-    return StageTimeline(actions, units, tokens, slot, fwd, base, regular, fpos, bpos)
+    return StageTimeline(actions, units, tokens, slot, fwd, base, regular, context_bytes, fpos, bpos)
 
 
 def memory_points(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list[MemoryPoint]:
@@ -257,7 +266,7 @@ def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
     by_id = plan.unit_by_id
     total = point.base_bytes
     for uid in point.live_units:
-        total += cost.activation_bytes(stage, by_id[uid].num_tokens, checkpoint_layers.get(uid, 0))
+        total += cost.unit_activation_bytes(stage, by_id[uid].segments, checkpoint_layers.get(uid, 0))
     return total
 
 
@@ -290,7 +299,8 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
     for p in points:
         a = actions[p.action_index]
         if a.unit not in act:
-            act[a.unit] = cost.activation_bytes(stage, by_id[a.unit].num_tokens, checkpoint_layers.get(a.unit, 0))
+            act[a.unit] = cost.unit_activation_bytes(stage, by_id[a.unit].segments,
+                                                     checkpoint_layers.get(a.unit, 0))
             live_sum += act[a.unit]
         peak = max(peak, p.base_bytes + live_sum)
         if not a.is_forward:

@@ -158,7 +158,7 @@ def _point_values(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list
     for point in memory_points(plan, cost, dp_rank, stage):
         a = actions[point.action_index]
         if a.unit not in held:
-            held[a.unit] = cost.activation_bytes(stage, by_id[a.unit].num_tokens, ck.get(a.unit, 0))
+            held[a.unit] = cost.unit_activation_bytes(stage, by_id[a.unit].segments, ck.get(a.unit, 0))
             live_sum += held[a.unit]
         values.append(point.base_bytes + live_sum)
         if not a.is_forward:

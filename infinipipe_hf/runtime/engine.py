@@ -17,6 +17,8 @@ can be injected (``planner=callable(lengths, engine) -> Plan | PlanResult``, or
 """
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import math
@@ -170,8 +172,17 @@ class PipelineEngine:
         from ..planner.hardware import HardwareProfile
 
         c = self.config
-        if self._profile is None and c.profile is not None:
-            self._profile = HardwareProfile.load(c.profile)
+        if self._profile is None:
+            from ..planner.hardware import default_profile
+            from .attention import sdpa_backend
+
+            profile = HardwareProfile.load(c.profile) if c.profile is not None else default_profile()
+            if self.runner.backend is sdpa_backend and not profile.attention_mask_bytes_per_element:
+                # The SDPA fallback keeps a dense mask (in the compute dtype) per slice with
+                # context; plan with it so the memory model matches what this rank really holds.
+                profile = dataclasses.replace(profile, attention_mask_bytes_per_element=float(
+                    torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else 4))
+            self._profile = profile
         return plan_step(lengths, self.spec, pp_degree=c.pp_degree, dp_degree=self.layout.dp_degree,
                          schedule=c.schedule, memory_budget_bytes=self._memory_budget_bytes(),
                          profile=self._profile, layers_per_stage=self.layers_per_stage,

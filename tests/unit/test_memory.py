@@ -93,7 +93,10 @@ def test_point_bytes_linear_in_counts(plan, cost):
     slope2 = cost.activation_bytes_per_checkpointed_layer(0, 150)
     assert b0 - b1 == pytest.approx(slope0)
     assert b0 - b2 == pytest.approx(2 * slope0 + slope2)
-    assert b0 == pytest.approx(p.base_bytes + sum(cost.activation_bytes(0, t, 0) for t in (200, 100, 150)))
+    # Unit 1 (tokens 200..300 of sequence 0) also keeps, per layer, a copy of its 200-token context K/V.
+    context = 2 * 200 * cost.kv_bytes_per_token_per_layer
+    assert b0 == pytest.approx(p.base_bytes + context
+                               + sum(cost.activation_bytes(0, t, 0) for t in (200, 100, 150)))
 
 
 def test_stage_peak_is_max_of_points(plan, cost):
@@ -183,9 +186,12 @@ def _reference_point_bytes(plan, cost, stage, actions, ck):
         total = cost.static_bytes(stage)
         u = by_id[a.unit]
         total += cost.working_bytes(stage, u.num_tokens, 0 if a.is_forward else 1, backward=not a.is_forward)
-        for v, f in fpos.items():  # live activations
+        layers = cost.layers_per_stage[stage]
+        for v, f in fpos.items():  # live activations, plus each layer's copy of the slice's context K/V
             if f <= i <= bpos[v]:
                 total += cost.activation_bytes(stage, by_id[v].num_tokens, ck.get(v, 0))
+                context = sum(seg.start for seg in by_id[v].segments)
+                total += (layers - ck.get(v, 0)) * context * 2 * SPEC.kv_dim * cost.profile.bytes_per_element
         for v, f in fpos.items():  # K/V of continuing segments until the first slice's backward ends
             if f > i:
                 continue

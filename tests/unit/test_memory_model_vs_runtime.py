@@ -13,13 +13,13 @@ Prediction: ``CostModel.activation_bytes`` with a float32 profile whose per-toke
 the cost model's formula gives (``_act_elements(reference) * 4``, ``bytes_per_element=4``), so the
 check is of the *formula* against the runtime, not of one measured number against itself.
 
-Finding (see the last test): a slice with context saves more than the model says.  The CPU SDPA
-backend concatenates the context K/V with the slice's own, repeats them to all query heads and
-turns the boolean lower-right mask into a float mask; autograd keeps the repeated K/V and the
-mask: ``bpe * (2 * C * q_dim + s * (C + s))`` extra bytes per non-checkpointed layer (segment of
-``s`` tokens with ``C`` of context).  The planner's ``activation_bytes`` has no context term, so
-for a 512-token slice behind 512 tokens of context it under-predicts by ~27%.  The test pins the
-decomposition down (model + that term within 10% of the measurement).
+Slices with context: the attention concatenates the context K/V with the slice's own, and the
+SDPA backend turns the boolean lower-right mask into a float mask; autograd keeps both:
+``bpe * (2 * C * kv_dim) + mask_bpe * s * (C + s)`` extra bytes per non-checkpointed layer
+(segment of ``s`` tokens with ``C`` of context; GQA heads are not repeated, ``enable_gqa``).  A
+first version of the model had no such term and under-predicted a 512-token slice behind 512
+tokens of context by ~27%; ``CostModel.context_bytes_per_layer`` is that term, and the test
+checks the model with it, and that it is needed.
 """
 from __future__ import annotations
 
@@ -160,22 +160,23 @@ def test_packed_unit_matches_the_model(monkeypatch):
     assert abs(_ratio(got, want) - 1) <= 0.10, (got, want)
 
 
-@pytest.mark.parametrize("checkpointed", [0, 2])
-def test_slice_with_context_exceeds_the_model_by_the_sdpa_context_copies(checkpointed, monkeypatch):
-    """Second slice of a 1024-token sequence: the model misses the attention's copies of the context."""
+@pytest.mark.parametrize("checkpointed", [0, 2, 3])
+def test_slice_with_context_matches_the_model(checkpointed, monkeypatch):
+    """Second slice of a 1024-token sequence: the attention keeps the concatenated context K/V and,
+    on the SDPA backend, a dense mask; the model counts both (``context_bytes_per_layer``)."""
     c, s = T, T
     units = [Unit(0, (Segment(0, 0, c),)), Unit(1, (Segment(0, c, c + s),))]
     got, cost, spec = _measure(0, [c + s], units, {0: {0: 0, 1: checkpointed}}, 1, monkeypatch)
-    model = cost.activation_bytes(0, s, checkpointed)
-    layers = SPLIT[0] - checkpointed
-    extra = layers * 4 * (2 * c * spec.q_dim + s * (c + s))  # float32 repeated K/V + float mask
-    print(f"slice with context, {checkpointed}/3 checkpointed: measured {got} B, model {model:.0f} B "
-          f"(ratio {_ratio(got, model):.3f}), model + SDPA context term {model + extra:.0f} B "
-          f"(ratio {_ratio(got, model + extra):.3f})")
-    assert abs(_ratio(got, model + extra) - 1) <= 0.10, (got, model, extra)
-    if layers:
-        # The gap is real and is the context term: without it the model is off by more than 10%.
-        assert _ratio(got, model) > 1.10
+    cost = CostModel(spec, dataclasses.replace(cost.profile, attention_mask_bytes_per_element=4.0),
+                     pp_degree=2, layers_per_stage=SPLIT)
+    want = cost.unit_activation_bytes(0, units[1].segments, checkpointed)
+    plain = cost.activation_bytes(0, s, checkpointed)
+    print(f"slice with context, {checkpointed}/3 checkpointed: measured {got} B, model {want:.0f} B "
+          f"(ratio {_ratio(got, want):.3f}); without the context term {plain:.0f} B")
+    assert abs(_ratio(got, want) - 1) <= 0.10, (got, want)
+    if checkpointed < SPLIT[0]:
+        # The context term is what closes the gap: without it the model is off by more than 10%.
+        assert _ratio(got, plain) > 1.10
 
 
 def test_default_profile_still_gives_the_h100_figure():

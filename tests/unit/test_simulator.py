@@ -46,6 +46,12 @@ class FakeCost:
     def activation_bytes(self, stage, tokens, c):
         return 5.0 - c
 
+    def context_bytes_per_layer(self, segments):
+        return 0.0
+
+    def unit_activation_bytes(self, stage, segments, c):
+        return self.activation_bytes(stage, sum(s.end - s.start for s in segments), c)
+
 
 def _packed_plan(m, p, dp=1, warm=None):
     units = [Unit(r * m + i, (Segment(r * m + i, 0, 8),), 0, r) for r in range(dp) for i in range(m)]
