@@ -20,7 +20,7 @@ from typing import Any
 
 from .actions import Action
 from .cost_model import CostModel, UnitShape
-from .memory import memory_points
+from .memory import stage_timeline
 from .plan import Plan
 from .replay import replay
 
@@ -144,23 +144,7 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
 
 
 def _point_values(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list[float]:
-    """``memory.point_bytes`` of every point of the stage, with a running sum of live activations.
-
-    Equal to summing each point's live set (tested) but linear in the number of actions, which
-    matters for GPipe-like plans where hundreds of units are live at once.
-    """
+    """``memory.point_bytes`` of every point of the stage (the array timeline: a cumulative sum of
+    live activations, bit-identical to summing each point's live set, tested in test_memory.py)."""
     ck = plan.checkpoint_layers.get(stage, {})
-    by_id = plan.unit_by_id
-    actions = plan.stage_actions(dp_rank, stage)
-    held: dict[int, float] = {}
-    live_sum = 0.0
-    values: list[float] = []
-    for point in memory_points(plan, cost, dp_rank, stage):
-        a = actions[point.action_index]
-        if a.unit not in held:
-            held[a.unit] = cost.unit_activation_bytes(stage, by_id[a.unit].segments, ck.get(a.unit, 0))
-            live_sum += held[a.unit]
-        values.append(point.base_bytes + live_sum)
-        if not a.is_forward:
-            live_sum -= held.pop(a.unit)
-    return values
+    return stage_timeline(plan, cost, dp_rank, stage).point_values(cost, stage, ck).tolist()
