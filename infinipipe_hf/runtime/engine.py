@@ -327,11 +327,22 @@ class PipelineEngine:
         self._check_plan(plan, lengths)
         return batch, lengths, n_labels, plan, sim
 
-    def train_step(self, batch, *, plan: Plan | None = None) -> StepOutput:
-        """Forward + backward of the global ``batch``; gradients accumulate into ``.grad``."""
+    def train_step(self, batch, *, plan: Plan | None = None,
+                   num_label_tokens: int | None = None) -> StepOutput:
+        """Forward + backward of the global ``batch``; gradients accumulate into ``.grad``.
+
+        The loss is the token sum divided by ``num_label_tokens`` (default: the batch's own label
+        count).  Passing the label count of several batches makes gradient accumulation over them
+        the exact gradient of their joint mean, as HF's ``num_items_in_batch`` does, instead of a
+        rescaled one (equal in exact arithmetic, ~1e-7 apart in float32-normed models).
+        """
         t0 = time.perf_counter()
         self.step_count += 1
         batch, lengths, n_labels, plan, sim = self._prepare(batch, plan)
+        if num_label_tokens is not None and num_label_tokens < n_labels:
+            raise ValueError(f"num_label_tokens={num_label_tokens} is below this batch's own "
+                             f"{n_labels} label tokens; pass the count over every accumulated batch")
+        normaliser = n_labels if num_label_tokens is None else int(num_label_tokens)
         self.last_plan = plan
         stash = {}
         for p in self._trainable():
@@ -340,7 +351,7 @@ class PipelineEngine:
                 p.grad = None
         self.stage.train()
         try:
-            self.runner.begin_step(plan, batch, n_labels)
+            self.runner.begin_step(plan, batch, normaliser)
             result = self.executor.run(plan, step=self.step_count, train=True)
             self.runner.end_step()
             self._sync_gradients()

@@ -7,9 +7,9 @@ Design (like TRL's ``SFTTrainer``: a few hooks overridden, ``super()`` does the 
   lets accelerate prepare it: the engine does DP itself.  Only the optimizer is prepared.
 - Data: ``get_*_dataloader`` build a token-budget ``GlobalBatchLoader`` that yields the *same*
   global batch on every rank (accelerate would shard it).
-- ``training_step`` = ``engine.train_step(global batch)``; gradient accumulation weights every
-  micro-batch by its share of the label tokens, so n accumulated batches give the gradient of
-  the mean token loss over all of them, as HF does with ``num_items_in_batch``.
+- ``training_step`` = ``engine.train_step(global batch, num_label_tokens=num_items_in_batch)``:
+  with gradient accumulation every batch's loss is divided by the label count of all of them, so
+  n accumulated batches give exactly the gradient of their mean token loss, as HF does.
 - Clipping uses the engine's global norm; saving writes HF checkpoints stage by stage
   (``checkpoint_io``); resume restores per-stage optimizer state, the scheduler and per-rank RNG.
 Trade-off: evaluation returns the loss only (logits never leave the last stage), so
@@ -156,23 +156,14 @@ class EPPTrainer(Trainer):
             warnings.warn("a batch has no label tokens (all -100); it is skipped", UserWarning)
             return torch.zeros((), dtype=torch.float64, device=self.args.device)
         total = int(num_items_in_batch) if num_items_in_batch else n
-        weight = n / total
-        # Accumulate weight * grad(batch) onto what earlier micro-batches left: the engine adds its
-        # gradient to .grad, so rescale before and after (exact up to rounding).
-        trainable = [p for _, p in self.engine.named_parameters() if p.requires_grad]
-        if weight != 1.0:
-            for p in trainable:
-                if p.grad is not None:
-                    p.grad.div_(weight)
+        # The engine divides by the label count of all accumulated batches (HF's
+        # num_items_in_batch), so accumulation adds exactly the gradient of the joint mean.
         planned = self.plan_ahead.take(inputs) if self.plan_ahead is not None else None
-        out = self.engine.train_step(inputs, plan=planned[0] if planned else None)
-        if weight != 1.0:
-            for p in trainable:
-                if p.grad is not None:
-                    p.grad.mul_(weight)
+        out = self.engine.train_step(inputs, plan=planned[0] if planned else None,
+                                     num_label_tokens=max(total, n))
         self._step_metrics.add(out, planned[1] if planned else out.simulation)
         # float64 so callers (and tests) see the engine's loss unrounded.
-        return torch.tensor(out.loss * weight, dtype=torch.float64, device=self.args.device)
+        return torch.tensor(out.loss, dtype=torch.float64, device=self.args.device)
 
     def _clip_grad_norm(self, model):
         return self.engine.clip_grad_norm_(self.args.max_grad_norm)
