@@ -13,7 +13,7 @@ What it shows, in one command and under ten minutes on a 2-core machine:
 Launching: without ``torchrun`` around it, the demo starts itself with ``torch.distributed.run``
 (``--standalone``, ``pp`` processes, one thread each: the machine has few cores and four
 processes share them).  Under ``torchrun`` it just runs.  Rank 0 prints and writes
-``OUT/summary.json`` (what the test checks), ``OUT/plan_step1.png`` and ``OUT/model``.
+``OUT/summary.json`` (what the test checks), ``OUT/plan_stepN.png`` and ``OUT/model``.
 
 Trade-offs: fp32 on CPU is slow (about 50 tokens/s per core for this model, forward plus
 backward), so the data is small and each document is seen several times (``steps`` spans a few
@@ -175,7 +175,8 @@ def train(args: argparse.Namespace, s: dict) -> None:
 
 
 def _reporter(trainer, out: Path, record: dict, say, main: bool):
-    """A callback printing one line per step (rank 0) and, after step 1, the plan and its chart."""
+    """A callback printing one line per step (rank 0) and the plan of one step with its chart: the
+    first step whose plan slices a sequence (what EPP is about), else the last step."""
     from transformers import TrainerCallback  # here, so the launching process never imports it
 
     class Reporter(TrainerCallback):
@@ -186,8 +187,10 @@ def _reporter(trainer, out: Path, record: dict, say, main: bool):
 
         def on_step_end(self, args, state, control, **kw):
             record["step_times_s"].append(time.perf_counter() - self.t0)
-            if state.global_step == 1 and main:
-                record["plan"] = show_plan(trainer.engine, out, say)
+            plan = trainer.engine.last_plan
+            sliced = plan is not None and any(u.kind(plan.sequences).value != "packed" for u in plan.units)
+            if main and "plan" not in record and (sliced or state.global_step == state.max_steps):
+                record["plan"] = show_plan(trainer.engine, out, say, state.global_step)
 
         def on_log(self, args, state, control, logs=None, **kw):
             if not logs or "loss" not in logs:
@@ -201,7 +204,7 @@ def _reporter(trainer, out: Path, record: dict, say, main: bool):
     return Reporter()
 
 
-def show_plan(engine, out: Path, say) -> dict:
+def show_plan(engine, out: Path, say, step: int) -> dict:
     """Print the plan of the step just run and draw its Gantt chart; returns facts for the summary."""
     from collections import Counter
 
@@ -213,9 +216,9 @@ def show_plan(engine, out: Path, say) -> dict:
     replanned, sim = engine.plan_locally(list(plan.sequences))
     assert replanned.to_dict() == plan.to_dict(), "planning is not deterministic"
     kinds = Counter(u.kind(plan.sequences).value for u in plan.units)
-    say(f"plan of step 1 ({plan.schedule}; predicted times use the shipped H100 cost profile):")
+    say(f"plan of step {step} ({plan.schedule}; predicted times use the shipped H100 cost profile):")
     say("\n".join("  " + line for line in str(plan).splitlines()))
-    facts = {"schedule": plan.schedule, "sequences": list(plan.sequences), "num_units": len(plan.units),
+    facts = {"step": step, "schedule": plan.schedule, "sequences": list(plan.sequences), "num_units": len(plan.units),
              "unit_kinds": dict(kinds), "num_pipelines": plan.num_pipelines,
              "actions": {str(s): [str(a) for a in acts] for s, acts in enumerate(plan.actions[0])}}
     if sim is not None:
@@ -227,8 +230,8 @@ def show_plan(engine, out: Path, say) -> dict:
     except ImportError as exc:  # viz is optional at runtime (matplotlib); the plan is still printed
         say(f"  (no Gantt chart: {exc})")
         return facts
-    png = out / "plan_step1.png"
-    plot_plan(plan, sim, str(png), title=f"step 1 of the demo: SmolLM2-135M, pp={plan.pp_degree} "
+    png = out / f"plan_step{step}.png"
+    plot_plan(plan, sim, str(png), title=f"step {step} of the demo: SmolLM2-135M, pp={plan.pp_degree} "
                                          f"(times: H100 cost profile)")
     facts["gantt_png"] = str(png)
     say(f"  Gantt chart: {png}")
