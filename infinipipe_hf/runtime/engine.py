@@ -189,7 +189,9 @@ class PipelineEngine:
                          max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
                          checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens)
 
-    def _plan_locally(self, lengths: list[int]) -> tuple[Plan, Any]:
+    def plan_locally(self, lengths: list[int]) -> tuple[Plan, Any]:
+        """This rank's own plan of ``lengths`` and its simulation, with no communication: safe to
+        call from one rank only (reporting, drawing), unlike the collective :meth:`make_plan`."""
         result = self.planner(lengths, self) if self.planner is not None else self._default_plan(lengths)
         if isinstance(result, Plan):
             return result, None
@@ -200,20 +202,15 @@ class PipelineEngine:
                              f"or lower the batch's token budget")
         return result.plan, getattr(result, "simulation", None)
 
-    def plan_locally(self, lengths: list[int]) -> tuple[Plan, Any]:
-        """This rank's own plan of ``lengths`` and its simulation, with no communication: safe to
-        call from one rank only (reporting, drawing), unlike the collective :meth:`make_plan`."""
-        return self._plan_locally(list(lengths))
-
     def make_plan(self, lengths: list[int]) -> tuple[Plan, Any]:
         """Plan a step (same result on every rank); returns ``(plan, simulation or None)``.
 
         Collective when the world has more than one rank: every rank must call it."""
         if self.layout.world_size == 1:
-            return self._plan_locally(lengths)
+            return self.plan_locally(lengths)
         if self.config.seed_plan_on_rank0:
             return self._plan_on_rank0(lengths)
-        plan, sim = self._plan_locally(lengths)
+        plan, sim = self.plan_locally(lengths)
         if self._plans_agree(plan):
             return plan, sim
         # A planner with a wall-clock limit (the MILP solver) can differ between ranks; running
@@ -227,7 +224,7 @@ class PipelineEngine:
         box: list[Any] = [None]
         if self.layout.rank == 0:
             try:
-                plan, sim = planned if planned is not None else self._plan_locally(lengths)
+                plan, sim = planned if planned is not None else self.plan_locally(lengths)
                 box[0] = ("ok", plan.to_dict(), sim)
             except ValueError as exc:  # every rank must learn of the failure, not hang
                 box[0] = ("error", str(exc), None)

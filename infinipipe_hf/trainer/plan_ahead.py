@@ -47,7 +47,7 @@ class PlanAhead:
             return
         key = batch_lengths(batch)
         # Local planning only: no collective on this thread.
-        self._queue.append((key, self._pool.submit(self.engine._plan_locally, list(key))))
+        self._queue.append((key, self._pool.submit(self.engine.plan_locally, list(key))))
 
     def take(self, batch) -> tuple[Any, Any] | None:
         """``(plan, simulation)`` for ``batch`` if it was submitted, else ``None``."""
