@@ -159,6 +159,30 @@ class CostModel:
             t += self.head_bwd(0, shape.tokens) + self.head_fwd(0, shape.tokens)
         return t
 
+    def slowest_stage_time(self, shape: UnitShape) -> float:
+        """``max`` over stages of ``forward_time + backward_time`` (no checkpointing), evaluating
+        the layer fit once instead of per stage (the estimator calls it for every unit of every
+        candidate); the same float operations as the two methods, so the same value."""
+        f = self.layer_fwd(shape.pairs, shape.tokens)
+        b = self.layer_bwd(shape.pairs, shape.tokens)
+        emb = self.profile.embedding_token_s * shape.tokens
+        last = self.pp_degree - 1
+        hf = self.head_fwd(0, shape.tokens)
+        hb = self.head_bwd(0, shape.tokens)
+        best = float("-inf")
+        for stage_index, n in enumerate(self.layers_per_stage):
+            fwd = n * f
+            bwd = n * b
+            bwd += 0 * f  # recompute of 0 layers, as backward_time adds it
+            if stage_index == 0:
+                fwd += emb
+                bwd += emb
+            if stage_index == last:
+                fwd += hf
+                bwd += hb + hf
+            best = max(best, fwd + bwd)
+        return best
+
     def transfer_time(self, num_tokens: int) -> float:
         if self.pp_degree == 1:
             return 0.0

@@ -44,7 +44,7 @@ class PipelineEstimator:
         for start in self.chain_start:
             chain_len[start] = chain_len.get(start, 0) + 1
         self.chain_len = chain_len
-        totals = [max(cost.forward_time(s, sh) + cost.backward_time(s, sh, 0) for s in range(pp)) for sh in shapes]
+        totals = [cost.slowest_stage_time(sh) for sh in shapes]
         self.total_prefix = np.concatenate([[0.0], np.cumsum(totals)])
         self.stages = sorted({0, pp - 1})
         self.per_stage = {}

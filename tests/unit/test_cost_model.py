@@ -94,3 +94,19 @@ def test_bad_layer_split_rejected():
 def test_unsupported_architecture():
     with pytest.raises(UnsupportedModelError, match="gpt2.*not supported.*llama"):
         ModelSpec.from_config_dict(dict(LLAMA3_8B, model_type="gpt2"))
+
+
+@pytest.mark.parametrize("pp", [1, 4, 8])
+def test_slowest_stage_time_equals_per_stage_max(pp):
+    import random
+
+    from infinipipe_hf.planner.cost_model import UnitShape
+
+    spec = ModelSpec("llama", 40, 5120, 13824, 40, 40, 128, 32000, False)
+    cost = CostModel(spec, pp_degree=pp)
+    rng = random.Random(pp)
+    for _ in range(500):
+        t = rng.randint(1, 60000)
+        shape = UnitShape(float(rng.randint(t, t * t)), t)
+        want = max(cost.forward_time(s, shape) + cost.backward_time(s, shape, 0) for s in range(pp))
+        assert cost.slowest_stage_time(shape) == want  # bit-identical, not approximately
