@@ -137,7 +137,7 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
             tried.append({**knobs, "feasible": False, "error": str(exc)})
             last_error = str(exc)
             continue
-        biggest = max(u.num_tokens for u in plan.units)
+        biggest = max(u.num_tokens for u in plan.units) if max_tokens_per_unit is not None else 0
         if max_tokens_per_unit is not None and biggest > max_tokens_per_unit:
             # Baselines choose their packing/slicing lengths; a knob that makes units larger than
             # the user's cap is simply not a candidate.

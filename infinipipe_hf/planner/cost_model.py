@@ -173,7 +173,6 @@ class CostModel:
         for stage_index, n in enumerate(self.layers_per_stage):
             fwd = n * f
             bwd = n * b
-            bwd += 0 * f  # recompute of 0 layers, as backward_time adds it
             if stage_index == 0:
                 fwd += emb
                 bwd += emb
