@@ -6,10 +6,11 @@ happen where those are known: ``InfiniPipeConfig.check_world`` and the stage par
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SCHEDULES = ("epp", "packed-1f1b", "seq1f1b", "gpipe")
 CHECKPOINTING = ("adaptive", "none", "full")
+SHARD_MODES = ("none", "sp", "dp", "sp+dp", "hybrid")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash")
 
 
@@ -23,7 +24,17 @@ class InfiniPipeConfig:
     """Number of pipeline stages; each pp rank owns a contiguous block of decoder layers."""
 
     dp_degree: int | None = None
-    """Data-parallel replicas; ``None`` means ``world_size // pp_degree``."""
+    """Data-parallel replicas; ``None`` means ``world_size // (pp_degree * sp_degree)``."""
+
+    sp_degree: int = 1
+    """Ranks per pipeline stage running Ulysses sequence parallelism: each unit's tokens are split
+    over them and attention runs head-sharded.  Rank layout: SP ranks adjacent, then stages, DP
+    outermost (``rank = (dp_rank * pp_degree + stage_index) * sp_degree + sp_rank``)."""
+
+    shard: str = "none"
+    """Model-state sharding of a stage with FSDP2: ``none``, ``sp`` (over the stage's SP group),
+    ``dp`` (over its DP replicas), ``sp+dp`` (over both), ``hybrid`` (shard over SP, replicate
+    over DP)."""
 
     schedule: str = "epp"
     """``epp`` (elastic units, adaptive checkpointing) or a baseline: ``packed-1f1b``,
@@ -67,6 +78,10 @@ class InfiniPipeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.pp_degree, int) or self.pp_degree < 1:
             raise ValueError(f"pp_degree must be a positive integer, got {self.pp_degree!r}")
+        if not isinstance(self.sp_degree, int) or self.sp_degree < 1:
+            raise ValueError(f"sp_degree must be a positive integer, got {self.sp_degree!r}")
+        if self.shard not in SHARD_MODES:
+            raise ValueError(f"shard={self.shard!r} is not known; use one of {', '.join(SHARD_MODES)}")
         if self.dp_degree is not None and (not isinstance(self.dp_degree, int) or self.dp_degree < 1):
             raise ValueError(f"dp_degree must be a positive integer or None, got {self.dp_degree!r}")
         if self.schedule not in SCHEDULES:
@@ -93,13 +108,21 @@ class InfiniPipeConfig:
             raise ValueError(f"p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")
 
     def resolve_dp_degree(self, world_size: int) -> int:
-        """Check ``pp_degree`` (and ``dp_degree``) against the world size; return ``dp_degree``."""
-        if world_size % self.pp_degree != 0:
-            ok = ", ".join(str(d) for d in _divisors(world_size))
-            raise ValueError(f"pp_degree={self.pp_degree} does not divide world size {world_size}; "
-                             f"use {ok}")
-        dp = world_size // self.pp_degree
+        """Check ``pp_degree``, ``sp_degree`` (and ``dp_degree``) against the world; return ``dp_degree``."""
+        stage_ranks = self.pp_degree * self.sp_degree
+        if world_size % stage_ranks != 0:
+            if self.sp_degree == 1:
+                ok = ", ".join(str(d) for d in _divisors(world_size))
+                raise ValueError(f"pp_degree={self.pp_degree} does not divide world size {world_size}; "
+                                 f"use {ok}")
+            pairs = ", ".join(f"{p}x{d}" for p in _divisors(world_size)
+                              for d in _divisors(world_size // p))
+            raise ValueError(f"pp_degree={self.pp_degree} x sp_degree={self.sp_degree} = {stage_ranks} "
+                             f"does not divide world size {world_size}; use a pp x sp product that "
+                             f"divides it (pp x sp among {pairs})")
+        dp = world_size // stage_ranks
         if self.dp_degree is not None and self.dp_degree != dp:
-            raise ValueError(f"dp_degree={self.dp_degree} x pp_degree={self.pp_degree} != world size "
-                             f"{world_size}; set dp_degree={dp} or leave it None")
+            raise ValueError(f"dp_degree={self.dp_degree} x pp_degree={self.pp_degree} x sp_degree="
+                             f"{self.sp_degree} != world size {world_size}; set dp_degree={dp} or "
+                             f"leave it None")
         return dp

@@ -2,7 +2,7 @@
 
 Design: shapes and dtypes come from the plan on both sides (the plan is identical everywhere), so
 only raw tensors cross the wire, never metadata.  Every transfer is non-blocking (``isend`` /
-``irecv`` on the layout's two-rank link group of that direction, see ``layout.py``); the caller
+``irecv`` on the layout's two-rank link group of that direction, see ``mesh.py``); the caller
 posts receives ahead and waits later,
 which overlaps communication with compute.  Messages carry a tag that encodes (unit, direction):
 hidden states of unit ``u`` use ``2u``, its gradient ``2u + 1``, so gloo matches each receive to
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .layout import ParallelLayout
+from .mesh import ParallelLayout
 
 HIDDEN = 0
 GRAD = 1

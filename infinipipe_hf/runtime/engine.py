@@ -1,27 +1,22 @@
-"""``PipelineEngine``: the user-facing multi-process runtime (DESIGN.md sections 5 and 9).
+"""``PipelineEngine``: the user-facing multi-process runtime.
 
-Design: the engine owns one rank's view of the job: its ``ParallelLayout`` (process groups), its
-``StageModule`` (a contiguous block of decoder layers of the HF model, original parameter names),
-a ``StageRunner`` (single-process forward/backward per unit) and a ``PipelineExecutor`` (the
-action loop with point-to-point transfers).  ``train_step`` is: lengths -> plan (identical on
-every rank, checked by one all-reduce of a digest; or planned on rank 0 and broadcast) -> execute
--> tied-embedding sum -> DP all-reduce -> loss all-reduce.  Gradients accumulate like ``loss.backward()``: gradients already in ``.grad``
-are stashed before the step and added back after the reductions, so they are never all-reduced
-twice.
+Design: the engine owns one rank's view of the job: its ``ParallelLayout`` (the dp x pp x sp
+``DeviceMesh`` and groups), its ``StageModule`` (a contiguous block of decoder layers of the HF
+model, original parameter names), a ``StageRunner`` (single-process forward/backward per unit)
+and a ``PipelineExecutor`` (the action loop with point-to-point transfers).  ``train_step`` is:
+lengths -> plan (identical on every rank: ``PlanAgreement``) -> execute -> gradient collectives
+(``GradientSync``) -> loss sum.  Gradients accumulate like ``loss.backward()``: gradients already
+in ``.grad`` are stashed before the step and added back after the reductions, so they are never
+all-reduced twice.
 
-Trade-offs: the DP all-reduce runs once at the end of the step (simple, exact, one bucketed
-collective per stage) rather than overlapping with the cool-down backwards; the planner is called
-synchronously (planning one step ahead in a background worker is the trainer's job).  A planner
-can be injected (``planner=callable(lengths, engine) -> Plan | PlanResult``, or
-``train_step(batch, plan=...)``) so tests and baselines do not depend on the default planner.
+Trade-offs: the planner is called synchronously (planning one step ahead in a background worker
+is the trainer's job).  A planner can be injected (``planner=callable(lengths, engine) -> Plan |
+PlanResult``, or ``train_step(batch, plan=...)``) so tests and baselines do not depend on the
+default planner.
 """
 from __future__ import annotations
 
 import dataclasses
-
-import hashlib
-import json
-import math
 import os
 import time
 import warnings
@@ -33,12 +28,12 @@ import torch
 from ..config import InfiniPipeConfig
 from ..planner.model_spec import ModelSpec
 from ..planner.plan import Plan
-from .comm import StageComm, wait_collective
+from .comm import StageComm
 from .executor import PipelineExecutor
-from .layout import ParallelLayout
+from .grad_sync import GradientSync
+from .mesh import ParallelLayout
+from .plan_sync import PlanAgreement
 from .timeline import Timeline
-
-_BUCKET_ELEMENTS = 1 << 25  # bounds the extra memory of flattening gradients for one all-reduce
 
 
 @dataclass
@@ -113,14 +108,19 @@ class PipelineEngine:
                              f"{self.spec.num_layers} decoder layers; use pp_degree <= "
                              f"{self.spec.num_layers}")
         self.planner = planner
-        self.layout = ParallelLayout(world, rank, config.pp_degree, dp, tied_embeddings=_tied(model),
-                                     timeout_s=config.p2p_timeout_s)
+        if config.sp_degree > 1 or config.shard != "none":
+            raise ValueError(f"sp_degree={config.sp_degree}, shard={config.shard!r}: sequence "
+                             f"parallelism and sharding are not available in this build; use "
+                             f"sp_degree=1 and shard='none'")
+        self.device = torch.device(device) if device is not None else self._default_device()
+        self.layout = ParallelLayout(world, rank, config.pp_degree, dp, sp_degree=config.sp_degree,
+                                     tied_embeddings=_tied(model), timeout_s=config.p2p_timeout_s,
+                                     device_type=self.device.type)
         ranges = partition_layers(self.spec.num_layers, config.pp_degree,
                                   layer_split=config.layer_split,
                                   last_stage_extra=self.spec.embedding_params / self.spec.layer_params)
         self.layers_per_stage = [len(r) for r in ranges]
         self.stage = build_stage(model, self.layout.stage_index, ranges[self.layout.stage_index])
-        self.device = torch.device(device) if device is not None else self._default_device()
         self.stage.to(self.device)
         self.dtype = next((p.dtype for p in self.stage.parameters() if p.is_floating_point()),
                           torch.float32)
@@ -129,6 +129,9 @@ class PipelineEngine:
         comm = (StageComm(self.layout, timeout_s=config.p2p_timeout_s, device=self.device,
                           dtype=self.dtype) if config.pp_degree > 1 else None)
         self.executor = PipelineExecutor(self.runner, self.layout, comm)
+        self.plan_agreement = PlanAgreement(self.layout, self.device, config.p2p_timeout_s)
+        self.grad_sync = GradientSync(self.layout, self.device, config.p2p_timeout_s,
+                                      trainable=self._trainable, tied=self._tied_params)
         self.last_plan: Plan | None = None
         self.step_count = 0
         self._profile = None  # loaded on first use of the default planner
@@ -208,43 +211,18 @@ class PipelineEngine:
         Collective when the world has more than one rank: every rank must call it."""
         if self.layout.world_size == 1:
             return self.plan_locally(lengths)
+        step = self.step_count
         if self.config.seed_plan_on_rank0:
-            return self._plan_on_rank0(lengths)
-        plan, sim = self.plan_locally(lengths)
-        if self._plans_agree(plan):
-            return plan, sim
+            return self.plan_agreement.from_rank0(lambda: self.plan_locally(lengths), step=step)
+        planned = self.plan_locally(lengths)
+        if self.plan_agreement.all_agree(planned[0], step=step):
+            return planned
         # A planner with a wall-clock limit (the MILP solver) can differ between ranks; running
         # different plans would mismatch shapes, so everyone takes rank 0's.
-        warnings.warn(f"step {self.step_count}: ranks planned differently (is the planner "
+        warnings.warn(f"step {step}: ranks planned differently (is the planner "
                       f"deterministic? a solver time limit can make it not); using rank 0's plan. "
                       f"Set InfiniPipeConfig(seed_plan_on_rank0=True) to always do so", stacklevel=3)
-        return self._plan_on_rank0(lengths, (plan, sim))
-
-    def _plan_on_rank0(self, lengths: list[int], planned: tuple[Plan, Any] | None = None):
-        box: list[Any] = [None]
-        if self.layout.rank == 0:
-            try:
-                plan, sim = planned if planned is not None else self.plan_locally(lengths)
-                box[0] = ("ok", plan.to_dict(), sim)
-            except ValueError as exc:  # every rank must learn of the failure, not hang
-                box[0] = ("error", str(exc), None)
-        _dist().broadcast_object_list(box, src=0)
-        status, payload, sim = box[0]
-        if status != "ok":
-            raise ValueError(payload)
-        return Plan.from_dict(payload), sim
-
-    def _plans_agree(self, plan: Plan) -> bool:
-        """True when every rank holds the same plan (one tiny all-reduce of a digest)."""
-        body = {k: v for k, v in plan.to_dict().items() if k != "info"}
-        digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()
-        h = int.from_bytes(digest[:7], "big")
-        t = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
-        work = _dist().all_reduce(t, op=_dist().ReduceOp.MAX, async_op=True)
-        wait_collective(work, timeout_s=self.config.p2p_timeout_s, layout=self.layout,
-                        ranks=list(range(self.layout.world_size)), what="plan agreement check",
-                        step=self.step_count)
-        return int(t[0]) == -int(t[1])
+        return self.plan_agreement.from_rank0(lambda: planned, step=step)
 
     def _check_plan(self, plan: Plan, lengths: list[int]) -> None:
         lay = self.layout
@@ -257,52 +235,6 @@ class PipelineEngine:
         if plan.layers_per_stage and list(plan.layers_per_stage) != self.layers_per_stage:
             raise ValueError(f"plan assumes layers per stage {plan.layers_per_stage}, the engine has "
                              f"{self.layers_per_stage}; pass layers_per_stage=engine.layers_per_stage")
-
-    # --- collectives ---------------------------------------------------------------------
-    def _all_reduce(self, tensors: list[torch.Tensor], group, ranks: list[int], what: str) -> None:
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        dist = _dist()
-        start = 0
-        while start < len(tensors):
-            end, size = start, 0
-            while end < len(tensors) and (end == start or size + tensors[end].numel() <= _BUCKET_ELEMENTS):
-                size += tensors[end].numel()
-                end += 1
-            bucket = tensors[start:end]
-            flat = _flatten_dense_tensors(bucket)
-            work = dist.all_reduce(flat, group=group, async_op=True)
-            wait_collective(work, timeout_s=self.config.p2p_timeout_s, layout=self.layout,
-                            ranks=ranks, what=what, step=self.step_count)
-            for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                t.copy_(reduced)
-            start = end
-
-    def _sync_gradients(self) -> None:
-        lay = self.layout
-        if lay.world_size == 1:
-            return
-        params = self._trainable()
-        for p in params:  # every rank of a group must reduce the same tensors
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        tied = self._tied_params()
-        if tied:
-            pair = [lay.global_rank(lay.dp_rank, 0), lay.global_rank(lay.dp_rank, lay.pp_degree - 1)]
-            self._all_reduce([p.grad for p in tied], lay.tied_group, pair, "tied-embedding gradient sum")
-        if lay.dp_degree > 1:
-            self._all_reduce([p.grad for p in params], lay.dp_group,
-                             lay.dp_ranks_of_stage(lay.stage_index), "data-parallel gradient all-reduce")
-
-    def _global_sum(self, value: float, what: str) -> float:
-        dist = _dist()
-        if self.layout.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        work = dist.all_reduce(t, async_op=True)
-        wait_collective(work, timeout_s=self.config.p2p_timeout_s, layout=self.layout,
-                        ranks=list(range(self.layout.world_size)), what=what, step=self.step_count)
-        return float(t.item())
 
     # --- steps ---------------------------------------------------------------------------
     def _prepare(self, batch, plan: Plan | None):
@@ -318,7 +250,7 @@ class PipelineEngine:
         sim = None
         if plan is None:
             plan, sim = self.make_plan(lengths)
-        elif self.layout.world_size > 1 and not self._plans_agree(plan):
+        elif self.layout.world_size > 1 and not self.plan_agreement.all_agree(plan, step=self.step_count):
             raise ValueError(f"step {self.step_count}: the plan passed to this rank differs from "
                              f"other ranks' plans; pass the same plan on every rank")
         self._check_plan(plan, lengths)
@@ -351,7 +283,7 @@ class PipelineEngine:
             self.runner.begin_step(plan, batch, normaliser)
             result = self.executor.run(plan, step=self.step_count, train=True)
             self.runner.end_step()
-            self._sync_gradients()
+            self.grad_sync.sync(self.step_count)
         except BaseException:
             # Keep what was accumulated before this step; drop the failed step's partial grads.
             for p in self._trainable():
@@ -359,7 +291,7 @@ class PipelineEngine:
             raise
         for p, old in stash.items():
             p.grad = old if p.grad is None else old.add_(p.grad)
-        loss = self._global_sum(result.loss_part, "loss sum")
+        loss = self.grad_sync.global_sum(result.loss_part, "loss sum", self.step_count)
         return StepOutput(loss=loss, num_tokens=sum(lengths), num_label_tokens=n_labels, plan=plan,
                           simulation=sim, timeline=result.timeline,
                           step_time_s=time.perf_counter() - t0)
@@ -377,31 +309,18 @@ class PipelineEngine:
             self.runner.end_step()
         finally:
             self.stage.train(was_training)
-        return self._global_sum(result.loss_part, "eval loss sum")
+        return self.grad_sync.global_sum(result.loss_part, "eval loss sum", self.step_count)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale gradients so their global L2 norm (all stages, tied weight once) is <= max_norm."""
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
-        grads = [p.grad for p in self._trainable() if p.grad is not None]
-        skip = ({id(p) for p in self._tied_params()} if self.layout.is_last_stage else set())
-        local = sum(float(p.grad.detach().double().pow(2).sum())
-                    for p in self._trainable() if p.grad is not None and id(p) not in skip)
-        lay = self.layout
-        if lay.pp_degree > 1:
-            # After the DP all-reduce every replica holds the same gradients: the replica's
-            # stages are enough.
-            t = torch.tensor([local], dtype=torch.float64, device=self.device)
-            work = _dist().all_reduce(t, group=lay.pp_group, async_op=True)
-            wait_collective(work, timeout_s=self.config.p2p_timeout_s, layout=lay,
-                            ranks=lay.pp_ranks_of_replica(lay.dp_rank), what="gradient-norm sum",
-                            step=self.step_count)
-            local = float(t.item())
-        total = math.sqrt(local)
+        total = self.grad_sync.global_norm(self.step_count)
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+            for p in self._trainable():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
         return total
 
     def gather_timeline(self, timeline: Timeline) -> Timeline:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import GRAD, HIDDEN, StageComm, Transfer
-from .layout import ParallelLayout
+from .mesh import ParallelLayout
 from .timeline import Timeline, TimelineEvent
 
 

@@ -11,7 +11,8 @@ synchronously and the queue is dropped.
 
 Collectives never run on the worker thread (they would race the step's own communication):
 the thread only plans locally; ``take`` (main thread) checks that all ranks planned the same
-(one small all-reduce, the engine's check) and otherwise returns ``None`` so the engine plans
+(one small all-reduce with a deadline: the engine's ``PlanAgreement``) and otherwise returns
+``None`` so the engine plans
 the step itself, with its fall-back to rank 0's plan (a solver with a wall-clock limit can make
 ranks disagree).  With ``seed_plan_on_rank0`` every step is planned by the engine.
 
@@ -20,8 +21,6 @@ training step's torch kernels and communication, which release it.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -60,25 +59,10 @@ class PlanAhead:
             plan, sim = future.result()
         except ValueError:  # e.g. infeasible: the engine re-plans and reports it on every rank
             plan, sim = None, None
-        if not self._all_agree(plan):
+        if not self.engine.plan_agreement.all_agree(plan, step=self.engine.step_count):
             return None  # every rank gets the same answer, so all re-plan in the engine together
         self.hits += 1
         return plan, sim
-
-    def _all_agree(self, plan) -> bool:
-        """True when every rank holds the same (not None) plan; one all-reduce, main thread."""
-        if self.engine.layout.world_size == 1:
-            return plan is not None
-        import torch
-        import torch.distributed as dist
-
-        h = 0
-        if plan is not None:
-            body = {k: v for k, v in plan.to_dict().items() if k != "info"}
-            h = 1 + int.from_bytes(hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()[:7], "big")
-        t = torch.tensor([h, -h], dtype=torch.int64, device=self.engine.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return h != 0 and int(t[0]) == -int(t[1])
 
     def clear(self) -> None:
         # Finish (and ignore) queued work so no planner thread outlives its batch's relevance.

@@ -14,6 +14,8 @@ def test_defaults_are_valid():
     (dict(checkpointing="some"), "checkpointing='some'"),
     (dict(pp_degree=2, layer_split=[3]), "layer_split"),
     (dict(memory_budget_gib=0), "memory_budget_gib"),
+    (dict(sp_degree=0), "sp_degree must be a positive integer"),
+    (dict(shard="zero3"), "shard='zero3' is not known"),
 ])
 def test_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -26,3 +28,6 @@ def test_world_size_check():
         InfiniPipeConfig(pp_degree=3).resolve_dp_degree(4)
     with pytest.raises(ValueError, match="dp_degree=1"):
         InfiniPipeConfig(pp_degree=2, dp_degree=1).resolve_dp_degree(4)
+    assert InfiniPipeConfig(pp_degree=2, sp_degree=2).resolve_dp_degree(8) == 2
+    with pytest.raises(ValueError, match="pp_degree=2 x sp_degree=3 = 6 does not divide world size 4"):
+        InfiniPipeConfig(pp_degree=2, sp_degree=3).resolve_dp_degree(4)

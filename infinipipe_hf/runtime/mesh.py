@@ -1,0 +1,172 @@
+"""``ParallelLayout``: where this rank sits in the dp x pp x sp grid, on a torch ``DeviceMesh``.
+
+Design: rank = (dp_rank * pp_degree + stage_index) * sp_degree + sp_rank.  The SP ranks of one
+stage are neighbours (one node: Ulysses all-to-alls stay on NVLink), the stages of one replica
+come next (pipeline point-to-point crosses nodes once per link), DP replicas are outermost (the
+once-per-step gradient all-reduce).  The process groups of the three dimensions come from one
+``DeviceMesh`` with dims ``("dp", "pp", "sp")``, which FSDP2 takes as well (its shard and
+replicate groups are sub-meshes of the same mesh), so there is no hand-made group bookkeeping for
+them.  The layout object owns its mesh and groups: there is no module-level singleton, so two
+engines (or a test building several layouts) never share hidden state.
+
+What the mesh does not give is built here with ``new_group``, which is collective over the whole
+world, so *every* rank creates *every* such group in the same fixed order: the gradient group of
+each stage (its DP x SP ranks, for the once-per-step all-reduce of unsharded gradients), the
+tied-embedding pairs (first and last stage of one replica, same SP rank) and one two-rank group
+per direction of every pipeline link (SP rank i of stage s talks to SP rank i of stage s + 1),
+so gloo matches posted-ahead receives of the two directions independently.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+MESH_DIMS = ("dp", "pp", "sp")
+
+
+@dataclass
+class ParallelLayout:
+    """This rank's coordinates and process groups.  ``groups_enabled=False`` skips every group
+    (world of one, or pure coordinate arithmetic in unit tests)."""
+
+    world_size: int
+    rank: int
+    pp_degree: int
+    dp_degree: int
+    sp_degree: int = 1
+    tied_embeddings: bool = False
+    timeout_s: float | None = None
+    groups_enabled: bool = True
+    device_type: str = "cpu"
+    """Device type of the ``DeviceMesh`` (``"cuda"`` on GPUs)."""
+    mesh: Any = field(default=None, init=False, repr=False)
+    """``DeviceMesh`` with dims ``("dp", "pp", "sp")`` (``None`` without groups)."""
+    dp_group: Any = field(default=None, init=False, repr=False)
+    """Same stage and SP rank, every DP replica."""
+    pp_group: Any = field(default=None, init=False, repr=False)
+    """Same replica and SP rank, every stage."""
+    sp_group: Any = field(default=None, init=False, repr=False)
+    """This stage's SP ranks (same replica)."""
+    grad_group: Any = field(default=None, init=False, repr=False)
+    """This stage's ranks over every replica and SP rank: where unsharded gradients are summed."""
+    tied_group: Any = field(default=None, init=False, repr=False)
+    link_groups: dict[tuple[int, int], Any] = field(default_factory=dict, init=False, repr=False)
+    """``(src, dst)`` global ranks -> the group carrying that direction of one pipeline link."""
+
+    def __post_init__(self) -> None:
+        if self.pp_degree < 1 or self.dp_degree < 1 or self.sp_degree < 1:
+            raise ValueError(f"pp_degree, dp_degree and sp_degree must be >= 1, got pp={self.pp_degree}, "
+                             f"dp={self.dp_degree}, sp={self.sp_degree}")
+        if self.pp_degree * self.dp_degree * self.sp_degree != self.world_size:
+            raise ValueError(f"dp_degree={self.dp_degree} x pp_degree={self.pp_degree} x sp_degree="
+                             f"{self.sp_degree} != world size {self.world_size}; choose pp_degree x "
+                             f"sp_degree that divides the world size")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if self.groups_enabled and self.world_size > 1:
+            self._build_groups()
+
+    # --- coordinates ---------------------------------------------------------------------
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_degree
+
+    @property
+    def stage_index(self) -> int:
+        return (self.rank // self.sp_degree) % self.pp_degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.sp_degree * self.pp_degree)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_index == self.pp_degree - 1
+
+    def global_rank(self, dp_rank: int, stage_index: int, sp_rank: int | None = None) -> int:
+        """Rank of ``(dp_rank, stage_index, sp_rank)``; ``sp_rank`` defaults to this rank's."""
+        sp = self.sp_rank if sp_rank is None else sp_rank
+        return (dp_rank * self.pp_degree + stage_index) * self.sp_degree + sp
+
+    @property
+    def prev_rank(self) -> int | None:
+        """The previous stage's rank with this SP rank in this replica (``None`` on the first stage)."""
+        return None if self.is_first_stage else self.rank - self.sp_degree
+
+    @property
+    def next_rank(self) -> int | None:
+        return None if self.is_last_stage else self.rank + self.sp_degree
+
+    def dp_ranks_of_stage(self, stage_index: int) -> list[int]:
+        """Ranks of ``stage_index`` with this rank's SP rank, one per replica."""
+        return [self.global_rank(d, stage_index) for d in range(self.dp_degree)]
+
+    def pp_ranks_of_replica(self, dp_rank: int) -> list[int]:
+        """Ranks of every stage of replica ``dp_rank`` with this rank's SP rank."""
+        return [self.global_rank(dp_rank, s) for s in range(self.pp_degree)]
+
+    def sp_ranks_of_stage(self, dp_rank: int, stage_index: int) -> list[int]:
+        return [self.global_rank(dp_rank, stage_index, r) for r in range(self.sp_degree)]
+
+    def grad_ranks_of_stage(self, stage_index: int) -> list[int]:
+        """Every rank holding ``stage_index``: all replicas, all SP ranks (ascending)."""
+        return [self.global_rank(d, stage_index, r) for d in range(self.dp_degree)
+                for r in range(self.sp_degree)]
+
+    @property
+    def has_tied_pair(self) -> bool:
+        """True when embeddings are tied across two different stages (they must be summed)."""
+        return self.tied_embeddings and self.pp_degree > 1
+
+    def describe(self, rank: int | None = None) -> str:
+        r = self.rank if rank is None else rank
+        stage = (r // self.sp_degree) % self.pp_degree
+        dp = r // (self.sp_degree * self.pp_degree)
+        sp = f", sp {r % self.sp_degree}" if self.sp_degree > 1 else ""
+        return f"rank {r} (stage {stage}, dp {dp}{sp})"
+
+    # --- groups --------------------------------------------------------------------------
+    def link_group(self, src: int, dst: int):
+        """Group for point-to-point traffic from ``src`` to ``dst`` (``None``: default group)."""
+        return self.link_groups.get((src, dst))
+
+    def _build_groups(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            raise ValueError(f"world size {self.world_size} > 1 needs torch.distributed initialised; "
+                             f"call torch.distributed.init_process_group() first (e.g. under torchrun)")
+        self.mesh = init_device_mesh(self.device_type, (self.dp_degree, self.pp_degree, self.sp_degree),
+                                     mesh_dim_names=MESH_DIMS)
+        self.dp_group = self.mesh.get_group("dp")
+        self.pp_group = self.mesh.get_group("pp")
+        self.sp_group = self.mesh.get_group("sp")
+        kw = {} if self.timeout_s is None else {"timeout": timedelta(seconds=self.timeout_s)}
+        # Same creation order on every rank: new_group is a collective over the world.
+        for s in range(self.pp_degree):
+            ranks = self.grad_ranks_of_stage(s)
+            g = self.dp_group if self.sp_degree == 1 else (
+                self.sp_group if self.dp_degree == 1 else dist.new_group(ranks, **kw))
+            if s == self.stage_index:
+                self.grad_group = g
+        if self.has_tied_pair:
+            for d in range(self.dp_degree):
+                for r in range(self.sp_degree):
+                    pair = [self.global_rank(d, 0, r), self.global_rank(d, self.pp_degree - 1, r)]
+                    g = dist.new_group(pair, **kw)
+                    if self.rank in pair:
+                        self.tied_group = g
+        for d in range(self.dp_degree):
+            for r in range(self.sp_degree):
+                for s in range(self.pp_degree - 1):
+                    a, b = self.global_rank(d, s, r), self.global_rank(d, s + 1, r)
+                    forward, backward = dist.new_group([a, b], **kw), dist.new_group([a, b], **kw)
+                    if self.rank in (a, b):
+                        self.link_groups[(a, b)] = forward
+                        self.link_groups[(b, a)] = backward
