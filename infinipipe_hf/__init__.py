@@ -12,6 +12,9 @@ _LAZY = {
     "PipelineEngine": ("infinipipe_hf.runtime.engine", "PipelineEngine"),
     "EPPTrainer": ("infinipipe_hf.trainer.trainer", "EPPTrainer"),
     "EPPTrainingArguments": ("infinipipe_hf.trainer.arguments", "EPPTrainingArguments"),
+    # TRL-style SFT (needs the optional `trl`: pip install 'infinipipe_hf[sft]')
+    "EPPSFTTrainer": ("infinipipe_hf.trainer.sft_trainer", "EPPSFTTrainer"),
+    "EPPSFTConfig": ("infinipipe_hf.trainer.sft_config", "EPPSFTConfig"),
 }
 
 __all__ = ["InfiniPipeConfig", "__version__", *_LAZY]

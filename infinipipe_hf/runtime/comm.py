@@ -10,7 +10,9 @@ its send even when receives are posted ahead in a different order than the peer'
 
 Every wait has a deadline (``p2p_timeout_s``).  On timeout or a lost connection the wait raises
 ``RuntimeError`` naming this rank, the peer, the step and the action: a dead or stuck rank ends the
-job with a readable error instead of a hang.  Trade-off: gloo closes the connection pair after a
+job with a readable error instead of a hang.  The message names the setting the user controls the
+deadline with (``layout.timeout_setting``: ``InfiniPipeConfig.p2p_timeout_s`` for the engine,
+``ddp_timeout`` under the trainer), not a hard-coded name.  Trade-off: gloo closes the connection pair after a
 timed-out wait, so a timeout is fatal for the process group; that is intended (a pipeline with a
 missing stage cannot continue), and recovery is left to the launcher (restart from checkpoint).
 Collectives go through ``wait_collective`` with the same deadline.
@@ -117,9 +119,10 @@ class StageComm:
             if t.is_recv:
                 return (f"{where}: no {what} of unit {t.unit_id} from {peer} within "
                         f"{self.timeout_s:g} s; that rank has died or is stuck "
-                        f"(raise InfiniPipeConfig.p2p_timeout_s if it is only slow)")
+                        f"(raise {self.layout.timeout_setting} if it is only slow)")
             return (f"{where}: {peer} did not take the {what} of unit {t.unit_id} within "
-                    f"{self.timeout_s:g} s; that rank has died or is stuck")
+                    f"{self.timeout_s:g} s; that rank has died or is stuck "
+                    f"(raise {self.layout.timeout_setting} if it is only slow)")
         direction = "from" if t.is_recv else "to"
         return (f"{where}: lost the connection to {peer} while transferring {what} of unit "
                 f"{t.unit_id} {direction} it; that rank has died or stopped on an error of its own "
@@ -134,5 +137,5 @@ def wait_collective(work: Any, *, timeout_s: float, layout: ParallelLayout, rank
     except Exception as exc:
         raise RuntimeError(
             f"{layout.describe()}: step {step}, {what} over ranks {ranks} did not complete within "
-            f"{timeout_s:g} s; one of those ranks has died or is stuck "
-            f"({type(exc).__name__}: {exc})") from exc
+            f"{timeout_s:g} s; one of those ranks has died or is stuck (raise "
+            f"{layout.timeout_setting} if it is only slow) ({type(exc).__name__}: {exc})") from exc

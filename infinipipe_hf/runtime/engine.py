@@ -84,7 +84,10 @@ class PipelineEngine:
 
     def __init__(self, model, config: InfiniPipeConfig | None = None, *,
                  planner: Callable[[list[int], "PipelineEngine"], Any] | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 timeout_setting: str = "InfiniPipeConfig.p2p_timeout_s") -> None:
+        """``timeout_setting`` is the name timeout errors tell the user to raise (a wrapper whose
+        users set the deadline under another name, like the trainer's ``ddp_timeout``, passes it)."""
         from .partition import partition_layers
         from .stage import build_stage
         from .stage_runner import StageRunner
@@ -115,7 +118,7 @@ class PipelineEngine:
         self.device = torch.device(device) if device is not None else self._default_device()
         self.layout = ParallelLayout(world, rank, config.pp_degree, dp, sp_degree=config.sp_degree,
                                      tied_embeddings=_tied(model), timeout_s=config.p2p_timeout_s,
-                                     device_type=self.device.type)
+                                     timeout_setting=timeout_setting, device_type=self.device.type)
         ranges = partition_layers(self.spec.num_layers, config.pp_degree,
                                   layer_split=config.layer_split,
                                   last_stage_extra=self.spec.embedding_params / self.spec.layer_params)
@@ -125,7 +128,8 @@ class PipelineEngine:
         self.dtype = next((p.dtype for p in self.stage.parameters() if p.is_floating_point()),
                           torch.float32)
         self.runner = StageRunner(self.stage, loss_chunk_tokens=config.loss_chunk_tokens,
-                                  attention_backend=config.attention_backend)
+                                  attention_backend=config.attention_backend,
+                                  label_smoothing=config.label_smoothing)
         comm = (StageComm(self.layout, timeout_s=config.p2p_timeout_s, device=self.device,
                           dtype=self.dtype) if config.pp_degree > 1 else None)
         self.executor = PipelineExecutor(self.runner, self.layout, comm)

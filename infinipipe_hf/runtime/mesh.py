@@ -37,6 +37,9 @@ class ParallelLayout:
     sp_degree: int = 1
     tied_embeddings: bool = False
     timeout_s: float | None = None
+    timeout_setting: str = "InfiniPipeConfig.p2p_timeout_s"
+    """The user-facing setting ``timeout_s`` comes from, named by every timeout message (the
+    trainer passes ``ddp_timeout``)."""
     groups_enabled: bool = True
     device_type: str = "cpu"
     """Device type of the ``DeviceMesh`` (``"cuda"`` on GPUs)."""

@@ -31,11 +31,13 @@ class _Pending:
 
 
 class StageRunner:
-    def __init__(self, stage: StageModule, *, loss_chunk_tokens: int = 4096, attention_backend: str = "auto"):
+    def __init__(self, stage: StageModule, *, loss_chunk_tokens: int = 4096, attention_backend: str = "auto",
+                 label_smoothing: float = 0.0):
         if loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens must be >= 1, got {loss_chunk_tokens}")
         self.stage = stage
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.label_smoothing = label_smoothing
         self.attention_backend = attention_backend
         self.backend = select_backend(attention_backend, stage.device)
         self.kv_store = KVStore()
@@ -137,7 +139,7 @@ class StageRunner:
         h = st.run_layers(h, t.position_ids, self._context(t), n_ckpt)
         if st.is_last:
             h = chunked_lm_loss(st.lm_head, st.final_norm(h), t.labels, self._label_token_count,
-                                self.loss_chunk_tokens)
+                                self.loss_chunk_tokens, self.label_smoothing)
         return leaf, h
 
     # --- the API ---------------------------------------------------------------------------

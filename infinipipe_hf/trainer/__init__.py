@@ -1,4 +1,5 @@
-"""Hugging Face ``Trainer`` integration: ``EPPTrainer``, ``EPPTrainingArguments`` and the data path.
+"""Hugging Face ``Trainer`` integration: ``EPPTrainer``, ``EPPTrainingArguments``, the data path,
+and TRL-style SFT (``EPPSFTTrainer``, ``EPPSFTConfig``; needs the optional ``trl``).
 
 Import the classes from here or from the package root (``from infinipipe_hf import EPPTrainer``).
 """
@@ -7,6 +8,9 @@ from __future__ import annotations
 _LAZY = {
     "EPPTrainer": ("infinipipe_hf.trainer.trainer", "EPPTrainer"),
     "EPPTrainingArguments": ("infinipipe_hf.trainer.arguments", "EPPTrainingArguments"),
+    # TRL-style SFT (needs the optional `trl`: pip install 'infinipipe_hf[sft]')
+    "EPPSFTTrainer": ("infinipipe_hf.trainer.sft_trainer", "EPPSFTTrainer"),
+    "EPPSFTConfig": ("infinipipe_hf.trainer.sft_config", "EPPSFTConfig"),
 }
 
 __all__ = list(_LAZY)

@@ -1,14 +1,18 @@
 """``EPPTrainingArguments``: ``transformers.TrainingArguments`` plus the pipeline and data knobs.
 
 Design: a ``Trainer`` script keeps its arguments and adds ``pp_degree`` (and usually
-``tokens_per_step``).  Settings of ``TrainingArguments`` that mean something different under a
-token-budget pipeline are either mapped (``ddp_timeout`` becomes the point-to-point timeout), or
-ignored with a warning that says what decides instead (``per_device_train_batch_size``: the token
-budget), or rejected with a ``ValueError`` when running with them would be wrong (``fp16`` needs a
-loss scaler the pipeline does not have; FSDP/DeepSpeed would shard what the pipeline already
-splits).  Trade-off: ``per_device_*_batch_size`` default to ``None`` here (not 8) so we can tell a
-value the user set from the default; after the checks they are set to 1 so HF's bookkeeping
-(``train_batch_size``, logs) keeps working.
+``tokens_per_step``).  The pipeline settings are not declared here: they are generated from
+``InfiniPipeConfig`` (``pipeline_arguments.PipelineArguments``), so every config field is an
+argument with the same type, default and help, and ``to_infinipipe_config`` passes all of them on.
+Settings of ``TrainingArguments`` that mean something different under a token-budget pipeline are
+either mapped (``ddp_timeout`` becomes the point-to-point timeout, ``label_smoothing_factor`` the
+loss's label smoothing), or ignored with a warning that says what decides instead
+(``per_device_train_batch_size``: the token budget), or rejected with a ``ValueError`` when
+running with them would be wrong (``fp16`` needs a loss scaler the pipeline does not have;
+FSDP/DeepSpeed would shard what the pipeline already splits).  Trade-off:
+``per_device_*_batch_size`` default to ``None`` here (not 8) so we can tell a value the user set
+from the default; after the checks they are set to 1 so HF's bookkeeping (``train_batch_size``,
+logs) keeps working.
 """
 from __future__ import annotations
 
@@ -18,52 +22,26 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..config import CHECKPOINTING, SCHEDULES, InfiniPipeConfig
+from ..config import InfiniPipeConfig
+from .pipeline_arguments import PipelineArguments, config_kwargs, rename_in_message
 
 LONG_DOCUMENT_POLICIES = ("split", "reject")
 
 
 @dataclass
-class EPPTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` for :class:`~infinipipe_hf.trainer.EPPTrainer` (elastic pipeline)."""
-
-    pp_degree: int = field(default=1, metadata={
-        "help": "Pipeline stages; the number of processes must be a multiple (dp_degree = world / pp)."})
-    """Pipeline stages; world size must be a multiple of it (``dp_degree = world // pp_degree``)."""
+class EPPTrainingArguments(PipelineArguments, TrainingArguments):
+    """``TrainingArguments`` for :class:`~infinipipe_hf.trainer.EPPTrainer` (elastic pipeline), with
+    every ``InfiniPipeConfig`` setting (``pp_degree``, ``epp_schedule``, ``sp_degree``...) as a field."""
 
     tokens_per_step: int = field(default=16384, metadata={
         "help": "Token budget of one global batch (all DP replicas together); replaces the batch size."})
     """Token budget of one global batch: the sampler fills it with whole documents (or pieces of
     long ones).  With ``gradient_accumulation_steps=n`` one optimizer step sees up to n budgets."""
 
-    epp_schedule: str = field(default="epp", metadata={
-        "help": f"Pipeline schedule: one of {', '.join(SCHEDULES)} (the last three are baselines)."})
-    """``epp`` or a baseline (``packed-1f1b``, ``seq1f1b``, ``gpipe``) on the same runtime."""
-
-    memory_budget_gib: float | None = field(default=None, metadata={
-        "help": "Memory per device the plan must fit; default: the GPU's memory (unlimited on CPU)."})
-    """Memory per device the plan must stay under; ``None``: the device's memory (CPU: unlimited)."""
-
-    checkpointing: str = field(default="adaptive", metadata={
-        "help": "Activation checkpointing: adaptive (per stage and unit), none or full."})
-    """``adaptive`` (the solver picks layers per stage and unit), ``none`` or ``full``."""
-
-    max_tokens_per_unit: int | None = field(default=None, metadata={
-        "help": "Upper bound on tokens in one pipeline micro-unit; default: the planner chooses."})
-    """Upper bound on tokens in one micro-unit; ``None`` lets the planner choose per batch."""
-
     long_document_policy: str = field(default="split", metadata={
         "help": "Documents longer than the model's max positions or tokens_per_step: split or reject."})
     """``split``: cut such a document into independent pieces of at most the limit;
     ``reject``: raise a ValueError naming the document."""
-
-    profile: str | None = field(default=None, metadata={
-        "help": "Cost profile JSON (python -m infinipipe_hf.profile); default: the shipped H100 profile."})
-    """Path of a cost-profile JSON; ``None`` uses the shipped H100/bf16 profile."""
-
-    layer_split: list[int] | None = field(default=None, metadata={
-        "help": "Explicit decoder layers per stage (sums to the layer count); default: balanced."})
-    """Explicit decoder layers per stage; ``None`` balances cost across stages."""
 
     peak_tflops: float | None = field(default=None, metadata={
         "help": "Peak TFLOP/s of one device for the MFU estimate; default: from the profile on GPU."})
@@ -102,29 +80,18 @@ class EPPTrainingArguments(TrainingArguments):
         self._check_conflicts()
 
     def _check_epp_fields(self) -> None:
-        if not isinstance(self.pp_degree, int) or self.pp_degree < 1:
-            raise ValueError(f"pp_degree must be a positive integer, got {self.pp_degree!r}")
         if not isinstance(self.tokens_per_step, int) or self.tokens_per_step < 2:
             raise ValueError(f"tokens_per_step must be an integer >= 2 (the token budget of one "
                              f"global batch), got {self.tokens_per_step!r}")
-        if self.epp_schedule not in SCHEDULES:
-            raise ValueError(f"epp_schedule={self.epp_schedule!r} is not known; use one of "
-                             f"{', '.join(SCHEDULES)}")
-        if self.checkpointing not in CHECKPOINTING:
-            raise ValueError(f"checkpointing={self.checkpointing!r} is not known; use one of "
-                             f"{', '.join(CHECKPOINTING)}")
         if self.long_document_policy not in LONG_DOCUMENT_POLICIES:
             raise ValueError(f"long_document_policy={self.long_document_policy!r} is not known; use "
                              f"'split' (cut long documents into pieces) or 'reject' (raise)")
-        if self.memory_budget_gib is not None and not self.memory_budget_gib > 0:
-            raise ValueError(f"memory_budget_gib must be > 0 (GiB per device), got {self.memory_budget_gib}")
-        if self.max_tokens_per_unit is not None and self.max_tokens_per_unit < 1:
-            raise ValueError(f"max_tokens_per_unit must be >= 1, got {self.max_tokens_per_unit}")
         if self.profile is not None and not os.path.isfile(self.profile):
             raise ValueError(f"profile={self.profile!r} is not a file; pass the JSON written by "
                              f"`python -m infinipipe_hf.profile` or leave profile=None")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}")
+        self.to_infinipipe_config()  # the config's own checks, in the arguments' names
 
     def _check_conflicts(self) -> None:
         if self.fp16 or self.fp16_full_eval:
@@ -163,15 +130,8 @@ class EPPTrainingArguments(TrainingArguments):
         return False
 
     def to_infinipipe_config(self) -> InfiniPipeConfig:
-        """The :class:`InfiniPipeConfig` these arguments describe."""
-        return InfiniPipeConfig(
-            pp_degree=self.pp_degree,
-            schedule=self.epp_schedule,
-            memory_budget_gib=self.memory_budget_gib,
-            profile=self.profile,
-            layer_split=list(self.layer_split) if self.layer_split is not None else None,
-            checkpointing=self.checkpointing,
-            max_tokens_per_unit=self.max_tokens_per_unit,
-            # A stuck peer surfaces after the same time a stuck DDP collective would.
-            p2p_timeout_s=float(self.ddp_timeout),
-        )
+        """The :class:`InfiniPipeConfig` these arguments describe (every one of its fields)."""
+        try:
+            return InfiniPipeConfig(**config_kwargs(self))
+        except ValueError as exc:
+            raise ValueError(rename_in_message(str(exc))) from None

@@ -3,9 +3,13 @@
 Design:
 - ``prepare_token_dataset`` accepts a dataset with an ``input_ids`` column (optionally ``labels``;
   an ``attention_mask`` column means padded data: masked tokens are dropped) or a ``text`` column
-  plus a tokenizer (tokenized once with ``datasets.map``), else it raises.
+  plus a tokenizer (tokenized once with ``datasets.map``), else it raises; an empty one raises.
+- Loss masks: without a ``labels`` column, TRL's mask columns (``completion_mask``,
+  ``assistant_masks``: 1 = train on this token) become the labels, the way TRL builds them (a
+  token is trained when every mask marks it); with ``labels`` they are ignored, with a warning.
 - Documents become *pieces* ``(doc, start, end)``: a document longer than the limit (the model's
-  max positions or ``tokens_per_step``) is cut into near-equal independent pieces, or rejected.
+  max positions or ``tokens_per_step``, whichever is smaller: the *binding* limit, named in every
+  message) is cut into near-equal independent pieces (one warning with the counts), or rejected.
   Documents shorter than 2 tokens carry no next-token target and are skipped with a warning.
 - ``TokenBudgetBatchSampler`` packs pieces into batches of at most ``tokens_per_step`` tokens with
   best-fit decreasing, so batches are full and every token of an epoch is in exactly one batch.
@@ -60,6 +64,10 @@ def _column_names(dataset) -> list[str]:
     return list(first.keys()) if isinstance(first, dict) else []
 
 
+MASK_COLUMNS = ("completion_mask", "assistant_masks")
+"""TRL's per-token loss masks (1: the token is trained), folded into labels when there are none."""
+
+
 def prepare_token_dataset(dataset, tokenizer=None, *, add_eos: bool = True, what: str = "train_dataset"):
     """Return a dataset whose items have ``input_ids`` (and maybe ``labels``) token lists.
 
@@ -68,7 +76,21 @@ def prepare_token_dataset(dataset, tokenizer=None, *, add_eos: bool = True, what
     """
     if dataset is None:
         return None
+    try:
+        rows = len(dataset)
+    except TypeError:
+        raise ValueError(f"{what} has no length ({type(dataset).__name__}); EPPTrainer plans batches "
+                         f"from document lengths: pass a datasets.Dataset (not an IterableDataset) "
+                         f"or a list of examples") from None
+    if rows == 0:
+        raise ValueError(f"{what} is empty (0 examples); pass a dataset with at least one document "
+                         f"of 2 or more tokens")
     cols = _column_names(dataset)
+    masks = [c for c in MASK_COLUMNS if c in cols]
+    if "input_ids" in cols and "labels" in cols and masks:
+        warnings.warn(f"{what} has a 'labels' column and {', '.join(masks)}: the labels decide which "
+                      f"tokens are trained and {', '.join(masks)} is ignored; drop 'labels' to train "
+                      f"by the mask instead", UserWarning, stacklevel=3)
     if "input_ids" in cols:
         if "attention_mask" in cols and hasattr(dataset, "map"):
             return dataset.map(_strip_padding, batched=True, remove_columns=["attention_mask"],
@@ -100,9 +122,30 @@ def _strip_padding(batch):
     # trained on.  Labels (when present) are aligned with input_ids and filtered the same way.
     keep = [[bool(m) for m in mask] for mask in batch["attention_mask"]]
     out = {"input_ids": [[t for t, k in zip(ids, ks) if k] for ids, ks in zip(batch["input_ids"], keep)]}
-    if "labels" in batch:
-        out["labels"] = [[t for t, k in zip(lab, ks) if k] for lab, ks in zip(batch["labels"], keep)]
+    for col in ("labels", *MASK_COLUMNS):
+        if col in batch:
+            out[col] = [[t for t, k in zip(lab, ks) if k] for lab, ks in zip(batch[col], keep)]
     return out
+
+
+def labels_of(row: dict, doc: int) -> list[int] | None:
+    """The row's labels: its ``labels``, else ``input_ids`` masked by TRL's mask columns (-100
+    where a mask is 0, as TRL's ``build_labels``), else ``None`` (every token is trained)."""
+    ids = _as_list(row["input_ids"])
+    if row.get("labels") is not None:
+        labels = _as_list(row["labels"])
+        if len(labels) != len(ids):
+            raise ValueError(f"document {doc} has {len(ids)} input_ids but {len(labels)} labels; "
+                             f"labels must align with input_ids (use -100 for ignored positions)")
+        return labels
+    masks = [(c, _as_list(row[c])) for c in MASK_COLUMNS if row.get(c) is not None]
+    if not masks:
+        return None
+    for name, mask in masks:
+        if len(mask) != len(ids):
+            raise ValueError(f"document {doc} has {len(ids)} input_ids but {len(mask)} {name} entries; "
+                             f"{name} must have one 0/1 entry per token")
+    return [t if all(m[i] for _, m in masks) else -100 for i, t in enumerate(ids)]
 
 
 def document_lengths(dataset) -> list[int]:
@@ -112,18 +155,39 @@ def document_lengths(dataset) -> list[int]:
     return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
 
 
-def split_documents(lengths: Sequence[int], limit: int, policy: str = "split") -> list[Piece]:
-    """Pieces covering every token of every trainable document exactly once, each <= ``limit``.
+_RAISE_HINT = {
+    "tokens_per_step": "raise tokens_per_step",
+    "max_position_embeddings": "the model cannot attend over more positions (use a model with a "
+                               "longer context)",
+}
 
-    ``split`` cuts a longer document into ``ceil(n / limit)`` near-equal pieces (equal sizes keep
-    the planner's units balanced better than one full piece plus a short rest).
+
+def binding_limit(limits: dict[str, int]) -> tuple[str, int]:
+    """``(name, value)`` of the smallest of the named length limits (ties: the first named)."""
+    if not limits:
+        raise ValueError("no document length limit given")
+    name = min(limits, key=lambda k: limits[k])
+    return name, int(limits[name])
+
+
+def split_documents(lengths: Sequence[int], limit: int | dict[str, int], policy: str = "split"
+                    ) -> list[Piece]:
+    """Pieces covering every token of every trainable document exactly once, each <= the limit.
+
+    ``limit`` is a number or ``{name: value}`` of limits (e.g. ``tokens_per_step`` and
+    ``max_position_embeddings``); the smallest binds and is named in the warning (``split``: once,
+    with the number of documents and tokens affected) or the error (``reject``).  ``split`` cuts a
+    longer document into ``ceil(n / limit)`` near-equal pieces (equal sizes keep the planner's
+    units balanced better than one full piece plus a short rest).
     """
+    name, limit = binding_limit(limit if isinstance(limit, dict) else {"": limit})
+    what = f"{name}={limit}" if name else f"the limit of {limit}"
     if limit < 2:
-        raise ValueError(f"the document length limit must be >= 2 tokens, got {limit}")
+        raise ValueError(f"the document length limit must be >= 2 tokens, got {what}")
     if policy not in ("split", "reject"):
         raise ValueError(f"long_document_policy={policy!r} is not known; use 'split' or 'reject'")
     pieces: list[Piece] = []
-    skipped = 0
+    skipped = long_docs = long_tokens = extra_pieces = 0
     for doc, n in enumerate(lengths):
         n = int(n)
         if n < 2:
@@ -133,13 +197,19 @@ def split_documents(lengths: Sequence[int], limit: int, policy: str = "split") -
             pieces.append(Piece(doc, 0, n))
             continue
         if policy == "reject":
-            raise ValueError(f"document {doc} has {n} tokens, more than the limit of {limit} (the "
-                             f"smaller of tokens_per_step and the model's max_position_embeddings); "
-                             f"raise tokens_per_step, drop or truncate the document, or set "
-                             f"long_document_policy='split'")
+            fix = _RAISE_HINT.get(name, f"raise {name or 'the limit'}")
+            raise ValueError(f"document {doc} has {n} tokens, more than {what} (the binding "
+                             f"length limit); {fix}, drop or truncate the document, or set "
+                             f"long_document_policy='split' to train it as independent pieces")
         k = -(-n // limit)
         bounds = [round(i * n / k) for i in range(k + 1)]
         pieces.extend(Piece(doc, a, b) for a, b in zip(bounds[:-1], bounds[1:]))
+        long_docs, long_tokens, extra_pieces = long_docs + 1, long_tokens + n, extra_pieces + k
+    if long_docs:
+        warnings.warn(f"{long_docs} of {len(lengths)} documents ({long_tokens} of {sum(map(int, lengths))} "
+                      f"tokens) are longer than {what} and are trained as {extra_pieces} "
+                      f"independent pieces (no attention across pieces); set "
+                      f"long_document_policy='reject' to refuse them instead", UserWarning, stacklevel=2)
     if skipped:
         warnings.warn(f"{skipped} document(s) with fewer than 2 tokens have no next-token target and "
                       f"are skipped", UserWarning, stacklevel=2)
@@ -225,7 +295,6 @@ class PieceDataset(Dataset):
     def __init__(self, token_dataset, pieces: Sequence[Piece]) -> None:
         self.token_dataset = token_dataset
         self.pieces = list(pieces)
-        self.has_labels = "labels" in _column_names(token_dataset)
 
     def __len__(self) -> int:
         return len(self.pieces)
@@ -233,13 +302,9 @@ class PieceDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, list[int]]:
         p = self.pieces[i]
         row = self.token_dataset[p.doc]
-        ids = _as_list(row["input_ids"])
-        item = {"input_ids": ids[p.start:p.end]}
-        if self.has_labels and row.get("labels") is not None:
-            labels = _as_list(row["labels"])
-            if len(labels) != len(ids):
-                raise ValueError(f"document {p.doc} has {len(ids)} input_ids but {len(labels)} labels; "
-                                 f"labels must align with input_ids (use -100 for ignored positions)")
+        item = {"input_ids": _as_list(row["input_ids"])[p.start:p.end]}
+        labels = labels_of(row, p.doc)
+        if labels is not None:
             item["labels"] = labels[p.start:p.end]
         return item
 
@@ -310,9 +375,12 @@ class GlobalBatchLoader(DataLoader):
 def build_global_batch_loader(token_dataset, *, tokens_per_step: int, max_length: int,
                               long_document_policy: str = "split", seed: int = 0, shuffle: bool = True,
                               num_workers: int = 0, pin_memory: bool = False) -> GlobalBatchLoader:
-    """Loader yielding the same global batches on every rank (nothing is sharded)."""
-    limit = min(int(tokens_per_step), int(max_length))
-    pieces = split_documents(document_lengths(token_dataset), limit, long_document_policy)
+    """Loader yielding the same global batches on every rank (nothing is sharded).
+
+    ``max_length``: the model's ``max_position_embeddings``; documents longer than it or than
+    ``tokens_per_step`` are split or rejected (``long_document_policy``)."""
+    limits = {"tokens_per_step": int(tokens_per_step), "max_position_embeddings": int(max_length)}
+    pieces = split_documents(document_lengths(token_dataset), limits, long_document_policy)
     if not pieces:
         raise ValueError("the dataset has no document with at least 2 tokens; nothing to train on")
     sampler = TokenBudgetBatchSampler([p.length for p in pieces], tokens_per_step, seed=seed,

@@ -75,7 +75,9 @@ def build_engine(model, args, planner=None) -> PipelineEngine:
                          f"layers (each stage needs at least one); use pp_degree <= {n_layers}")
     check_world(args)
     apply_precision(model, args)
-    return PipelineEngine(base, args.to_infinipipe_config(), planner=planner)
+    # Trainer users set the deadline of every wait with ddp_timeout: timeout errors name it.
+    return PipelineEngine(base, args.to_infinipipe_config(), planner=planner,
+                          timeout_setting="ddp_timeout (EPPTrainingArguments)")
 
 
 def peak_flops_per_device(args, device: torch.device) -> float | None:

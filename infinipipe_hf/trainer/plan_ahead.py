@@ -1,6 +1,6 @@
 """Planning the next global batch in a background thread while the current one trains.
 
-Design (DESIGN.md section 3, "plan one step ahead"): the training loader calls ``submit`` for
+Design ("plan one step ahead", see docs/architecture.md): the training loader calls ``submit`` for
 each batch one batch *before* yielding it, which starts ``engine.make_plan`` on a worker thread;
 ``take`` in ``training_step`` returns that plan (and its simulation), waiting only if planning is
 slower than a step.  Plans are a pure function of the batch's lengths, so planning early changes
@@ -63,6 +63,12 @@ class PlanAhead:
             return None  # every rank gets the same answer, so all re-plan in the engine together
         self.hits += 1
         return plan, sim
+
+    def drop(self, batch) -> None:
+        """Forget ``batch``'s plan (the batch is not run, e.g. it has no label token)."""
+        if self._queue and self._queue[0][0] == batch_lengths(batch):
+            _, future = self._queue.popleft()
+            future.cancel() or future.exception()
 
     def clear(self) -> None:
         # Finish (and ignore) queued work so no planner thread outlives its batch's relevance.

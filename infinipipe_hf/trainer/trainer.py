@@ -12,8 +12,14 @@ Design (like TRL's ``SFTTrainer``: a few hooks overridden, ``super()`` does the 
   n accumulated batches give exactly the gradient of their mean token loss, as HF does.
 - Clipping uses the engine's global norm; saving writes HF checkpoints stage by stage
   (``checkpoint_io``); resume restores per-stage optimizer state, the scheduler and per-rank RNG.
+- Logging: a whole optimizer step without label tokens (every label -100) updates nothing; it is
+  left out of the logged mean loss (``skipped_steps`` counts it) instead of entering it as 0.0.
+  ``train_samples_per_second`` counts the sequences of the global batches actually trained (not
+  one per rank per step), next to ``train_tokens_per_second``.
 Trade-off: evaluation returns the loss only (logits never leave the last stage), so
 ``compute_metrics`` is not supported; ``predict`` returns the loss without predictions.
+The private ``Trainer`` methods overridden here are checked against the tested transformers
+range when this module is imported (``compat.py``).
 """
 from __future__ import annotations
 
@@ -23,17 +29,41 @@ import os
 import warnings
 
 import torch
+import transformers
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
 from . import checkpoint_io as ckio
 from .arguments import EPPTrainingArguments
-from .data import GlobalBatchCollator, build_global_batch_loader, label_token_count, prepare_token_dataset
+from .compat import check_transformers
+from .data import (GlobalBatchCollator, build_global_batch_loader, document_lengths, label_token_count,
+                   prepare_token_dataset)
+from .launch_check import check_launch
 from .model_setup import build_engine, count_parameters, hf_model_of, is_peft_model, peak_flops_per_device
 from .plan_ahead import PlanAhead
-from .step_metrics import StepMetrics
+from .step_metrics import StepMetrics, TrainingCounts
+
+check_transformers(transformers.__version__, Trainer)
 
 TRAINING_ARGS_NAME = "training_args.bin"
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_trainable(dataset, what: str) -> None:
+    """At construction, not at ``train()``: a dataset with nothing to train on is the user's error."""
+    if dataset is None:
+        return
+    if not any(n >= 2 for n in document_lengths(dataset)):
+        raise ValueError(f"{what} has no document of 2 or more tokens (every example is empty or a "
+                         f"single token after tokenization), so there is nothing to train on; check "
+                         f"the text column and the tokenizer")
 
 
 def _prepare_eval(eval_dataset, tokenizer):
@@ -74,7 +104,11 @@ class EPPTrainer(Trainer):
             kwargs["compute_metrics"] = None
         if args.neftune_noise_alpha is not None:
             raise ValueError("neftune_noise_alpha is not supported by EPPTrainer; remove it")
+        note = check_launch(args.pp_degree * args.sp_degree, _world_size())
+        if note:
+            warnings.warn(note, UserWarning, stacklevel=2)
         train_dataset = prepare_token_dataset(train_dataset, processing_class, what="train_dataset")
+        _check_trainable(train_dataset, "train_dataset")
         eval_dataset = _prepare_eval(eval_dataset, processing_class)
         num_params = count_parameters(model)
         base_config = hf_model_of(model).config
@@ -88,6 +122,7 @@ class EPPTrainer(Trainer):
         self._step_metrics = StepMetrics(num_params, self.engine.layout.world_size,
                                          peak_flops_per_device(args, self.engine.device))
         self.plan_ahead = PlanAhead(self.engine) if args.plan_ahead else None
+        self._counts = TrainingCounts()
 
     # --- model and optimizer ----------------------------------------------------------------
     def _wrap_model(self, model, training: bool = True, dataloader=None):
@@ -147,13 +182,27 @@ class EPPTrainer(Trainer):
         return int(6 * self._step_metrics.num_params * tokens / self.engine.layout.world_size)
 
     # --- training ----------------------------------------------------------------------------
+    def train(self, *args, **kwargs):
+        self._counts = TrainingCounts()
+        out = super().train(*args, **kwargs)
+        # HF computed training_loss before our log() could leave label-free steps out of it.
+        return out._replace(training_loss=out.metrics.get("train_loss", out.training_loss))
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         self._step_metrics.start()
+        self._counts.add_batch(inputs, self.state.global_step)
         n = label_token_count(inputs)
         if n == 0:  # same decision on every rank: the batch is global
-            warnings.warn("a batch has no label tokens (all -100); it is skipped", UserWarning)
+            if self.plan_ahead is not None:
+                self.plan_ahead.drop(inputs)
+            if not num_items_in_batch:  # the whole optimizer step has no label token
+                if self._counts.skip_step(self.state.global_step):
+                    warnings.warn(f"step {self.state.global_step + 1}: no label tokens (every label is "
+                                  f"-100), nothing is trained; the step is left out of the logged "
+                                  f"loss (see 'skipped_steps')", UserWarning)
+            # A label-free micro-batch adds exactly 0 to its step's mean token loss.
             return torch.zeros((), dtype=torch.float64, device=self.args.device)
         total = int(num_items_in_batch) if num_items_in_batch else n
         # The engine divides by the label count of all accumulated batches (HF's
@@ -174,6 +223,9 @@ class EPPTrainer(Trainer):
     def log(self, logs, start_time=None):
         if "loss" in logs:  # a training log line: add the pipeline's window metrics
             logs.update(self._step_metrics.flush(self.engine.device))
+            logs.update(self._counts.correct_window_loss(logs["loss"], self.state.global_step))
+        if "train_runtime" in logs:  # the end-of-training metrics
+            logs.update(self._counts.final_metrics(logs, self.state.global_step))
         super().log(logs, start_time)
 
     # --- evaluation --------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Chat templates shipped with the package (package data)."""
