@@ -1,4 +1,4 @@
-"""``python -m infinipipe_hf.plan``: plan one global batch and compare schedules (DESIGN.md section 9).
+"""``python -m infinipipe_hf.plan``: plan one global batch and compare schedules (docs/contracts.md).
 
 Reads an HF ``config.json`` and a file of sequence lengths (one per line), plans the batch with one
 schedule or all of them under the same cost model, and prints a table (or ``--json``: one object
@@ -6,9 +6,11 @@ per schedule, a list for ``all``).  ``--emit-plan`` writes the plan as JSON; wit
 the EPP plan goes to the given path and each baseline's next to it as ``<stem>.<schedule>.json``.
 ``--plot`` draws the Gantt chart with memory curves (one PNG per schedule likewise).
 
-Input errors (missing files, unsupported model, bad lengths) exit with status 2 and a message on
-stderr; a batch that no plan fits is not an input error: it is reported as ``feasible: false``
-with an ``error`` naming what does not fit.
+Input errors (missing files, a directory without ``config.json``, invalid JSON, unsupported model,
+missing config keys, bad lengths) exit with status 2 and a message on stderr naming the file;
+``--model`` may be an HF checkpoint directory (its ``config.json`` is read).  A batch that no plan
+fits is not an input error: it is reported as ``feasible: false`` with an ``error`` naming what
+does not fit.
 """
 from __future__ import annotations
 
@@ -23,11 +25,50 @@ from .planner.hardware import HardwareProfile
 from .planner.model_spec import ModelSpec
 
 
-def read_lengths(path: str) -> list[int]:
+def _read_text(path: str, what: str) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{what} {path} does not exist")
+    if p.is_dir():
+        raise ValueError(f"{what} {path} is a directory; pass a file")
     try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ValueError(f"lengths file {path} does not exist") from None
+        return p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from None
+
+
+def read_json(path: str, what: str) -> dict:
+    """The JSON object in ``path``; a ValueError naming the file (and line) when it is not one."""
+    try:
+        data = json.loads(_read_text(path, what))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                         f"{exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path} must hold a JSON object, got a {type(data).__name__}")
+    return data
+
+
+def read_model_spec(path: str) -> ModelSpec:
+    """``--model``: an HF ``config.json``, or a checkpoint directory holding one."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json; pass an HF config.json or a "
+                             f"checkpoint directory that holds one")
+        p = p / "config.json"
+    cfg = read_json(str(p), "model config")
+    try:
+        return ModelSpec.from_config_dict(cfg)
+    except KeyError as exc:
+        raise ValueError(f"model config {p} lacks {exc.args[0]!r}; is it an HF config.json of a "
+                         f"decoder-only model?") from None
+    except ValueError as exc:
+        raise ValueError(f"model config {p}: {exc}") from None
+
+
+def read_lengths(path: str) -> list[int]:
+    text = _read_text(path, "lengths file")
     lengths = []
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -42,7 +83,7 @@ def read_lengths(path: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infinipipe_hf.plan", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="HF config.json of the model")
+    p.add_argument("--model", required=True, help="HF config.json of the model, or a checkpoint directory")
     p.add_argument("--lengths", required=True, help="text file: one sequence length per line (one global batch)")
     p.add_argument("--pp", type=int, required=True, help="pipeline stages (pp_degree)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (dp_degree)")
@@ -58,13 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> list[PlanResult]:
-    spec = ModelSpec.from_json_file(args.model) if Path(args.model).exists() else None
-    if spec is None:
-        raise ValueError(f"model config {args.model} does not exist")
+    spec = read_model_spec(args.model)
     lengths = read_lengths(args.lengths)
     if args.pp < 1 or args.dp < 1:
         raise ValueError(f"--pp and --dp must be >= 1, got pp={args.pp} dp={args.dp}")
-    profile = HardwareProfile.load(args.profile) if args.profile else None
+    profile = None
+    if args.profile:
+        data = read_json(args.profile, "profile")
+        try:
+            profile = HardwareProfile.from_dict(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"profile {args.profile} is not a usable cost profile ({type(exc).__name__}: "
+                             f"{exc}); write one with python -m infinipipe_hf.profile") from None
     cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.gpu_memory_gib * GIB)
     schedules = SCHEDULES if args.schedule == "all" else (args.schedule,)
     return [plan_step(lengths, spec, pp_degree=args.pp, dp_degree=args.dp, schedule=s, cost=cost,

@@ -1,4 +1,4 @@
-"""The planner CLI contract of DESIGN.md section 9 (python -m infinipipe_hf.plan)."""
+"""The planner CLI contract of docs/contracts.md (python -m infinipipe_hf.plan)."""
 import json
 import subprocess
 import sys
@@ -65,6 +65,38 @@ def test_errors(lengths_file, tmp_path, capsys):
     bad.write_text("12\nabc\n")
     assert main(["--model", str(config_path("llama2-7b")), "--lengths", str(bad), "--pp", "2"]) == 2
     assert "bad.txt:2" in capsys.readouterr().err
+
+
+def test_model_directory_and_bad_json_name_the_file(lengths_file, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    assert main(["--model", str(ckpt), "--lengths", str(lengths_file), "--pp", "2"]) == 2
+    assert f"model directory {ckpt} has no config.json" in capsys.readouterr().err
+    # a checkpoint directory holding a config.json is read like the file itself
+    (ckpt / "config.json").write_text(config_path("llama2-7b").read_text())
+    assert main(["--model", str(ckpt), "--lengths", str(lengths_file), "--pp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["feasible"]
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"model_type": "llama",\n "hidden_size": }')
+    assert main(["--model", str(broken), "--lengths", str(lengths_file), "--pp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"model config {broken} is not valid JSON (line 2" in err and "Traceback" not in err
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    assert main(["--model", str(partial), "--lengths", str(lengths_file), "--pp", "2"]) == 2
+    assert f"model config {partial} lacks 'num_attention_heads'" in capsys.readouterr().err
+    assert main(["--model", str(config_path("llama2-7b")), "--lengths", str(tmp_path), "--pp", "2"]) == 2
+    assert f"lengths file {tmp_path} is a directory" in capsys.readouterr().err
+    assert main(["--model", str(config_path("llama2-7b")), "--lengths", str(lengths_file), "--pp", "2",
+                 "--profile", str(broken)]) == 2
+    assert f"profile {broken} is not valid JSON" in capsys.readouterr().err
+
+
+def test_module_entry_point_reports_a_directory_without_traceback(tmp_path, lengths_file):
+    proc = subprocess.run([sys.executable, "-m", "infinipipe_hf.plan", "--model", str(tmp_path),
+                           "--lengths", str(lengths_file), "--pp", "2"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "has no config.json" in proc.stderr
 
 
 def test_infeasible_is_reported_not_crashed(tmp_path, capsys):
