@@ -9,16 +9,23 @@ is what both kernels do for ``max_q < max_k`` (flash-attn >= 2.1 ``causal=True``
 segment with context ``C`` sees keys ``0 .. C + i``.  One kernel call serves a whole packed or
 hybrid unit, instead of the SDPA backend's Python loop and dense masks.
 
+Everything but the fused call itself is plain Python around an injected function: a
+``VarlenKernel`` is built from the attention function (``torch_varlen_kernel(varlen_attn)``,
+``flash_attn_kernel(flash_attn_varlen_func)``), so the argument construction, the
+``cu_seqlens``/``max_seqlen`` computation, the head layout, the torch-version branches and the
+backend around them run in CPU tests against SDPA-built functions with the kernels' signatures.
+
 Trade-offs and guards:
-- The kernels run only fp16/bf16 without dropout and without a sliding window narrower than the
-  keys; anything else falls back to the SDPA backend for that call (exact, slower), so the
-  backend choice can never change results beyond floating-point rounding.
-- The first call per (device, dtype) runs a self-check against SDPA with an explicit
-  lower-right mask (a slice with context and a packed pair, grouped-query heads).  Semantics of
-  ``varlen_attn`` moved between torch releases (``is_causal`` became ``window_size``; cuDNN may be
-  preferred over flash; ``enable_gqa`` appeared later), so the check decides at run time whether
-  K/V heads can be passed grouped or must be expanded, and disables the backend with a warning
-  when causality is not lower-right aligned, instead of training on a wrong mask.
+- The kernels run only where ``make_backend`` says (CUDA, fp16/bf16, no dropout, head dim <= 256,
+  no sliding window narrower than the keys); anything else falls back to the SDPA backend for
+  that call (exact, slower), so the backend choice never changes results beyond rounding.
+- Semantics of ``varlen_attn`` moved between torch releases (``is_causal`` became
+  ``window_size``; ``enable_gqa`` appeared later; cuDNN may be preferred over flash).  The
+  signature decides how causality and grouped K/V heads are passed (no trial and error), and the
+  first call per (device, dtype) checks the kernel against SDPA with an explicit lower-right mask
+  (a slice with context and a packed pair, grouped-query heads): a kernel that computes something
+  else is disabled with a warning instead of training on a wrong mask.  A kernel that *raises*
+  is a bug or a broken install and the error propagates.
 - ``cu_seqlens`` tensors are cached per (device, offsets) so the decoder layers of a unit share one
   host-to-device copy, and ``max_q``/``max_k`` are host integers: no device sync per layer.
 """
@@ -26,19 +33,29 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from .attention import AttentionSegments, register_backend, sdpa_backend, segment_mask
-
-# kernel(q [Tq,H,d], k [Tk,KV,d], v, cu_q, cu_k, max_q, max_k, scale, grouped) -> [Tq,H,d]
-Kernel = Callable[..., torch.Tensor]
+from .attention import AttentionSegments, register_backend, sdpa_backend
 
 _HALF = (torch.float16, torch.bfloat16)
 _CU_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _CU_CACHE_MAX = 256
+# Agreement with float SDPA the self-check requires, per input dtype.
+_CHECK_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+@dataclass(frozen=True)
+class VarlenKernel:
+    """A fused varlen attention function with this module's argument layout."""
+
+    name: str
+    call: Callable[..., torch.Tensor]
+    """``call(q [Tq,H,d], k [Tk,KV,d], v, cu_q, cu_k, max_q, max_k, scale) -> [Tq,H,d]``."""
+    grouped: bool
+    """Takes K/V with fewer heads than Q (grouped-query attention) without expanding them."""
 
 
 def cu_seqlens(q_offsets: tuple[int, ...], key_lens: tuple[int, ...],
@@ -62,10 +79,11 @@ def cu_seqlens(q_offsets: tuple[int, ...], key_lens: tuple[int, ...],
     return hit
 
 
-def kernel_can_run(a: AttentionSegments) -> bool:
+def kernel_can_run(a: AttentionSegments, device_types: tuple[str, ...] = ("cuda",),
+                   dtypes: tuple[torch.dtype, ...] = _HALF) -> bool:
     """Whether the fused kernels compute exactly this problem (else: SDPA fallback)."""
     q = a.query
-    if q.device.type != "cuda" or q.dtype not in _HALF or a.dropout > 0 or q.shape[-1] > 256:
+    if q.device.type not in device_types or q.dtype not in dtypes or a.dropout > 0 or q.shape[-1] > 256:
         return False
     if a.sliding_window is not None:
         longest = max(c + (a.q_offsets[i + 1] - a.q_offsets[i]) for i, c in enumerate(a.context_lens))
@@ -74,7 +92,7 @@ def kernel_can_run(a: AttentionSegments) -> bool:
     return True
 
 
-def run_kernel(a: AttentionSegments, kernel: Kernel, grouped: bool) -> torch.Tensor:
+def run_kernel(a: AttentionSegments, kernel: VarlenKernel) -> torch.Tensor:
     """Pack the unit, run ``kernel`` once, return ``[1, T, heads, d]`` like ``sdpa_backend``."""
     q = a.query[0].transpose(0, 1)  # [T, H, d]
     heads, kv_heads = q.shape[1], a.keys[0].shape[1]
@@ -83,102 +101,103 @@ def run_kernel(a: AttentionSegments, kernel: Kernel, grouped: bool) -> torch.Ten
     else:
         k, v = torch.cat(a.keys, dim=2), torch.cat(a.values, dim=2)
     k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [Tk, KV, d]
-    if kv_heads != heads and not grouped:
+    if kv_heads != heads and not kernel.grouped:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     lengths = [a.q_offsets[i + 1] - a.q_offsets[i] for i in range(len(a.keys))]
     key_lens = tuple(c + n for c, n in zip(a.context_lens, lengths))
     cu_q, cu_k = cu_seqlens(a.q_offsets, key_lens, q.device)
-    out = kernel(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max(lengths),
-                 max(key_lens), a.scaling, kv_heads != heads and grouped)
+    out = kernel.call(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max(lengths),
+                      max(key_lens), a.scaling)
     return out.unsqueeze(0)
 
 
 # --- the kernels ------------------------------------------------------------------------------
-def torch_varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, grouped):
-    from torch.nn.attention.varlen import varlen_attn
-
-    kw = {"scale": scale}
+def torch_varlen_kernel(varlen_attn: Callable | None = None) -> VarlenKernel:
+    """torch's ``varlen_attn`` (or a function with its signature), called the way this torch
+    release spells causality and grouped heads."""
+    if varlen_attn is None:
+        from torch.nn.attention.varlen import varlen_attn
     params = inspect.signature(varlen_attn).parameters
-    if "window_size" in params:
-        kw["window_size"] = (-1, 0)  # causal, lower-right aligned by the flash kernel
-    else:
-        kw["is_causal"] = True  # torch 2.9/2.10 spelling
-    if grouped:
-        kw["enable_gqa"] = True
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+    # window_size=(-1, 0) is causal, lower-right aligned by the flash kernel; torch 2.9/2.10 said
+    # is_causal=True for the same thing.
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    grouped = "enable_gqa" in params
+
+    def call(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        kw = {"scale": scale, **causal}
+        if grouped and k.shape[1] != q.shape[1]:
+            kw["enable_gqa"] = True
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+    return VarlenKernel("varlen", call, grouped)
 
 
-def flash_attn_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, grouped):
-    from flash_attn import flash_attn_varlen_func
+def flash_attn_kernel(flash_attn_varlen_func: Callable | None = None) -> VarlenKernel:
+    """flash-attn's ``flash_attn_varlen_func`` (or a function with its signature)."""
+    if flash_attn_varlen_func is None:
+        from flash_attn import flash_attn_varlen_func
 
-    # flash-attn takes grouped K/V heads natively; causal=True is bottom-right aligned (>= 2.1).
-    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0,
-                                  softmax_scale=scale, causal=True)
+    def call(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        # causal=True is bottom-right aligned (flash-attn >= 2.1); grouped K/V heads are native.
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0,
+                                      softmax_scale=scale, causal=True)
 
-
-def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, grouped):
-    """What the fused kernels compute, in plain PyTorch (any device/dtype): for tests."""
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    outs = []
-    for i in range(len(cq) - 1):
-        qs = q[cq[i]:cq[i + 1]].transpose(0, 1)  # [H, n, d]
-        ks, vs = (t[ck[i]:ck[i + 1]].transpose(0, 1) for t in (k, v))
-        if ks.shape[0] != qs.shape[0]:
-            ks = ks.repeat_interleave(qs.shape[0] // ks.shape[0], dim=0)
-            vs = vs.repeat_interleave(qs.shape[0] // vs.shape[0], dim=0)
-        n, m = qs.shape[1], ks.shape[1]
-        mask = segment_mask(n, m - n, None, q.device)
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale).transpose(0, 1))
-    return torch.cat(outs, dim=0)
+    return VarlenKernel("flash", call, True)
 
 
 # --- self-check and backend construction ----------------------------------------------------
-def _self_check(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
-    """(usable, grouped_ok): does ``kernel`` match lower-right-causal SDPA on this device/dtype?"""
+def _check_problem(device: torch.device, dtype: torch.dtype) -> AttentionSegments:
+    """A slice with 96 tokens of context and a packed document, grouped-query heads."""
     g = torch.Generator(device=device).manual_seed(0)
     heads, kv_heads, d = 4, 2, 64
-    q_offsets, ctx = (0, 48, 48 + 80), [96, 0]  # a slice with 96 tokens of context, a packed doc
+    q_offsets, ctx = (0, 48, 48 + 80), [96, 0]
     T = q_offsets[-1]
+    # Own generator throughout: the global RNG (dropout, checkpoint replay) must not move.
     query = torch.randn(1, heads, T, d, device=device, dtype=dtype, generator=g)
     keys = [torch.randn(1, kv_heads, c + (q_offsets[i + 1] - q_offsets[i]), d, device=device, dtype=dtype,
                         generator=g) for i, c in enumerate(ctx)]
-    # Own generator throughout: the global RNG (dropout, checkpoint replay) must not move.
     values = [torch.randn(k.shape, device=device, dtype=dtype, generator=g) for k in keys]
-    a = AttentionSegments(query, keys, values, q_offsets, ctx, d ** -0.5, 0.0, None)
-    want = sdpa_backend(AttentionSegments(query.float(), [k.float() for k in keys],
-                                          [v.float() for v in values], q_offsets, ctx, d ** -0.5, 0.0, None))
-    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
-    for grouped in (True, False):
-        try:
-            with torch.no_grad():
-                got = run_kernel(a, kernel, grouped).float()
-        except Exception:  # grouped heads unsupported by this build: try expanded heads
-            continue
-        if torch.allclose(got, want, atol=tol, rtol=tol):
-            return True, grouped
-    return False, False
+    return AttentionSegments(query, keys, values, q_offsets, ctx, d ** -0.5, 0.0, None)
 
 
-def make_backend(kernel: Kernel, name: str, *, check: bool = True):
-    """An ``AttentionBackend`` running ``kernel`` where it applies, else ``sdpa_backend``."""
-    checked: dict[tuple, tuple[bool, bool]] = {}
+def self_check(kernel: VarlenKernel, device: torch.device, dtype: torch.dtype) -> bool:
+    """Does ``kernel`` compute lower-right-causal attention (SDPA with an explicit mask) here?"""
+    a = _check_problem(device, dtype)
+    up = torch.float64 if dtype == torch.float64 else torch.float32
+    want = sdpa_backend(AttentionSegments(a.query.to(up), [k.to(up) for k in a.keys],
+                                          [v.to(up) for v in a.values], a.q_offsets, a.context_lens,
+                                          a.scaling, 0.0, None))
+    with torch.no_grad():
+        got = run_kernel(a, kernel).to(up)
+    tol = _CHECK_TOL.get(dtype, 2e-2)
+    return bool(torch.allclose(got, want, atol=tol, rtol=tol))
+
+
+def make_backend(name: str, kernel_factory: Callable[[], VarlenKernel], *, check: bool = True,
+                 device_types: tuple[str, ...] = ("cuda",), dtypes: tuple[torch.dtype, ...] = _HALF):
+    """An ``AttentionBackend`` running the kernel where it applies, else ``sdpa_backend``.
+
+    ``kernel_factory`` is called on the first call the kernel can serve (so importing this module
+    never imports flash-attn); ``device_types``/``dtypes`` say where it may run."""
+    kernel: list[VarlenKernel] = []
+    usable: dict[tuple, bool] = {}
 
     def backend(a: AttentionSegments) -> torch.Tensor:
-        if not kernel_can_run(a):
+        if not kernel_can_run(a, device_types, dtypes):
             return sdpa_backend(a)
+        if not kernel:
+            kernel.append(kernel_factory())
         key = (str(a.query.device), a.query.dtype)
-        state = checked.get(key)
-        if state is None:
-            state = _self_check(kernel, a.query.device, a.query.dtype) if check else (True, True)
-            checked[key] = state
-            if not state[0]:
-                warnings.warn(f"attention backend {name!r} does not match lower-right causal SDPA on "
-                              f"{key[0]} {key[1]} (torch {torch.__version__}); using SDPA instead",
-                              RuntimeWarning, stacklevel=2)
-        if not state[0]:
+        if key not in usable:
+            usable[key] = self_check(kernel[0], a.query.device, a.query.dtype) if check else True
+            if not usable[key]:
+                warnings.warn(f"attention backend {name!r} does not compute lower-right causal "
+                              f"attention on {key[0]} {key[1]} (torch {torch.__version__}); using "
+                              f"SDPA instead", RuntimeWarning, stacklevel=2)
+        if not usable[key]:
             return sdpa_backend(a)
-        return run_kernel(a, kernel, grouped=state[1])
+        return run_kernel(a, kernel[0])
 
     backend.__name__ = f"{name}_backend"
     return backend
@@ -199,13 +218,13 @@ def flash_available(device: torch.device) -> bool:
         return False
     try:
         from flash_attn import flash_attn_varlen_func  # noqa: F401
-    except Exception:  # absent, or built for another torch/CUDA
+    except (ImportError, OSError):  # absent, or built for another torch/CUDA (undefined symbols)
         return False
     return True
 
 
-varlen_backend = make_backend(torch_varlen_kernel, "varlen")
-flash_backend = make_backend(flash_attn_kernel, "flash")
+varlen_backend = make_backend("varlen", torch_varlen_kernel)
+flash_backend = make_backend("flash", flash_attn_kernel)
 
 
 def register_cuda_backends() -> None:

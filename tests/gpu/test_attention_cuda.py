@@ -47,26 +47,25 @@ def _rel(x, y):
 
 
 def _kernel(name):
-    kernel, available = KERNELS[name]
+    factory, available = KERNELS[name]
     if not available(torch.device("cuda")):
         pytest.skip(f"{name} attention is not installed here")
-    return kernel
+    return factory()
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_self_check_passes(name):
-    usable, _ = ac._self_check(_kernel(name), torch.device("cuda"), torch.bfloat16)
-    assert usable, f"{name} is not lower-right causal on this build (torch {torch.__version__})"
+    assert ac.self_check(_kernel(name), torch.device("cuda"), torch.bfloat16), \
+        f"{name} is not lower-right causal on this build (torch {torch.__version__})"
 
 
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_equals_sdpa_bf16_forward_and_grads(name, problem):
     kernel = _kernel(name)
-    _, grouped = ac._self_check(kernel, torch.device("cuda"), torch.bfloat16)
     a = _problem(*PROBLEMS[problem], torch.bfloat16)
     ref = _as_float(a)
-    got = ac.run_kernel(a, kernel, grouped)
+    got = ac.run_kernel(a, kernel)
     want = sdpa_backend(ref)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert _rel(got, want) < 1e-2

@@ -7,7 +7,7 @@ from tests.unit.test_local_pipeline import LENGTHS, NUM_LAYERS, build_stages, co
 
 from infinipipe_hf.runtime.local_pipeline import run_plan_locally
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.mark.parametrize("ckpt", ["none", "some"])

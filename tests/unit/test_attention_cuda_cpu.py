@@ -1,20 +1,36 @@
-"""The CUDA attention backends' packing logic, checked on CPU with a pure-PyTorch varlen kernel.
+"""The CUDA attention backends on CPU: everything but the fused kernel call, against SDPA.
 
-The fused kernels themselves need a GPU (tests/gpu/test_attention_cuda.py); everything around
-them (cu_seqlens, key concatenation with context, head grouping, output layout, the self-check
-that rejects a wrongly aligned causal mask, the SDPA fallbacks) is tested here in float64.
+The kernels are replaced by SDPA-built functions with their exact signatures
+(``tests/helpers/varlen_reference.py``), so the real argument construction (``window_size`` vs
+``is_causal``, ``enable_gqa``, flash-attn's keywords), ``cu_seqlens``/``max_seqlen``, the head
+layout (grouped or expanded K/V), context handling, the self-check, the backend's fallbacks and
+the backend selection all run here, in float64, compared with the SDPA backend (values and
+gradients).  Left to tests/gpu/test_attention_cuda.py: the fused kernels themselves and the
+pinned host-to-device copy of ``cu_seqlens`` (both need CUDA).
 """
+import warnings
+
 import pytest
 import torch
-import torch.nn.functional as F
 
 from infinipipe_hf.planner.units import Segment
+from infinipipe_hf.runtime import attention as attn
 from infinipipe_hf.runtime import attention_cuda as ac
 from infinipipe_hf.runtime.attention import (AttentionSegments, EPPUnitContext, epp_attention_forward,
                                              sdpa_backend, select_backend)
 from infinipipe_hf.runtime.kv_store import KVStore
+from tests.helpers.varlen_reference import (sdpa_flash_attn_varlen_func, sdpa_varlen_attn,
+                                            sdpa_varlen_attn_torch29, upper_left_varlen_attn)
 
 H, KV, D = 4, 2, 8
+CPU64 = dict(device_types=("cpu",), dtypes=(torch.float64,))
+KERNELS = {
+    "varlen": lambda: ac.torch_varlen_kernel(sdpa_varlen_attn),
+    "varlen_torch29": lambda: ac.torch_varlen_kernel(sdpa_varlen_attn_torch29),
+    "flash": lambda: ac.flash_attn_kernel(sdpa_flash_attn_varlen_func),
+}
+PROBLEMS = {"packed": ([5, 9, 3], [0, 0, 0]), "slice_with_context": ([6], [11]),
+            "hybrid": ([4, 7, 2], [13, 0, 0]), "tiny_slices": ([1, 3], [17, 2])}
 
 
 def _problem(lengths, contexts, dtype=torch.float64, seed=0):
@@ -34,37 +50,75 @@ def _grads(a, out, g_out):
     return torch.autograd.grad(out, [a.query, *a.keys, *a.values], g_out)
 
 
-@pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize("lengths,contexts", [([5, 9, 3], [0, 0, 0]), ([6], [11]), ([4, 7, 2], [13, 0, 0])])
-def test_packed_kernel_equals_sdpa_forward_and_grad(lengths, contexts, grouped):
-    a = _problem(lengths, contexts)
+def test_kernel_signatures_decide_causality_and_grouped_heads():
+    assert ac.torch_varlen_kernel(sdpa_varlen_attn).grouped is True
+    assert ac.torch_varlen_kernel(sdpa_varlen_attn_torch29).grouped is False  # K/V heads expanded
+    assert ac.flash_attn_kernel(sdpa_flash_attn_varlen_func).grouped is True
+    # the installed torch's own varlen_attn (its call needs CUDA; its signature does not)
+    assert ac.torch_varlen_kernel().grouped is True
+    with pytest.raises(ImportError):
+        ac.flash_attn_kernel()  # flash-attn is not installed on the CPU machine
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_backend_equals_sdpa_forward_and_grad(name, problem):
+    """The whole backend (guards, self-check, packing, kernel arguments) on CPU, float64."""
+    backend = ac.make_backend(name, KERNELS[name], **CPU64)
+    a = _problem(*PROBLEMS[problem])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the self-check must pass: no fallback warning
+        got = backend(a)
     want = sdpa_backend(a)
-    got = ac.run_kernel(a, ac.reference_kernel, grouped)
-    assert got.shape == want.shape == (1, sum(lengths), H, D)
+    assert got.shape == want.shape == (1, a.q_offsets[-1], H, D)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     g_out = torch.randn_like(want)
     for x, y in zip(_grads(a, got, g_out), _grads(a, want, g_out)):
         torch.testing.assert_close(x, y, rtol=1e-11, atol=1e-11)
 
 
-def _upper_left_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, grouped):
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    outs = []
-    for i in range(len(cq) - 1):
-        qs = q[cq[i]:cq[i + 1]].transpose(0, 1)
-        ks, vs = (t[ck[i]:ck[i + 1]].transpose(0, 1).repeat_interleave(H // KV, dim=0) for t in (k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
-    return torch.cat(outs)
-
-
 def test_self_check_accepts_lower_right_and_rejects_upper_left():
-    assert ac._self_check(ac.reference_kernel, torch.device("cpu"), torch.float32) == (True, True)
-    assert ac._self_check(_upper_left_kernel, torch.device("cpu"), torch.float32)[0] is False
+    assert ac.self_check(KERNELS["varlen"](), torch.device("cpu"), torch.float64)
+    wrong = ac.torch_varlen_kernel(upper_left_varlen_attn)
+    assert not ac.self_check(wrong, torch.device("cpu"), torch.float64)
+    backend = ac.make_backend("upper_left", lambda: wrong, **CPU64)
+    a = _problem(*PROBLEMS["hybrid"])
+    with pytest.warns(RuntimeWarning, match="does not compute lower-right causal attention.*using SDPA"):
+        got = backend(a)
+    torch.testing.assert_close(got, sdpa_backend(a))  # the fallback is exact
 
 
-def test_slices_through_kv_store_with_packed_kernel_equal_unsplit_causal():
-    """The attention function + KV store + packed kernel: three slices of one sequence, the middle
-    one packed with a short document, equal the unsplit causal attention (values and grads)."""
+def test_a_kernel_error_propagates_instead_of_disabling_the_backend():
+    def broken(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+               enable_gqa=False):
+        raise TypeError("bad argument")
+
+    backend = ac.make_backend("broken", lambda: ac.torch_varlen_kernel(broken), **CPU64)
+    with pytest.raises(TypeError, match="bad argument"):
+        backend(_problem(*PROBLEMS["packed"]))
+
+
+def test_guards_fall_back_to_sdpa_without_building_the_kernel():
+    built = []
+    backend = ac.make_backend("spy", lambda: built.append(1), **CPU64)
+    a32 = _problem([5, 3], [2, 0], dtype=torch.float32)
+    torch.testing.assert_close(backend(a32), sdpa_backend(a32))  # float32: not a kernel dtype here
+    a = _problem([5, 3], [2, 0])
+    a.dropout = 0.1
+    assert not ac.kernel_can_run(a, *CPU64.values())
+    a.dropout, a.sliding_window = 0.0, 4  # narrower than the 7 keys of segment 0
+    assert not ac.kernel_can_run(a, *CPU64.values())
+    a.sliding_window = 7
+    assert ac.kernel_can_run(a, *CPU64.values())
+    assert not ac.kernel_can_run(_problem([5], [0]))  # defaults: CUDA and half precision only
+    assert built == []  # the kernel was never built for a problem it cannot compute
+
+
+def test_slices_through_kv_store_with_the_varlen_backend_equal_unsplit_causal():
+    """The attention function + KV store + backend: three slices of one sequence, the middle one
+    packed with a short document, equal the unsplit causal attention (values and grads)."""
+    import torch.nn.functional as F
+
     T, S = 20, 6
     g = torch.Generator().manual_seed(3)
     mk = lambda h, n: torch.randn(1, h, n, D, dtype=torch.float64, generator=g, requires_grad=True)
@@ -76,7 +130,7 @@ def test_slices_through_kv_store_with_packed_kernel_equal_unsplit_causal():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
     want, want2 = ref(q, k, v), ref(q2, k2, v2)
-    backend = lambda a: ac.run_kernel(a, ac.reference_kernel, True)
+    backend = ac.make_backend("varlen", KERNELS["varlen"], **CPU64)
 
     class Layer:
         layer_idx = 0
@@ -110,24 +164,40 @@ def test_slices_through_kv_store_with_packed_kernel_equal_unsplit_causal():
         torch.testing.assert_close(got_g, exp_g, rtol=1e-11, atol=1e-11)
 
 
-def test_kernel_guards_fall_back_to_sdpa():
-    a = _problem([5, 3], [2, 0], dtype=torch.float32)
-    assert not ac.kernel_can_run(a)  # CPU, float32
-    calls = []
-    backend = ac.make_backend(lambda *args: calls.append(1), "spy", check=False)
-    torch.testing.assert_close(backend(a), sdpa_backend(a))
-    assert calls == []  # the kernel never ran on a problem it cannot compute
-
-
-def test_cu_seqlens_are_cached_and_correct():
+def test_cu_seqlens_are_cached_and_correct(monkeypatch):
     cu_q, cu_k = ac.cu_seqlens((0, 5, 8), (7, 3), torch.device("cpu"))
     assert cu_q.tolist() == [0, 5, 8] and cu_k.tolist() == [0, 7, 10] and cu_q.dtype == torch.int32
     again = ac.cu_seqlens((0, 5, 8), (7, 3), torch.device("cpu"))
     assert again[0] is cu_q and again[1] is cu_k
+    monkeypatch.setattr(ac, "_CU_CACHE_MAX", 1)  # a full cache is emptied, never grows unbounded
+    ac.cu_seqlens((0, 2), (4,), torch.device("cpu"))
+    assert len(ac._CU_CACHE) == 1
 
 
-def test_backend_selection_on_cpu():
+def test_backend_selection(monkeypatch):
     assert select_backend("auto", "cpu") is sdpa_backend
     for name in ("varlen", "flash"):
-        with pytest.raises(ValueError, match="cannot run on device cpu|not available"):
+        with pytest.raises(ValueError, match="cannot run on device cpu"):
             select_backend(name, "cpu")
+    cuda = torch.device("cuda")  # selection logic only: nothing runs on the device
+    for flash_ok, varlen_ok, want in [(True, True, ac.flash_backend), (False, True, ac.varlen_backend),
+                                      (False, False, sdpa_backend)]:
+        monkeypatch.setitem(attn._BACKENDS, "flash", (ac.flash_backend, lambda d, ok=flash_ok: ok))
+        monkeypatch.setitem(attn._BACKENDS, "varlen", (ac.varlen_backend, lambda d, ok=varlen_ok: ok))
+        assert select_backend("auto", cuda) is want
+
+
+def test_availability_checks(monkeypatch):
+    import sys
+    import types
+
+    assert not ac.varlen_available(torch.device("cpu")) and not ac.flash_available(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ac.varlen_available(torch.device("cuda"))  # torch ships varlen_attn
+    assert not ac.flash_available(torch.device("cuda"))  # flash-attn is not installed here
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = sdpa_flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    assert ac.flash_available(torch.device("cuda"))
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)  # a torch without it
+    assert not ac.varlen_available(torch.device("cuda"))
