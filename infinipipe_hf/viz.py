@@ -24,8 +24,12 @@ GIB = 1024 ** 3
 
 
 def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | None = None,
-              cost: "CostModel | None" = None) -> None:
-    """Write a Gantt + memory PNG (or any matplotlib format, by ``path``'s suffix) of ``plan``."""
+              cost: "CostModel | None" = None) -> dict:
+    """Write a Gantt + memory PNG (or any matplotlib format, by ``path``'s suffix) of ``plan``.
+
+    Returns what was drawn: ``boxes`` (action boxes per Gantt row), ``recompute_boxes``,
+    ``labels`` (boxes wide enough to carry their action's name), ``memory_curves`` and
+    ``size_px`` (width, height) of the image."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,8 +106,16 @@ def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | 
     axm.grid(linewidth=0.3, alpha=0.5)
     axm.legend(loc="lower right", fontsize=8, ncol=min(6, p + 1), framealpha=0.9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    dpi = 120
+    fig.savefig(path, dpi=dpi)
+    size = tuple(int(round(x * dpi)) for x in fig.get_size_inches())
     plt.close(fig)
+    counts: dict[int, int] = {}
+    for (row, _kind), (spans, _) in boxes.items():
+        counts[row] = counts.get(row, 0) + len(spans)
+    return {"boxes": counts, "recompute_boxes": sum(len(v) for v in recompute.values()),
+            "labels": len(labels), "memory_curves": sum(1 for pts in sim.memory_timeline.values() if pts),
+            "size_px": size}
 
 
 def format_timeline(sim: "SimulationResult", *, max_events_per_stage: int = 40) -> str:

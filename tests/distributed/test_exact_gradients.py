@@ -5,7 +5,6 @@ names are listed here so a case that silently stops running fails the test.
 """
 from __future__ import annotations
 
-import importlib
 import re
 
 import pytest
@@ -19,7 +18,7 @@ PP2_CASES = ["pp2_llama_untied_ckpt_none", "pp2_mistral_tied_ckpt_all", "pp2_qwe
              "pp_larger_than_layers", "unsupported_model"]
 WORLD4_CASES = ["pp4_llama_untied_ckpt_mixed", "pp4_qwen2_tied_ckpt_all", "pp4_mistral_untied_ckpt_none",
                 "dp2pp2_llama_tied_ckpt_mixed", "dp2pp2_mistral_untied_ckpt_all", "dp2pp2_idle_replica",
-                "dp2pp2_accumulation",
+                "dp2pp2_accumulation", "default_planner_pp4", "default_planner_dp2pp2",
                 "pp4_timeline"]
 
 
@@ -37,17 +36,6 @@ def test_pp2_exact_gradients_accumulation_eval_clip_and_errors():
     _check(run_torchrun("exact_grads.py", 2, ["pp2"], timeout_s=400), 2, PP2_CASES)
 
 
-def _planner_available() -> bool:
-    try:
-        importlib.import_module("infinipipe_hf.planner.api")
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.timeout(620)
 def test_pp4_and_dp2_pp2_exact_gradients():
-    # The worker adds the default-planner cases whenever the planner imports; so do we.
-    cases = WORLD4_CASES + (["default_planner_pp4", "default_planner_dp2pp2"]
-                            if _planner_available() else [])
-    _check(run_torchrun("exact_grads.py", 4, ["world4"], timeout_s=600), 4, cases)
+    _check(run_torchrun("exact_grads.py", 4, ["world4"], timeout_s=600), 4, WORLD4_CASES)

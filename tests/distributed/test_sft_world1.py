@@ -69,10 +69,9 @@ def test_tokens_and_loss_masks_equal_trl(kind, tmp_path):
 
     # Independently of TRL: which tokens each format trains.
     tok = sft.tokenizer()
-    for i, (ids, labels) in enumerate(sorted(got.items(), key=lambda kv: kv[0])):
-        trained = sum(y != -100 for y in labels)
-        if kind in ("text", "prompt_completion_full", "messages"):
-            assert list(ids) == labels, "every token trained"
+    assert all(any(y != -100 for y in labels) for labels in got.values())
+    if kind in ("text", "prompt_completion_full", "messages"):
+        assert all(list(ids) == labels for ids, labels in got.items()), "every token trained"
     texts = {_trained_text(tok, ids, labels) for ids, labels in got.items()}
     if kind in ("prompt_completion", "pretokenized_completion_mask", "pretokenized_assistant_masks"):
         assert texts == {c + tok.eos_token for c in sft.COMPLETIONS}
@@ -84,7 +83,6 @@ def test_tokens_and_loss_masks_equal_trl(kind, tmp_path):
             replies = [m["content"] for m in sft._messages(i) if m["role"] == "assistant"]
             want_texts.add("".join(r + "<|im_end|>" for r in replies))
         assert texts == want_texts
-    assert trained > 0
 
 
 @pytest.mark.parametrize("kind", ["prompt_completion", "messages_assistant_only", "text"])

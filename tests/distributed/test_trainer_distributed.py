@@ -22,8 +22,7 @@ pytest.importorskip("torch")
 pytest.importorskip("datasets")
 
 from tests.distributed.launch import REPO, WORKERS, _env, _free_port, run_torchrun  # noqa: E402
-from tests.distributed.workers.trainer_common import (SCENARIOS, default_planner_available,  # noqa: E402
-                                                      reference_run)
+from tests.distributed.workers.trainer_common import SCENARIOS, reference_run  # noqa: E402
 
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 CPU_CONFIG = REPO / "recipes" / "accelerate" / "cpu_4proc.yaml"
@@ -33,10 +32,9 @@ CASES = {
     "accel2": ["accel_pp2_base"],
     "accel4": ["accel_pp4_base", "accel_dp2pp2_tied"],
 }
-# The engine's own planner when it is importable; else a fixed plan that slices long sequences.
 pytestmark = pytest.mark.distributed
 
-PLANNER = "default" if default_planner_available() else "slicing"
+PLANNER = "default"  # the engine's own planner (workers also take "slicing": a fixed sliced plan)
 
 
 @pytest.fixture(scope="module")

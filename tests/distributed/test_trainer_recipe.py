@@ -15,7 +15,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.distributed.launch import REPO, PYTHON, _env, _free_port  # noqa: E402
-from tests.distributed.workers.trainer_common import default_planner_available  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -23,8 +22,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_cpu_recipe_trains_and_saves_a_loadable_model(tmp_path, launcher):
-    if not default_planner_available():
-        pytest.skip("the recipe uses the engine's default planner, which is not importable")
     out = tmp_path / "run"
     env = {**_env(), "LAUNCHER": launcher, "PYTHON": str(PYTHON), "PORT": str(_free_port()),
            "OUTPUT_DIR": str(out)}

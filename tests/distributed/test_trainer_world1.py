@@ -15,8 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("datasets")
 
 from tests.distributed.workers.trainer_common import (GA_RTOL, LOSS_RTOL, SCENARIOS,  # noqa: E402
-                                                      assert_close_list, assert_weights_match,
-                                                      default_planner_available, epp_trainer,
+                                                      assert_close_list, assert_weights_match, epp_trainer,
                                                       load_reference, per_step, reference_run,
                                                       slicing_planner, stage_state, token_dataset)
 from infinipipe_hf import EPPTrainer, EPPTrainingArguments  # noqa: E402
@@ -35,8 +34,6 @@ def ref_dir(tmp_path_factory):
 
 
 def _planner(kind):
-    if kind == "default" and not default_planner_available():
-        pytest.skip("the default planner (infinipipe_hf.planner.api) is not importable")
     return PLANNERS[kind]
 
 

@@ -49,7 +49,10 @@ def test_plot(lengths_file, tmp_path):
     png = tmp_path / "gantt.png"
     assert main(["--model", str(config_path("llama2-7b")), "--lengths", str(lengths_file), "--pp", "4",
                  "--schedule", "epp", "--plot", str(png)]) == 0
-    assert png.stat().st_size > 10_000
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(str(png))  # a PNG that decodes, with the figure's width (14 in at 120 dpi)
+    assert img.shape[1] == 14 * 120 and img.shape[0] > 400 and img.reshape(-1, img.shape[-1]).std(0).max() > 0.05
 
 
 def test_errors(lengths_file, tmp_path, capsys):

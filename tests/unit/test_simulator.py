@@ -1,19 +1,11 @@
-"""Simulator: hand-computed step times and bubbles, recompute, DP replicas, memory vs memory.py."""
+"""Simulator: step times, bubbles, recompute, DP replicas and memory, all computed by hand."""
 import pytest
 
 from infinipipe_hf.planner.actions import B, F
-from infinipipe_hf.planner.cost_model import CostModel
-from infinipipe_hf.planner.memory import memory_points, point_bytes, stage_peak_bytes
-from infinipipe_hf.planner.model_spec import ModelSpec
 from infinipipe_hf.planner.plan import Plan
-from infinipipe_hf.planner.schedule import (backward_order, build_pipeline_actions, epp_warmup,
-                                            one_f_one_b_warmup)
+from infinipipe_hf.planner.schedule import build_pipeline_actions, one_f_one_b_warmup
 from infinipipe_hf.planner.simulator import PlanDeadlockError, simulate
 from infinipipe_hf.planner.units import Segment, Unit
-
-LLAMA3_8B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
-                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
-
 
 class FakeCost:
     """Fixed times per action (independent of the unit), optional transfer and per-layer recompute."""
@@ -109,28 +101,30 @@ def test_deadlock_raises():
         simulate(plan, FakeCost(2))
 
 
-def test_memory_matches_memory_module_and_feasibility():
-    cm = CostModel(ModelSpec.from_config_dict(LLAMA3_8B), pp_degree=4)
-    lengths = [30000, 8000, 4000, 4000, 2000]
-    units = [Unit(0, (Segment(0, 0, 12000),)), Unit(1, (Segment(0, 12000, 22000),)),
-             Unit(2, (Segment(0, 22000, 30000), Segment(3, 0, 4000))), Unit(3, (Segment(1, 0, 8000),)),
-             Unit(4, (Segment(2, 0, 4000), Segment(4, 0, 2000)))]
-    acts = build_pipeline_actions([u.id for u in units], backward_order(units, lengths), 4, epp_warmup(4, 3))
-    plan = Plan("epp", 4, 1, lengths, units, {0: acts}, {0: {0: 5, 2: 3}, 1: {1: 7}})
-    sim = simulate(plan, cm)
-    for s in range(4):
-        pts = memory_points(plan, cm, 0, s)
-        want = [point_bytes(pt, plan, cm, s, plan.checkpoint_layers.get(s, {})) for pt in pts]
-        got = [b for _, b in sim.memory_timeline[(0, s)]]
-        assert got == pytest.approx(want)
-        assert sim.peak_memory_bytes[s] == pytest.approx(stage_peak_bytes(plan, cm, 0, s))
-    assert sim.feasible == all(x <= cm.memory_budget_bytes for x in sim.peak_memory_bytes)
-    tight = CostModel(cm.spec, pp_degree=4, memory_budget_bytes=min(sim.peak_memory_bytes) - 1)
+def test_memory_timeline_and_peaks_by_hand():
+    """FakeCost: 10 bytes of model states, a 1-byte working set, 5 - c bytes of activations per live
+    unit (c checkpointed layers), no K/V.  1F1B on 3 stages, 5 units: stage s holds at most 3 - s
+    units; stage 0 runs F0 F1 F2 B0 F3 B1 F4 B2 B3 B4."""
+    p, m = 3, 5
+    plan = _packed_plan(m, p)
+    sim = simulate(plan, FakeCost(p))
+    assert sim.peak_memory_bytes == [11 + 5 * 3, 11 + 5 * 2, 11 + 5 * 1]
+    live = [[0], [0, 1], [0, 1, 2], [0, 1, 2], [1, 2, 3], [1, 2, 3], [2, 3, 4], [2, 3, 4], [3, 4], [4]]
+    assert [str(a) for a in plan.actions[0][0]] == ["F0", "F1", "F2", "B0", "F3", "B1", "F4", "B2", "B3", "B4"]
+    act = {0: 3, 1: 5, 2: 5, 3: 5, 4: 5}  # unit 0 checkpoints 2 layers on stage 0
+    plan.checkpoint_layers = {0: {0: 2}}
+    sim = simulate(plan, FakeCost(p))
+    want = [11 + sum(act[u] for u in units) for units in live]
+    assert [b for _, b in sim.memory_timeline[(0, 0)]] == want
+    starts = [e.start_s for e in sim.events if e.stage == 0 and e.dp_rank == 0]
+    assert [t for t, _ in sim.memory_timeline[(0, 0)]] == starts
+    assert sim.peak_memory_bytes[0] == 26 and sim.feasible  # budget 100
+    tight = FakeCost(p)
+    tight.memory_budget_bytes = 25.0
     assert not simulate(plan, tight).feasible
-    roomy = CostModel(cm.spec, pp_degree=4, memory_budget_bytes=max(sim.peak_memory_bytes) + 1)
-    assert simulate(plan, roomy).feasible
     d = sim.to_dict(include_events=True)
-    assert d["step_time_s"] == sim.step_time_s and len(d["events"]) == 40 and "0,3" in d["memory_timeline"]
+    assert d["peak_memory_bytes"] == [26, 21, 16] and len(d["events"]) == 2 * m * p
+    assert d["memory_timeline"]["0,0"] == [[t, b] for t, b in zip(starts, want)]
 
 
 def test_pp_mismatch_is_a_user_error():

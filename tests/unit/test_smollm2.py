@@ -6,9 +6,14 @@ torch = pytest.importorskip("torch")
 from infinipipe_hf.models import smollm2  # noqa: E402
 
 
-def test_gguf_path_points_at_the_shipped_file():
+def test_gguf_path_points_at_the_shipped_model():
     path = smollm2.smollm2_gguf_path()
-    assert path.name == smollm2.GGUF_FILE and path.stat().st_size > 50_000_000
+    assert path.name == smollm2.GGUF_FILE
+    gguf = pytest.importorskip("gguf")
+    reader = gguf.GGUFReader(str(path))  # a real GGUF (not an LFS pointer): header and tensors parse
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "llama"
+    assert len(reader.tensors) == 30 * 9 + 2  # 30 decoder layers of 9 tensors, embeddings, final norm
 
 
 def test_missing_package_error_names_the_pip_command(monkeypatch):

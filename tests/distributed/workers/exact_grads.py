@@ -135,14 +135,6 @@ def pp2() -> None:
     user_errors()
 
 
-def planner_available() -> bool:
-    try:
-        import infinipipe_hf.planner.api  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def default_planner(name: str, *, pp: int, family: str, tie: bool) -> None:
     """The engine's own planner (plan_step) on a batch long enough to be sliced."""
     from infinipipe_hf.planner.units import UnitKind
@@ -177,9 +169,8 @@ def world4() -> None:
              units_per_dp=[[[(0, 0, 5)], [(0, 5, 9), (1, 0, 4)]], []], ckpt="mixed")
     accumulation("dp2pp2_accumulation", family="llama", tie=True, pp=2, units_a=UNITS_DP2,
                  units_b=[[[(0, 0, 6)], [(0, 6, 9)]], [[(1, 0, 4)]]], lengths_b=[9, 4])
-    if planner_available():
-        default_planner("default_planner_pp4", pp=4, family="llama", tie=False)
-        default_planner("default_planner_dp2pp2", pp=2, family="qwen2", tie=True)
+    default_planner("default_planner_pp4", pp=4, family="llama", tie=False)
+    default_planner("default_planner_dp2pp2", pp=2, family="qwen2", tie=True)
     # The merged timeline holds every rank's actions of the step exactly once.
     engine = PipelineEngine(tiny_model("llama"), InfiniPipeConfig(pp_degree=4, p2p_timeout_s=60))
     plan = make_plan(LENGTHS, UNITS_DP1, 4, engine.layers_per_stage)

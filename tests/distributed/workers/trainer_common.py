@@ -83,14 +83,6 @@ def slicing_planner(lengths, engine, slice_tokens: int = 20):
                      checkpoint=lambda stage, unit, layers: unit % (layers + 1))
 
 
-def default_planner_available() -> bool:
-    try:
-        import infinipipe_hf.planner.api  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def token_dataset(lengths=LENGTHS, seed: int = 5, with_labels: bool = True):
     import datasets
 
