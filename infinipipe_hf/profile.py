@@ -8,8 +8,8 @@ forward+backward at several sequence lengths, its saved activation bytes and for
 token, and the final norm + LM head + loss at several token counts; fits them with
 ``planner.hardware.fit_profile`` and writes the fitted ``HardwareProfile`` (loadable by
 ``HardwareProfile.load``, the planner CLI's ``--profile`` and ``InfiniPipeConfig.profile``).  The
-raw rows go to ``--rows-out`` (default ``PROFILE.rows.json``) in the format of
-``shared/calibration``; that file is itself loadable as a profile (it is fitted on load).
+raw rows go to ``--rows-out`` (default ``PROFILE.rows.json``) in the format of the shipped
+``profiles/h100_bf16_measurements.json``; that file is itself loadable as a profile (it is fitted on load).
 
 Design: profiling the *target* model's layer (not a reference layer rescaled by FLOPs) is what
 makes the cost model exact for that model; the trade-off is a minute of GPU time per model.

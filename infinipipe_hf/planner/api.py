@@ -1,6 +1,6 @@
 """``plan_step``: one global batch of sequence lengths in, the best validated plan out.
 
-This is the glue of DESIGN.md section 4: for each candidate slice count K (EPP) or tuning knob
+This is the glue of the planner (docs/algorithms.md): for each candidate slice count K (EPP) or tuning knob
 (baselines) it builds units, assigns sequences to DP replicas, groups units into pipelines,
 orders actions, solves checkpointing, simulates, and keeps the fastest plan that fits memory.
 Every schedule goes through the same cost model, solver and simulator, so EPP and the baselines
@@ -55,7 +55,7 @@ class PlanResult:
     """One entry per configuration tried: knob values, step time, feasibility."""
 
     def summary(self) -> dict:
-        """The ``--json`` object of DESIGN.md section 9."""
+        """The ``--json`` object of the planner CLI (docs/contracts.md)."""
         sim = self.simulation
         plan = self.plan
         d = {

@@ -1,4 +1,4 @@
-"""Units for the baseline schedules, in the same ``Unit`` format as EPP (DESIGN.md section 3).
+"""Units for the baseline schedules, in the same ``Unit`` format as EPP (docs/algorithms.md, Baselines).
 
 - ``packed-1f1b`` and ``gpipe`` (Megatron/DeepSpeed/torchtitan-style batch-level packing): whole
   sequences packed into micro-batches of at most ``pack_tokens`` tokens, first-fit decreasing.
@@ -28,7 +28,7 @@ from .units import Segment, Unit
 
 SLICE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SLICE_TOKENS = 256
-"""Uniform slices thinner than this run the GPU badly (DESIGN.md section 1); not searched."""
+"""Uniform slices thinner than this run the GPU badly (docs/algorithms.md, cost model); not searched."""
 MIN_PACK_LOG2 = 10
 """Smallest packing length searched: 1K tokens."""
 

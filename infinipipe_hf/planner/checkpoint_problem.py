@@ -1,4 +1,4 @@
-"""The checkpointing problem of one DP replica as a sparse linear system (DESIGN.md 4.4).
+"""The checkpointing problem of one DP replica as a sparse linear system (docs/algorithms.md).
 
 Cells are (stage, unit) pairs; a cell's checkpointed-layer count ``c`` lowers the memory of every
 point where its unit is live by ``slope * c`` (activation bytes are affine in ``c``).  Each memory

@@ -1,4 +1,4 @@
-"""Per-(stage, unit) activation checkpointing: the least recompute that fits memory (DESIGN.md 4.4).
+"""Per-(stage, unit) activation checkpointing: the least recompute that fits memory (docs/algorithms.md).
 
 Design: each DP replica is an independent problem (its stages are its own GPUs), built by
 planner/checkpoint_problem.py as rows ``sum slope * c >= need`` over integer variables shared

@@ -1,4 +1,4 @@
-"""Cost and memory model of one pipeline stage (DESIGN.md section 4.1).
+"""Cost and memory model of one pipeline stage (docs/algorithms.md).
 
 Time of one decoder layer on a unit with segments (context C_i, length s_i)::
 

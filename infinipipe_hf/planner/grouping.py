@@ -1,4 +1,4 @@
-"""Pipeline grouping: split a step's ordered units into consecutive 1F1B pipelines (DESIGN 4.3).
+"""Pipeline grouping: split a step's ordered units into consecutive 1F1B pipelines (docs/algorithms.md).
 
 Design: the units arrive as consecutive *blocks* (one per slice count, longest first).  Every
 pipeline pays a fill/drain bubble, so fewer pipelines are cheaper in bubbles, but one long

@@ -1,9 +1,9 @@
 """Hardware profiles: measured costs of one decoder layer, the LM head and the links, as coefficients.
 
-A profile is fitted from *measurement rows* (the format of ``shared/calibration`` and of what
+A profile is fitted from *measurement rows* (the format of the shipped ``profiles/h100_bf16_measurements.json`` and of what
 ``python -m infinipipe_hf.profile`` writes): per-layer forward/backward times of causal sequences
-at several lengths, LM head + loss times, activation bytes per token.  The fit is the DESIGN.md
-section 4.1 form, per layer and direction::
+at several lengths, LM head + loss times, activation bytes per token.  The fit is the cost model's
+form (docs/algorithms.md), per layer and direction::
 
     time = attn_pair_s * sum(s_i^2 + 2 C_i s_i) + token_s * sum(s_i) + fixed_s
 
@@ -178,7 +178,7 @@ def fit_profile(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, int],
 
 @lru_cache(maxsize=1)
 def default_profile() -> HardwareProfile:
-    """The shipped H100/bf16 profile, fitted from the measurements copied from shared/calibration."""
+    """The shipped H100/bf16 profile, fitted from ``profiles/h100_bf16_measurements.json``."""
     text = resources.files("infinipipe_hf.profiles").joinpath("h100_bf16_measurements.json").read_text()
     data = json.loads(text)
     data.setdefault("name", "h100-bf16-default")

@@ -1,4 +1,4 @@
-"""The plan of one training step, as plain data (DESIGN.md sections 2 and 9).
+"""The plan of one training step, as plain data (docs/contracts.md, plan JSON).
 
 A ``Plan`` holds everything decided before a step runs: the units, which pipeline and DP replica
 each belongs to, every stage's action list per DP replica, and the number of checkpointed decoder
@@ -62,7 +62,7 @@ class Plan:
         """True when a later slice of the same sequence needs this segment's K/V."""
         return segment.end < self.sequences[segment.seq]
 
-    # --- serialisation (DESIGN.md section 9) ----------------------------------------------
+    # --- serialisation (docs/contracts.md) --------------------------------------------------
     def to_dict(self) -> dict:
         return {
             "schedule": self.schedule,

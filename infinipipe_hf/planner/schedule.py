@@ -1,4 +1,4 @@
-"""Per-stage action lists of one pipeline: warm-up, one-forward-one-backward, cool-down (DESIGN 4.3).
+"""Per-stage action lists of one pipeline: warm-up, one-forward-one-backward, cool-down (docs/algorithms.md).
 
 Design: a pipeline is two orders -- the forward order of its units and their backward order --
 plus a warm-up count per stage.  Stage ``r`` runs ``warmup[r]`` forwards, then alternates one

@@ -1,4 +1,4 @@
-"""Sequence processor: elastic units from one batch of lengths (InfiniPipe Alg. 1, DESIGN.md 4.2).
+"""Sequence processor: elastic units from one batch of lengths (InfiniPipe Alg. 1, docs/algorithms.md).
 
 Design.  Every decision uses the per-layer forward+backward time of the cost model,
 ``t = a1 * sum(s^2 + 2 C s) + a2 * sum(s) + b``:
@@ -17,8 +17,8 @@ Design.  Every decision uses the per-layer forward+backward time of the cost mod
 3. Each tail seeds a bucket; short sequences, longest first, go to the fullest bucket that still
    fits both budgets after adding them (best fit; a tail's band cost, with its context, counts).
    When none fits, a new bucket opens.  A bucket with a tail becomes a hybrid unit, the others
-   packed units.  Tails never share a bucket, so a unit never holds two last slices.  (DESIGN
-   4.2 orders buckets by time per token; under best fit that order only breaks exact ties, so
+   packed units.  Tails never share a bucket, so a unit never holds two last slices.  (The paper
+   orders buckets by time per token; under best fit that order only breaks exact ties, so
    ties go to the earliest bucket and packed units keep their creation order, which puts the
    lightest leftovers last, where a pipeline's drain is on the critical path.)
 

@@ -86,7 +86,7 @@ def test_document_lengths_uses_and_reuses_the_disk_cache(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_stdlib_token_lengths_are_long_tailed():
     lengths = np.array(document_lengths("stdlib"))
-    # DESIGN section 1 (Python 3.11): median 2.1K, p90 11.9K, max 172K; other versions differ.
+    # Python 3.11's stdlib: median 2.1K, p90 11.9K, max 172K tokens; other versions differ.
     assert 1000 < np.median(lengths) < 4000
     assert np.percentile(lengths, 90) > 4 * np.median(lengths)
     assert lengths.max() > 50_000

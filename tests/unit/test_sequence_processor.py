@@ -20,7 +20,7 @@ LT = LayerTime.of(COST)
 
 
 def check_units(res, lengths, seqs=None, max_tokens=None, first_unit_id=0):
-    """The DESIGN 4.2 properties every result must have."""
+    """The properties every result must have (docs/algorithms.md, sequence processor)."""
     seqs = list(range(len(lengths))) if seqs is None else list(seqs)
     units = res.units
     assert [u.id for u in units] == list(range(first_unit_id, first_unit_id + len(units)))
