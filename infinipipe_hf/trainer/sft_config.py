@@ -74,7 +74,8 @@ def _trl_defaults(cls: type) -> type:
 class EPPSFTConfig(EPPTrainingArguments, SFTConfig):
     """``trl.SFTConfig`` plus every pipeline setting (``pp_degree``, ``tokens_per_step``...)."""
 
-    gradient_checkpointing: bool = field(default=False, metadata={
+    gradient_checkpointing: bool | None = field(default=None, metadata={
         "help": "Ignored by EPPSFTTrainer (default off): use --checkpointing adaptive|none|full."})
     """Off by default (TRL turns it on): the pipeline's ``checkpointing`` decides what is
-    recomputed; ``True`` is ignored with a warning."""
+    recomputed; ``True`` is ignored with a warning.  (``None``, transformers' own default, reads
+    as off without its deprecation warning for the old name.)"""

@@ -185,7 +185,7 @@ def test_config_keeps_trl_defaults_and_parses_both_sets_of_flags(tmp_path):
     for name in ("learning_rate", "logging_steps", "bf16", "max_length", "completion_only_loss",
                  "assistant_only_loss", "dataset_text_field", "loss_type"):
         assert getattr(ours, name) == getattr(trl_default, name), name
-    assert ours.gradient_checkpointing is False  # the planner's checkpointing decides
+    assert not ours.gradient_checkpointing and not ours.activation_checkpointing  # the planner decides
     (parsed,) = HfArgumentParser(EPPSFTConfig).parse_args_into_dataclasses([
         "--output_dir", str(tmp_path), "--pp_degree", "2", "--tokens_per_step", "8192",
         "--assistant_only_loss", "--max_length", "2048", "--epp_schedule", "seq1f1b", "--bf16", "False"])
