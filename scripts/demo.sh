@@ -27,5 +27,5 @@ rc=$?
 set -e
 wall=$SECONDS
 .venv/bin/python scripts/record_timing.py demo --wall-s "$wall" --rc "$rc" --out "$record" \
-    --summary "$out/summary.json" --args "$*"
+    --summary "$out/summary.json" --args="$*"
 exit "$rc"

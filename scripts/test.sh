@@ -40,7 +40,7 @@ set -e
 if [ -n "$junit" ]; then
     wall=$SECONDS
     .venv/bin/python scripts/record_timing.py tests --wall-s "$wall" --rc "$rc" \
-        --out benchmarks/results/test_suite.json --junit "$junit" --args "$*" || true
+        --out benchmarks/results/test_suite.json --junit "$junit" --args="$*" || true
     rm -f "$junit"
 fi
 exit "$rc"
