@@ -12,7 +12,8 @@ raw rows go to ``--rows-out`` (default ``PROFILE.rows.json``) in the format of t
 ``profiles/h100_bf16_measurements.json``; that file is itself loadable as a profile (it is fitted on load).
 
 Design: profiling the *target* model's layer (not a reference layer rescaled by FLOPs) is what
-makes the cost model exact for that model; the trade-off is a minute of GPU time per model.
+makes the cost model exact for that model; the trade-off is GPU time per model (not yet measured:
+no GPU has run the profiler).
 Without CUDA the profiler refuses (CPU timings would mislead a GPU planner) unless asked for
 ``--device cpu``, a smoke mode for tests and for planning CPU runs.
 """
