@@ -1,6 +1,6 @@
 """Sharding checks that need no process group: which worlds have a group for each ``shard`` mode,
 a torch without FSDP2, and copying a full tensor into a (plain) parameter.  The sharded runtime
-itself is tested on 4 processes in ``tests/distributed/test_sharding.py``."""
+itself is tested on 4 processes in ``tests/distributed/test_sharded_stages.py``."""
 from __future__ import annotations
 
 import sys
