@@ -42,6 +42,7 @@ mode, so a unit's chunked loss does not all-gather the head once per chunk.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -74,6 +75,15 @@ def check_shard_mode(shard: str, dp_degree: int, sp_degree: int) -> None:
                          f"but this run has {world}; {instead}")
 
 
+# What this module calls on FSDP2: the public FSDPModule controls, and the two root-state hooks
+# torch.distributed.pipelining also drives by hand (lazy init, end-of-backward callback).
+_MODULE_API = ("set_requires_gradient_sync", "set_is_last_backward", "set_reshard_after_backward",
+               "set_reshard_after_forward", "set_gradient_divide_factor",
+               "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params",
+               "reset_iter_state", "unshard", "reshard")
+_STATE_API = ("_lazy_init", "_root_post_backward_final_callback")
+
+
 def fsdp2_api(shard: str):
     """``(fully_shard, MixedPrecisionPolicy, FSDPModule)`` or a ``ValueError`` saying what is missing."""
     try:
@@ -82,11 +92,17 @@ def fsdp2_api(shard: str):
         if not dist.is_available():
             raise ImportError("torch.distributed is not available")
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-        from torch.distributed.tensor import DTensor  # noqa: F401
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+        importlib.import_module("torch.distributed.tensor")  # DTensor
     except ImportError as exc:
-        raise ValueError(f"shard={shard!r} needs torch's FSDP2 (torch.distributed.fsdp.fully_shard, "
-                         f"torch >= 2.6), which this torch {torch.__version__} lacks ({exc}); "
-                         f"upgrade torch or use shard='none'") from exc
+        raise ValueError(f"shard={shard!r} needs torch's FSDP2 (torch.distributed.fsdp.fully_shard), "
+                         f"which this torch {torch.__version__} lacks ({exc}); upgrade torch (tested "
+                         f"with 2.13) or use shard='none'") from exc
+    missing = [n for n in _MODULE_API if not hasattr(FSDPModule, n)]
+    missing += [n for n in _STATE_API if not hasattr(FSDPState, n)]
+    if missing:
+        raise ValueError(f"shard={shard!r}: this torch {torch.__version__} has FSDP2 without "
+                         f"{', '.join(missing)}; upgrade torch (tested with 2.13) or use shard='none'")
     return fully_shard, MixedPrecisionPolicy, FSDPModule
 
 

@@ -1,8 +1,8 @@
 """Sharded stages (FSDP2) on 4 gloo processes against the unsplit float64 reference.
 
-One launch runs the shard="dp" cases of ``workers/sharded_grads.py`` (dp 2 x pp 2, and dp 4 x
-pp 1); a second one the modes sharding over SP groups, which skip while the engine refuses
-sp_degree > 1.  Expected case names are listed so a case that silently stops running fails.
+One launch runs the engine cases of ``workers/sharded_grads.py`` (shard="dp" at dp 2 x pp 2 and
+dp 4 x pp 1; every mode's mesh at dp 2 x sp 2 driven without the SP runtime); a second one the
+engine with sp_degree > 1, which skips while the engine refuses it.  Expected case names are listed so a case that silently stops running fails.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ DP_CASES = ["dp2pp2_llama_tied_ckpt_mixed", "dp2pp2_mistral_untied_ckpt_all", "d
             "dp4pp1_tied_one_group", "accumulate_clip_adamw", "lora_frozen_base_sharded",
             "eval_then_train", "gather_per_step_and_per_unit", "default_planner", "memory_per_rank",
             "bf16_mixed_precision", "dp_shard_without_dp_group", "sp_shard_without_sp_group",
-            "hybrid_without_sp_group", "shard_group_not_dividing", "compute_dtype_without_shard"]
+            "hybrid_without_sp_group", "shard_group_not_dividing", "compute_dtype_without_shard",
+            "dp2sp2_meshes_hybrid", "dp2sp2_meshes_sp", "dp2sp2_meshes_sp+dp", "dp2sp2_meshes_dp"]
 SP_CASES = ["hybrid_dp2_sp2", "sp_pp2_sp2", "spdp_dp2_sp2"]
 NPROC = 4
 

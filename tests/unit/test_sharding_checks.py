@@ -53,6 +53,14 @@ def test_torch_without_fsdp2_is_a_clear_error(monkeypatch):
         PipelineEngine(tiny_model("llama", num_layers=2), InfiniPipeConfig(shard="dp"))
 
 
+def test_fsdp2_without_what_we_drive_is_a_clear_error(monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    with pytest.raises(ValueError, match=r"FSDP2 without set_reduce_scatter_unused_params; upgrade"):
+        fsdp2_api("dp")
+
+
 def test_fsdp2_present_in_this_torch():
     fully_shard, policy, module_type = fsdp2_api("dp")
     assert callable(fully_shard) and policy().param_dtype is None and isinstance(module_type, type)
