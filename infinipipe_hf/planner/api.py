@@ -114,7 +114,9 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     """Plan one training step of ``lengths`` (one global batch) with ``schedule``.
 
     ``sp_degree``, ``shard`` and ``gpus_per_node`` describe the layout (see ``CostModel``); a
-    ``cost`` passed in must have been built for the same degrees and sharding.
+    ``cost`` passed in must have been built for the same degrees and sharding.  ``num_slices``
+    restricts the slice counts searched: of the longest sequence for EPP, the uniform one for
+    seq1f1b (a static setting; its packing length and checkpointing are still tuned).
     ``solver_time_limit_s`` bounds the adaptive-checkpointing MILP run on the winning candidate.
     0.25 s by default: on 512-sequence real batches (planner_bench) a 0.5 s limit changed the
     simulated step time by under 0.01% and cost a quarter of a second of planning.
@@ -142,7 +144,8 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
                                        solver_time_limit_s),
         "packed-1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "packed-1f1b", policy,
                                                     max_tokens_per_unit),
-        "seq1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "seq1f1b", policy, max_tokens_per_unit),
+        "seq1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "seq1f1b", policy, max_tokens_per_unit,
+                                                num_slices),
         "gpipe": lambda: _baseline_candidates(lengths, replicas, cost, "gpipe", policy, max_tokens_per_unit),
     }
     best: tuple[Plan, SimulationResult] | None = None
@@ -338,12 +341,15 @@ def _replica_actions(lengths, cost, pipelines: Sequence[Sequence[Unit]], dp_rank
 
 
 # --- baselines ------------------------------------------------------------------------------
-def _baseline_candidates(lengths, replicas, cost, schedule, policy, max_tokens_per_unit=None):
+def _baseline_candidates(lengths, replicas, cost, schedule, policy, max_tokens_per_unit=None, num_slices=None):
     packs = packing_candidates(lengths, cost.sp_degree)
     if max_tokens_per_unit is not None:
         # The cap itself (or the longest sequence, which packing never cuts) as the tightest pack.
         packs = sorted(set(packs) | {max(max(lengths), int(max_tokens_per_unit))})
-    slice_counts = slicing_candidates(lengths, sp_degree=cost.sp_degree) if schedule == "seq1f1b" else [1]
+    slice_counts = [1]
+    if schedule == "seq1f1b":  # uniform slice counts: the caller's (a static setting) or the grid
+        slice_counts = (sorted(set(int(k) for k in num_slices)) if num_slices
+                        else slicing_candidates(lengths, sp_degree=cost.sp_degree))
     for pack in packs:
         for k in slice_counts:
             knobs = {"pack_tokens": pack} if schedule != "seq1f1b" else {"pack_tokens": pack, "num_slices": k}
