@@ -93,3 +93,10 @@ def test_largest_trainable_length_per_schedule():
     assert not plan_step([packed + 1], SPEC, pp_degree=4, sp_degree=2, schedule="packed-1f1b", cost=cost).feasible
     with pytest.raises(ValueError, match="schedule='zb1p' is not known"):
         largest_trainable_length(cost, schedule="zb1p")
+
+
+def test_seq1f1b_takes_a_static_slice_count():
+    for k in (2, 4):
+        res = plan_step(BATCH[:11], SPEC, pp_degree=4, sp_degree=8, schedule="seq1f1b", num_slices=[k])
+        assert res.feasible and res.plan.info["num_slices"] == k
+        assert {c["num_slices"] for c in res.candidates} == {k}
