@@ -33,6 +33,13 @@ of ``r`` seconds each behind ``n`` units of backward compute shows ``max(r, n r 
 the last backward, not overlapped (the runtime's gradient sync does exactly that).  Assumed: the
 gathers of one action do not slow its compute, and gathers and reductions do not contend.
 
+Shard groups that span DP replicas (``"dp"``, ``"sp+dp"``).  Replicas run different unit lists,
+so the runtime cannot all-gather per unit over them (the collectives would not line up): it
+gathers every FSDP unit once when the step starts and reshards after the reduction.  Such a stage
+holds its whole unsharded weights (compute dtype) during the step instead of three working
+copies, and pays the gathers once per step, exposed before its first forward
+(:attr:`ShardedStates.gathers_per_step`).
+
 ``grad_reduce="unit"`` is a what-if the runtime does not implement (FSDP2's default without
 gradient accumulation): every backward reduce-scatters its gradients, so no unsharded gradient
 outlives a unit (one unit's fp32 gradient is the reduce-scatter's input) at the price of a
@@ -171,6 +178,11 @@ class ShardedStates:
     def sharded(self) -> bool:
         return self.layout.shard_degree > 1
 
+    @property
+    def gathers_per_step(self) -> bool:
+        """The shard group spans DP replicas: parameters are gathered once per step, not per unit."""
+        return self.sharded and self.layout.shard in ("dp", "sp+dp")
+
     def state_bytes_per_rank(self, stage_index: int) -> float:
         """:func:`stage_state_bytes_per_rank` of the stage (between steps)."""
         g = self.layout.shard_degree
@@ -184,7 +196,7 @@ class ShardedStates:
             return sum(numel) * p.state_bytes_per_param
         g = self.layout.shard_degree
         shard = sum(sharded_numel(u, g) for u in self.units[stage_index])
-        working = 3 * max(numel) * p.compute_bytes_per_param
+        working = (sum(numel) if self.gathers_per_step else 3 * max(numel)) * p.compute_bytes_per_param
         if self.grad_reduce == "unit":
             return shard * p.state_bytes_per_param + working + max(numel) * p.reduce_bytes_per_param
         kept = shard * (p.state_bytes_per_param - p.grad_bytes_per_param)
@@ -195,18 +207,22 @@ class ShardedStates:
         """An action's time when its ``compute_s`` overlaps the stage's all-gathers (and, reducing
         per unit, a backward's reduce-scatters); sharded stages only."""
         gathers = self.gather_s[stage_index]
+        if self.gathers_per_step:
+            return compute_s  # gathered once when the step starts (gradient_sync_time counts it)
         if backward and self.grad_reduce == "unit":
             reduces = self.reduce_s[stage_index]
             return max(gathers) + max(compute_s, sum(gathers) + sum(reduces)) + max(reduces)
         return max(gathers) + max(compute_s, sum(gathers))
 
     def gradient_sync_time(self, stage_index: int, last_backward_s: float) -> float:
-        """Exposed seconds of the step's gradient reduction after the stage's last backward."""
+        """Exposed seconds of the step's gradient reduction after the stage's last backward (and,
+        when parameters are gathered once per step, of that gather before the first forward)."""
         if not self.sharded:
             return self.allreduce_s[stage_index]
+        upfront = sum(self.gather_s[stage_index]) if self.gathers_per_step else 0.0
         if self.grad_reduce == "unit":
-            return 0.0  # reduced inside every backward (overlapped)
+            return upfront  # reduced inside every backward (overlapped)
         r = self.reduce_s[stage_index]
         n = len(r)
         per_unit_compute = last_backward_s / n
-        return max(max(r), sum(r) - (n - 1) * per_unit_compute)
+        return upfront + max(max(r), sum(r) - (n - 1) * per_unit_compute)

@@ -213,7 +213,8 @@ class PipelineEngine:
                          schedule=c.schedule, memory_budget_bytes=self._memory_budget_bytes(),
                          profile=self._profile, layers_per_stage=self.layers_per_stage,
                          max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
-                         checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens)
+                         checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
+                         sp_degree=c.sp_degree, shard=c.shard)
 
     def plan_locally(self, lengths: list[int]) -> tuple[Plan, Any]:
         """This rank's own plan of ``lengths`` and its simulation, with no communication: safe to

@@ -72,3 +72,26 @@ def test_cost_model_uses_the_same_states():
     assert CostModel(spec, pp_degree=2).static_bytes(0) == stage_state_bytes_per_rank(
         spec, CostModel(spec, pp_degree=2).layers_per_stage[0], embedding=True, head=False,
         precision=StatePrecision.from_profile(default_profile()))
+
+
+def test_shard_over_replicas_holds_whole_weights_during_the_step(model):
+    """``dp``/``sp+dp``: the runtime gathers every FSDP unit once per step (replicas run different
+    units, so per-unit gathers would not line up): the whole stage's weights, in the compute
+    dtype, are alive during the step, and the gathers are paid once, not per action."""
+    spec = ModelSpec.from_config_dict({**CONFIG, "model_type": "llama"})
+    kw = dict(pp_degree=2, state_precision=FP32_ADAM)
+    per_unit = CostModel(spec, sp_degree=2, shard="sp", **kw)
+    per_step = CostModel(spec, dp_degree=2, shard="dp", **kw)
+    assert not per_unit.states.gathers_per_step and per_step.states.gathers_per_step
+    for s in range(2):
+        params = _stage_params(model, s == 0, s == 1, range(*(
+            (0, per_step.layers_per_stage[0]) if s == 0 else (per_step.layers_per_stage[0], 4))))
+        numel = sum(p.numel() for p in params)
+        shard = sum(torch.chunk(p.detach(), 2)[0].numel() for p in params)  # FSDP2's dim-0 chunks
+        # kept shards (weights + Adam moments) + whole fp32 gradient + whole fp32 weight copy
+        want = shard * (16 - 4) + numel * 4 + numel * 4
+        assert per_step.states.peak_static_bytes(s) == want
+        # actions pay no gathers; the step pays all of them once
+        assert per_step.states.overlapped(s, 1.0) == 1.0
+        assert per_step.states.gradient_sync_time(s, 0.0) >= sum(per_step.states.gather_s[s])
+        assert per_unit.states.overlapped(s, 1.0) > 1.0
