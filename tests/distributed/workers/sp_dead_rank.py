@@ -26,7 +26,7 @@ def sabotage(engine: PipelineEngine, mode: str) -> None:
             print(f"[rank {dist.get_rank()}] sabotage: {mode}", flush=True)
             if mode == "die":
                 os._exit(17)
-            time.sleep(TIMEOUT_S * 3 + 2)  # past the peer's deadline, then go away
+            time.sleep(TIMEOUT_S * 4 + 10)  # well past the peer's deadline, then go away
             os._exit(0)
         return fwd(*args, **kwargs)
 
