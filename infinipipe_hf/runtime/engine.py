@@ -14,6 +14,12 @@ are sharded with FSDP2 (``StageSharding``) before anything reaches the device; p
 ``DTensor`` s, the step's gradients are reduced once after its last backward (inside
 ``GradientSync.sync``), and ``compute_dtype`` selects FSDP's mixed precision.
 
+With ``sp_degree > 1`` the engine gives its runner a ``SequenceParallel`` (the stage's SP group):
+each rank runs its token shard of every unit and attention runs head-sharded between two
+all-to-alls; the per-step gradient all-reduce over the stage's DP x SP ranks then sums the SP
+ranks' partial gradients.  The layout is refused up front when a rank would get no attention
+head (``sp_degree`` above the model's head count).
+
 Trade-offs: the planner is called synchronously (planning one step ahead in a background worker
 is the trainer's job).  A planner can be injected (``planner=callable(lengths, engine) -> Plan |
 PlanResult``, or ``train_step(batch, plan=...)``) so tests and baselines do not depend on the
@@ -38,6 +44,7 @@ from .executor import PipelineExecutor
 from .grad_sync import GradientSync
 from .mesh import ParallelLayout
 from .plan_sync import PlanAgreement
+from .sequence_parallel import SequenceParallel
 from .sharding import StageSharding, check_shard_mode, fsdp2_api
 from .timeline import Timeline
 
@@ -53,6 +60,10 @@ class StepOutput:
     timeline: Timeline
     """This rank's actions; ``PipelineEngine.gather_timeline`` merges all ranks'."""
     step_time_s: float
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _dist():
@@ -103,11 +114,11 @@ class PipelineEngine:
         dist = _dist()
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist else (1, 0)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if dist is None and (config.pp_degree > 1 or launched > 1):
+        if dist is None and (config.pp_degree > 1 or config.sp_degree > 1 or launched > 1):
             raise ValueError(f"torch.distributed is not initialised (pp_degree={config.pp_degree}, "
-                             f"WORLD_SIZE={launched}); call torch.distributed.init_process_group() "
-                             f"before building the PipelineEngine (launch with torchrun)")
-        dp = config.resolve_dp_degree(world)
+                             f"sp_degree={config.sp_degree}, WORLD_SIZE={launched}); call "
+                             f"torch.distributed.init_process_group() before building the "
+                             f"PipelineEngine (launch with torchrun)")
         if getattr(model, "config", None) is None:
             raise ValueError(f"{type(model).__name__} has no HF `config`; pass a transformers "
                              f"AutoModelForCausalLM model (Llama, Mistral, Qwen2, Qwen3)")
@@ -118,6 +129,17 @@ class PipelineEngine:
                              f"{self.spec.num_layers} decoder layers; use pp_degree <= "
                              f"{self.spec.num_layers}")
         self.planner = planner
+        if config.sp_degree > self.spec.num_attention_heads:
+            # Ulysses gives each SP rank whole attention heads (unevenly when they do not divide).
+            ok = [d for d in _divisors(world // config.pp_degree) if d <= self.spec.num_attention_heads] \
+                if world % config.pp_degree == 0 else []
+            raise ValueError(f"sp_degree={config.sp_degree} is larger than the model's "
+                             f"{self.spec.num_attention_heads} attention heads: each sequence-parallel "
+                             f"rank computes at least one head; use sp_degree <= "
+                             f"{self.spec.num_attention_heads}"
+                             + (f" (with pp_degree={config.pp_degree} on {world} processes: "
+                                f"{', '.join(map(str, ok))})" if ok else ""))
+        dp = config.resolve_dp_degree(world)
         if config.shard != "none":
             # Before any group exists, so every rank fails the same way, early.
             fsdp2_api(config.shard)
@@ -125,9 +147,6 @@ class PipelineEngine:
         elif compute_dtype is not None:
             raise ValueError(f"compute_dtype={compute_dtype} is FSDP2 mixed precision and needs "
                              f"shard != 'none'; without sharding cast the model (model.to(dtype))")
-        if config.sp_degree > 1:
-            raise ValueError(f"sp_degree={config.sp_degree}: sequence parallelism is not available "
-                             f"in this build; use sp_degree=1")
         self.device = torch.device(device) if device is not None else self._default_device()
         self.layout = ParallelLayout(world, rank, config.pp_degree, dp, sp_degree=config.sp_degree,
                                      tied_embeddings=_tied(model), timeout_s=config.p2p_timeout_s,
@@ -146,8 +165,13 @@ class PipelineEngine:
             self.stage.to(self.device)
         self.dtype = compute_dtype or next(
             (p.dtype for p in self.stage.parameters() if p.is_floating_point()), torch.float32)
+        self.sequence_parallel = (SequenceParallel(self.layout, num_heads=self.spec.num_attention_heads,
+                                                   num_kv_heads=self.spec.num_key_value_heads,
+                                                   timeout_s=config.p2p_timeout_s)
+                                  if config.sp_degree > 1 else None)
         self.runner = StageRunner(self.stage, loss_chunk_tokens=config.loss_chunk_tokens,
-                                  attention_backend=config.attention_backend)
+                                  attention_backend=config.attention_backend,
+                                  sequence_parallel=self.sequence_parallel)
         comm = (StageComm(self.layout, timeout_s=config.p2p_timeout_s, device=self.device,
                           dtype=self.dtype) if config.pp_degree > 1 else None)
         self.executor = PipelineExecutor(self.runner, self.layout, comm)
@@ -265,6 +289,8 @@ class PipelineEngine:
         from .unit_tensors import label_token_count
 
         batch = _normalise_batch(batch)
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.step = self.step_count  # named in all-to-all timeout errors
         lengths = [int(i["input_ids"].numel()) if isinstance(i["input_ids"], torch.Tensor)
                    else len(i["input_ids"]) for i in batch]
         n_labels = label_token_count(batch)
