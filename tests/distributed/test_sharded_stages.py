@@ -2,7 +2,8 @@
 
 One launch runs the engine cases of ``workers/sharded_grads.py`` (shard="dp" at dp 2 x pp 2 and
 dp 4 x pp 1; every mode's mesh at dp 2 x sp 2 driven without the SP runtime); a second one the
-engine with sp_degree > 1, which skips while the engine refuses it.  Expected case names are listed so a case that silently stops running fails.
+engine with sp_degree 2 and the SP runtime under "hybrid", "sp" and "sp+dp".  Expected case names
+are listed so a case that silently stops running fails.
 """
 from __future__ import annotations
 
@@ -48,9 +49,5 @@ def test_shard_dp_exact_gradients_optimizer_memory_and_errors():
 @pytest.mark.timeout(300)
 def test_shard_over_sp_groups():
     out = _launch("sp", 280)
-    skipped = [c for c in SP_CASES if _ranks(out, c, "SKIPPED")]
     for case in SP_CASES:
-        if case not in skipped:
-            assert _ranks(out, case, "OK") == {str(r) for r in range(NPROC)}, f"case {case} did not pass"
-    if skipped:
-        pytest.skip(f"the engine refuses sp_degree > 1 in this build: {', '.join(skipped)} not run")
+        assert _ranks(out, case, "OK") == {str(r) for r in range(NPROC)}, f"case {case} did not pass"
