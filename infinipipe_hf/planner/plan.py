@@ -4,6 +4,12 @@ A ``Plan`` holds everything decided before a step runs: the units, which pipelin
 each belongs to, every stage's action list per DP replica, and the number of checkpointed decoder
 layers per (stage, unit).  It is computed identically on every rank and serialises to the JSON of
 the ``--emit-plan`` contract, so a plan can be printed, diffed, stored and replayed.
+
+With sequence parallelism (``sp_degree > 1``) a stage is a group of ``sp_degree`` GPUs: units and
+actions are those of the group as a whole (how a unit's tokens are split over its ranks is the
+runtime's business).  ``sp_degree`` and ``shard`` are written to JSON only when they differ from
+their defaults (1 and ``"none"``), so plans of unsharded single-GPU stages keep their old form and
+a JSON without them reads back with the defaults.
 """
 from __future__ import annotations
 
@@ -30,6 +36,10 @@ class Plan:
     layers_per_stage: list[int] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     """Free-form planner facts (chosen slice count, token budget...); serialised, never required."""
+    sp_degree: int = 1
+    """GPUs per stage sharing every unit (Ulysses sequence parallelism)."""
+    shard: str = "none"
+    """Model-state sharding the plan was costed with (``none``, ``sp``, ``dp``, ``sp+dp``, ``hybrid``)."""
 
     def __post_init__(self) -> None:
         assert len(self.actions) == self.dp_degree, (len(self.actions), self.dp_degree)
@@ -64,10 +74,16 @@ class Plan:
 
     # --- serialisation (docs/contracts.md) --------------------------------------------------
     def to_dict(self) -> dict:
-        return {
+        d = {
             "schedule": self.schedule,
             "pp_degree": self.pp_degree,
             "dp_degree": self.dp_degree,
+        }
+        if self.sp_degree != 1:
+            d["sp_degree"] = self.sp_degree
+        if self.shard != "none":
+            d["shard"] = self.shard
+        d.update({
             "sequences": list(self.sequences),
             "units": [u.to_dict() for u in self.units],
             "actions": {
@@ -80,7 +96,8 @@ class Plan:
             },
             "layers_per_stage": list(self.layers_per_stage),
             "info": self.info,
-        }
+        })
+        return d
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -103,6 +120,8 @@ class Plan:
             },
             layers_per_stage=[int(x) for x in d.get("layers_per_stage", [])],
             info=dict(d.get("info", {})),
+            sp_degree=int(d.get("sp_degree", 1)),
+            shard=str(d.get("shard", "none")),
         )
 
     @staticmethod
@@ -112,7 +131,9 @@ class Plan:
     def __str__(self) -> str:
         lines = [
             f"Plan[{self.schedule}] pp={self.pp_degree} dp={self.dp_degree} "
-            f"sequences={len(self.sequences)} tokens={self.num_tokens} units={len(self.units)} "
+            + (f"sp={self.sp_degree} " if self.sp_degree != 1 else "")
+            + (f"shard={self.shard} " if self.shard != "none" else "")
+            + f"sequences={len(self.sequences)} tokens={self.num_tokens} units={len(self.units)} "
             f"pipelines={self.num_pipelines}"
         ]
         for u in self.units:

@@ -13,17 +13,26 @@ to the lower right (query i sees keys 0..start+i).  Segments of one unit never s
 Backends compute that per unit from an ``AttentionSegments`` description; ``"sdpa"`` (explicit
 boolean masks, one call per segment: simple and exact, at the price of a Python loop over
 segments) is always available; CUDA varlen/flash backends plug in via ``register_backend``.
+
+With sequence parallelism (``EPPUnitContext.sp``) the layer's Q/K/V cover only this rank's
+token shard; an all-to-all turns them into all of the unit's tokens for this rank's heads, the
+segment logic above runs unchanged on that head-sharded problem (the KV store therefore holds
+this rank's heads only), and a second all-to-all returns the output to the rank's tokens.
+Backends never learn about SP: they get an ``AttentionSegments`` with fewer heads.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..planner.units import Segment
 from .kv_store import KVStore, PendingKVGrad
+
+if TYPE_CHECKING:
+    from .sequence_parallel import SPUnit
 
 EPP_ATTENTION = "epp"
 
@@ -38,6 +47,9 @@ class EPPUnitContext:
     continues: tuple[bool, ...]  # segment i's sequence has a later slice that needs its K/V
     store: KVStore
     backend: "AttentionBackend"
+    sp: "SPUnit | None" = None
+    """Sequence parallelism: the layer sees this rank's token shard; attention runs on all the
+    unit's tokens for this rank's heads between two all-to-alls (``sequence_parallel.py``)."""
 
 
 @dataclass
@@ -142,8 +154,11 @@ def epp_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value:
     if attention_mask is not None:
         raise ValueError("the 'epp' attention builds its masks from the unit's segments; got an "
                          "attention_mask tensor, pass attention_mask=None")
-    assert query.shape[0] == 1 and query.shape[2] == ctx.q_offsets[-1], (query.shape, ctx.q_offsets)
     layer = module.layer_idx
+    what = f"unit {ctx.unit_id}, layer {layer}"
+    if ctx.sp is not None:
+        query, key, value = ctx.sp.to_heads(query, key, value, what)
+    assert query.shape[0] == 1 and query.shape[2] == ctx.q_offsets[-1], (query.shape, ctx.q_offsets)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     keys, values, context_lens, pending = [], [], [], []
@@ -161,11 +176,18 @@ def epp_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value:
         if ctx.continues[i]:
             entry = ctx.store.put(layer, seg.seq, seg.start, seg.end, k_own, v_own)
             pending.append((k_own, v_own, entry))
+    idx = ctx.sp.comm.expand_index(query.device) if ctx.sp is not None else None
+    if idx is not None:
+        # This rank's query heads do not group evenly onto its K/V heads: one K/V per query head.
+        keys = [k.index_select(1, idx) for k in keys]
+        values = [v.index_select(1, idx) for v in values]
     out = ctx.backend(AttentionSegments(query, keys, values, ctx.q_offsets, context_lens, scaling,
                                         dropout, kwargs.get("sliding_window")))
     if torch.is_grad_enabled():
         for k_own, v_own, entry in pending:
             out = PendingKVGrad.apply(out, k_own, v_own, entry)
+    if ctx.sp is not None:
+        out = ctx.sp.to_sequence(out, what)
     return out, None
 
 

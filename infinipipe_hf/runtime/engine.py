@@ -9,6 +9,17 @@ lengths -> plan (identical on every rank: ``PlanAgreement``) -> execute -> gradi
 in ``.grad`` are stashed before the step and added back after the reductions, so they are never
 all-reduced twice.
 
+Sharding (``config.shard`` != ``"none"``): the stage's parameters, gradients and optimizer states
+are sharded with FSDP2 (``StageSharding``) before anything reaches the device; parameters are then
+``DTensor`` s, the step's gradients are reduced once after its last backward (inside
+``GradientSync.sync``), and ``compute_dtype`` selects FSDP's mixed precision.
+
+With ``sp_degree > 1`` the engine gives its runner a ``SequenceParallel`` (the stage's SP group):
+each rank runs its token shard of every unit and attention runs head-sharded between two
+all-to-alls; the per-step gradient all-reduce over the stage's DP x SP ranks then sums the SP
+ranks' partial gradients.  The layout is refused up front when a rank would get no attention
+head (``sp_degree`` above the model's head count).
+
 Trade-offs: the planner is called synchronously (planning one step ahead in a background worker
 is the trainer's job).  A planner can be injected (``planner=callable(lengths, engine) -> Plan |
 PlanResult``, or ``train_step(batch, plan=...)``) so tests and baselines do not depend on the
@@ -33,6 +44,8 @@ from .executor import PipelineExecutor
 from .grad_sync import GradientSync
 from .mesh import ParallelLayout
 from .plan_sync import PlanAgreement
+from .sequence_parallel import SequenceParallel
+from .sharding import StageSharding, check_shard_mode, fsdp2_api
 from .timeline import Timeline
 
 
@@ -47,6 +60,10 @@ class StepOutput:
     timeline: Timeline
     """This rank's actions; ``PipelineEngine.gather_timeline`` merges all ranks'."""
     step_time_s: float
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _dist():
@@ -85,9 +102,13 @@ class PipelineEngine:
     def __init__(self, model, config: InfiniPipeConfig | None = None, *,
                  planner: Callable[[list[int], "PipelineEngine"], Any] | None = None,
                  device: torch.device | str | None = None,
+                 compute_dtype: torch.dtype | None = None,
                  timeout_setting: str = "InfiniPipeConfig.p2p_timeout_s") -> None:
-        """``timeout_setting`` is the name timeout errors tell the user to raise (a wrapper whose
-        users set the deadline under another name, like the trainer's ``ddp_timeout``, passes it)."""
+        """``compute_dtype`` (with ``shard`` != ``"none"``): FSDP2 mixed precision, i.e. gather
+        parameters and compute in this dtype (bf16), reduce gradients in float32, keep the shards
+        (master weights) in the model's dtype.  ``timeout_setting`` is the name timeout errors tell
+        the user to raise (a wrapper whose users set the deadline under another name, like the
+        trainer's ``ddp_timeout``, passes it)."""
         from .partition import partition_layers
         from .stage import build_stage
         from .stage_runner import StageRunner
@@ -96,11 +117,11 @@ class PipelineEngine:
         dist = _dist()
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist else (1, 0)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if dist is None and (config.pp_degree > 1 or launched > 1):
+        if dist is None and (config.pp_degree > 1 or config.sp_degree > 1 or launched > 1):
             raise ValueError(f"torch.distributed is not initialised (pp_degree={config.pp_degree}, "
-                             f"WORLD_SIZE={launched}); call torch.distributed.init_process_group() "
-                             f"before building the PipelineEngine (launch with torchrun)")
-        dp = config.resolve_dp_degree(world)
+                             f"sp_degree={config.sp_degree}, WORLD_SIZE={launched}); call "
+                             f"torch.distributed.init_process_group() before building the "
+                             f"PipelineEngine (launch with torchrun)")
         if getattr(model, "config", None) is None:
             raise ValueError(f"{type(model).__name__} has no HF `config`; pass a transformers "
                              f"AutoModelForCausalLM model (Llama, Mistral, Qwen2, Qwen3)")
@@ -111,10 +132,24 @@ class PipelineEngine:
                              f"{self.spec.num_layers} decoder layers; use pp_degree <= "
                              f"{self.spec.num_layers}")
         self.planner = planner
-        if config.sp_degree > 1 or config.shard != "none":
-            raise ValueError(f"sp_degree={config.sp_degree}, shard={config.shard!r}: sequence "
-                             f"parallelism and sharding are not available in this build; use "
-                             f"sp_degree=1 and shard='none'")
+        if config.sp_degree > self.spec.num_attention_heads:
+            # Ulysses gives each SP rank whole attention heads (unevenly when they do not divide).
+            ok = [d for d in _divisors(world // config.pp_degree) if d <= self.spec.num_attention_heads] \
+                if world % config.pp_degree == 0 else []
+            raise ValueError(f"sp_degree={config.sp_degree} is larger than the model's "
+                             f"{self.spec.num_attention_heads} attention heads: each sequence-parallel "
+                             f"rank computes at least one head; use sp_degree <= "
+                             f"{self.spec.num_attention_heads}"
+                             + (f" (with pp_degree={config.pp_degree} on {world} processes: "
+                                f"{', '.join(map(str, ok))})" if ok else ""))
+        dp = config.resolve_dp_degree(world)
+        if config.shard != "none":
+            # Before any group exists, so every rank fails the same way, early.
+            fsdp2_api(config.shard)
+            check_shard_mode(config.shard, dp, config.sp_degree)
+        elif compute_dtype is not None:
+            raise ValueError(f"compute_dtype={compute_dtype} is FSDP2 mixed precision and needs "
+                             f"shard != 'none'; without sharding cast the model (model.to(dtype))")
         self.device = torch.device(device) if device is not None else self._default_device()
         self.layout = ParallelLayout(world, rank, config.pp_degree, dp, sp_degree=config.sp_degree,
                                      tied_embeddings=_tied(model), timeout_s=config.p2p_timeout_s,
@@ -124,18 +159,30 @@ class PipelineEngine:
                                   last_stage_extra=self.spec.embedding_params / self.spec.layer_params)
         self.layers_per_stage = [len(r) for r in ranges]
         self.stage = build_stage(model, self.layout.stage_index, ranges[self.layout.stage_index])
-        self.stage.to(self.device)
-        self.dtype = next((p.dtype for p in self.stage.parameters() if p.is_floating_point()),
-                          torch.float32)
+        self.sharding: StageSharding | None = None
+        if config.shard != "none":
+            # Sharded on the host/meta device: only this rank's shards are put on the device.
+            self.sharding = StageSharding(self.stage, self.layout, config.shard, self.device,
+                                          compute_dtype=compute_dtype)
+        else:
+            self.stage.to(self.device)
+        self.dtype = compute_dtype or next(
+            (p.dtype for p in self.stage.parameters() if p.is_floating_point()), torch.float32)
+        self.sequence_parallel = (SequenceParallel(self.layout, num_heads=self.spec.num_attention_heads,
+                                                   num_kv_heads=self.spec.num_key_value_heads,
+                                                   timeout_s=config.p2p_timeout_s)
+                                  if config.sp_degree > 1 else None)
         self.runner = StageRunner(self.stage, loss_chunk_tokens=config.loss_chunk_tokens,
                                   attention_backend=config.attention_backend,
-                                  label_smoothing=config.label_smoothing)
+                                  label_smoothing=config.label_smoothing,
+                                  sequence_parallel=self.sequence_parallel)
         comm = (StageComm(self.layout, timeout_s=config.p2p_timeout_s, device=self.device,
                           dtype=self.dtype) if config.pp_degree > 1 else None)
         self.executor = PipelineExecutor(self.runner, self.layout, comm)
         self.plan_agreement = PlanAgreement(self.layout, self.device, config.p2p_timeout_s)
         self.grad_sync = GradientSync(self.layout, self.device, config.p2p_timeout_s,
-                                      trainable=self._trainable, tied=self._tied_params)
+                                      trainable=self._trainable, tied=self._tied_params,
+                                      sharding=self.sharding)
         self.last_plan: Plan | None = None
         self.step_count = 0
         self._profile = None  # loaded on first use of the default planner
@@ -150,7 +197,7 @@ class PipelineEngine:
 
     # --- parameters ----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under their original HF names."""
+        """This rank's parameters under their original HF names (``DTensor`` s when sharded)."""
         return self.stage.named_parameters()
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
@@ -194,7 +241,8 @@ class PipelineEngine:
                          schedule=c.schedule, memory_budget_bytes=self._memory_budget_bytes(),
                          profile=self._profile, layers_per_stage=self.layers_per_stage,
                          max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
-                         checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens)
+                         checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
+                         sp_degree=c.sp_degree, shard=c.shard)
 
     def plan_locally(self, lengths: list[int]) -> tuple[Plan, Any]:
         """This rank's own plan of ``lengths`` and its simulation, with no communication: safe to
@@ -245,6 +293,8 @@ class PipelineEngine:
         from .unit_tensors import label_token_count
 
         batch = _normalise_batch(batch)
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.step = self.step_count  # named in all-to-all timeout errors
         lengths = [int(i["input_ids"].numel()) if isinstance(i["input_ids"], torch.Tensor)
                    else len(i["input_ids"]) for i in batch]
         n_labels = label_token_count(batch)
@@ -284,11 +334,15 @@ class PipelineEngine:
                 p.grad = None
         self.stage.train()
         try:
+            if self.sharding is not None:
+                self.sharding.begin_step()
             self.runner.begin_step(plan, batch, normaliser)
             result = self.executor.run(plan, step=self.step_count, train=True)
             self.runner.end_step()
             self.grad_sync.sync(self.step_count)
         except BaseException:
+            if self.sharding is not None:
+                self.sharding.abort_step()  # reshard first: the sharded parameters hold the stash
             # Keep what was accumulated before this step; drop the failed step's partial grads.
             for p in self._trainable():
                 p.grad = stash.get(p)
@@ -308,10 +362,14 @@ class PipelineEngine:
         was_training = self.stage.training
         self.stage.eval()
         try:
+            if self.sharding is not None:
+                self.sharding.begin_forward_only()
             self.runner.begin_step(plan, batch, n_labels)
             result = self.executor.run(plan, step=self.step_count, train=False)
             self.runner.end_step()
         finally:
+            if self.sharding is not None:
+                self.sharding.finish_forward_only()
             self.stage.train(was_training)
         return self.grad_sync.global_sum(result.loss_part, "eval loss sum", self.step_count)
 

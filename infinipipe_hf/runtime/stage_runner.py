@@ -9,6 +9,12 @@ backward (training) or its last slice finished forward (``forward_only``).  Unit
 lazily per unit and cached for the step, so a stage only materialises what it runs.
 The trade-off: all per-step state is held in Python dicts keyed by unit id, so a unit id may be
 forwarded once per step (a plan never does otherwise; it is checked).
+
+With sequence parallelism (``sequence_parallel=``) the runner is one of its stage's SP ranks:
+unit tensors, hidden states, gradients and loss parts cover only this rank's token shard of each
+unit (``sp_shards.token_shards``), so ``output_shape`` is ``[1, shard tokens, hidden]`` on both
+ends of a pipeline link (SP rank i of stage s talks to SP rank i of stage s + 1).  The loss is
+still divided by the step's global label count, so the SP ranks' parts add up to the unit's.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from ..planner.plan import Plan
 from .attention import EPPUnitContext, select_backend
 from .kv_store import KVStore
 from .loss import chunked_lm_loss
+from .sequence_parallel import SequenceParallel, SPUnit
 from .stage import StageModule
 from .unit_tensors import UnitTensors, build_unit_tensors
 
@@ -32,10 +39,11 @@ class _Pending:
 
 class StageRunner:
     def __init__(self, stage: StageModule, *, loss_chunk_tokens: int = 4096, attention_backend: str = "auto",
-                 label_smoothing: float = 0.0):
+                 label_smoothing: float = 0.0, sequence_parallel: SequenceParallel | None = None):
         if loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens must be >= 1, got {loss_chunk_tokens}")
         self.stage = stage
+        self.sp = sequence_parallel
         self.loss_chunk_tokens = loss_chunk_tokens
         self.label_smoothing = label_smoothing
         self.attention_backend = attention_backend
@@ -95,22 +103,32 @@ class StageRunner:
             if unit_id not in plan.unit_by_id:
                 raise ValueError(f"unit {unit_id} is not in the plan (units "
                                  f"{sorted(plan.unit_by_id)[:10]}...)")
-            t = build_unit_tensors(plan.unit_by_id[unit_id], self._batch).to(self.stage.device)
+            unit = plan.unit_by_id[unit_id]
+            t = build_unit_tensors(unit, self._batch)
+            if self.sp is not None:
+                shards = self.sp.tokens(unit.num_tokens)
+                t = t.shard(*shards.range(self.sp.sp_rank), shards.local_sizes[self.sp.sp_rank])
+            t = t.to(self.stage.device)
             self._tensors[unit_id] = t
         return t
 
+    def local_tokens(self, unit_id: int) -> int:
+        """Tokens of the unit this rank runs: all of them, or its SP shard (pad included)."""
+        n = self._require_step().unit_by_id[unit_id].num_tokens
+        return n if self.sp is None else self.sp.tokens(n).local_sizes[self.sp.sp_rank]
+
     def output_shape(self, unit_id: int) -> tuple:
-        unit = self._require_step().unit_by_id[unit_id]
-        return (1, unit.num_tokens, self.stage.hidden_size)
+        return (1, self.local_tokens(unit_id), self.stage.hidden_size)
 
     def _context(self, t: UnitTensors) -> EPPUnitContext:
         plan = self._plan
         offsets = [0]
         for seg in t.segments:  # from the plan, not cu_seqlens_q: no device sync on CUDA
             offsets.append(offsets[-1] + seg.length)
+        sp = None if self.sp is None else SPUnit(self.sp, self.sp.tokens(offsets[-1]))
         return EPPUnitContext(t.unit_id, t.segments, tuple(offsets),
                               tuple(plan.continues_after(s) for s in t.segments),
-                              self.kv_store, self.backend)
+                              self.kv_store, self.backend, sp)
 
     def _input(self, t: UnitTensors, hidden_in: torch.Tensor | None, grad: bool) -> tuple:
         st = self.stage

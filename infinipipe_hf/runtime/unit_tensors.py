@@ -3,7 +3,9 @@
 Design: labels are shifted on the *whole* sequence before it is cut, so the last token of a slice
 predicts the first token of the next slice and a sequence contributes exactly the targets it
 would unsplit; only each sequence's last token has no target (-100).  Position ids continue from
-the segment's start so RoPE matches the unsplit model.  Tensors are built on CPU from the plain
+the segment's start so RoPE matches the unsplit model.  With sequence parallelism each rank keeps
+its contiguous shard of the unit's tokens (``UnitTensors.shard``); the segment table stays the
+whole unit's, because attention runs over all the unit's tokens.  Tensors are built on CPU from the plain
 batch (ids as lists or 1-D tensors); the runner moves them to the stage's device.
 """
 from __future__ import annotations
@@ -30,6 +32,21 @@ class UnitTensors:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
+
+    def shard(self, start: int, end: int, local_tokens: int) -> "UnitTensors":
+        """Tokens ``[start, end)`` of the unit, padded to ``local_tokens`` with pad tokens (id 0,
+        position 0, no label): only a rank owning no token runs one (``sp_shards``)."""
+        pad = local_tokens - (end - start)
+        assert 0 <= pad and (pad == 0 or start == end), (start, end, local_tokens)
+
+        def cut(x: torch.Tensor, fill: int) -> torch.Tensor:
+            x = x[:, start:end]
+            return torch.cat([x, x.new_full((1, pad), fill)], dim=1) if pad else x
+
+        labels = cut(self.labels, -100)
+        return UnitTensors(self.unit_id, cut(self.input_ids, 0), cut(self.position_ids, 0), labels,
+                           self.cu_seqlens_q, self.cu_seqlens_k, self.segments,
+                           int((labels != -100).sum()))
 
     def to(self, device: torch.device | str) -> "UnitTensors":
         return UnitTensors(self.unit_id, self.input_ids.to(device), self.position_ids.to(device),
