@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .baselines import make_packed_units, make_uniform_slices, packing_candidates, slicing_candidates
+from .checkpoint_levels import FINER_LEVELS, check_levels
 from .checkpoint_solver import solve_checkpointing
 from .cost_model import CostModel
 from .dp_assign import assign_sequences
@@ -95,18 +96,27 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
               profile: HardwareProfile | None = None, layers_per_stage: Sequence[int] | None = None,
               max_tokens_per_unit: int | None = None, num_slices: Sequence[int] | None = None,
               checkpointing: str = "adaptive", loss_chunk_tokens: int = 4096,
-              solver_time_limit_s: float = 0.25, cost: CostModel | None = None) -> PlanResult:
+              solver_time_limit_s: float = 0.25, cost: CostModel | None = None,
+              checkpoint_levels: Sequence[str] = FINER_LEVELS, checkpoint_sharing: str = "cell") -> PlanResult:
     """Plan one training step of ``lengths`` (one global batch) with ``schedule``.
 
     ``solver_time_limit_s`` bounds the adaptive-checkpointing MILP run on the winning candidate.
     0.25 s by default: on 512-sequence real batches (planner_bench) a 0.5 s limit changed the
     simulated step time by under 0.01% and cost a quarter of a second of planning.
+    ``checkpoint_levels``: the levels inside a decoder layer adaptive checkpointing may use beside
+    whole layers (``()`` for whole layers only); ``checkpoint_sharing``: ``cell`` (a count per
+    stage and unit) or ``diagonal`` (shared along backward diagonals, the paper's formulation);
+    see docs/checkpoint_levels.md.  Baselines keep their static whole-layer setting.
     """
     t0 = time.perf_counter()
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
     if checkpointing not in ("adaptive", "none", "full"):
         raise ValueError(f"checkpointing={checkpointing!r} is not known; use adaptive, none or full")
+    levels = check_levels(checkpoint_levels)
+    if checkpoint_sharing not in ("cell", "diagonal"):
+        raise ValueError(f"checkpoint_sharing={checkpoint_sharing!r} is not known; use cell or diagonal")
+    solver = {"levels": levels, "sharing": checkpoint_sharing}
     check_batch(lengths)
     lengths = [int(n) for n in lengths]
     if cost is None:
@@ -119,7 +129,7 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
 
     builders = {
         "epp": lambda: _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, policy,
-                                       solver_time_limit_s),
+                                       solver_time_limit_s, solver),
         "packed-1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "packed-1f1b", policy,
                                                     max_tokens_per_unit),
         "seq1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "seq1f1b", policy, max_tokens_per_unit),
@@ -159,10 +169,12 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     if policy == "adaptive":
         # Candidates were compared with the greedy solver (milliseconds); only the winner pays for
         # the MILP, which never does worse than the greedy start it is checked against.
-        sol = solve_checkpointing(plan, cost, policy="adaptive", time_limit_s=solver_time_limit_s)
+        sol = solve_checkpointing(plan, cost, policy="adaptive", time_limit_s=solver_time_limit_s, **solver)
         if sol.feasible and sol.recompute_time_s < plan.info.get("recompute_time_s", float("inf")):
             plan.checkpoint_layers = sol.checkpoint_layers
+            plan.checkpoint_levels = sol.checkpoint_levels
             plan.info["checkpoint_method"] = sol.method
+            plan.info["recompute_time_s"] = sol.recompute_time_s  # the info describes the kept plan
             sim = simulate(plan, cost)
     validate(plan, cost, max_tokens_per_unit=max_tokens_per_unit)
     plan.info["candidates_tried"] = len(tried)
@@ -185,7 +197,7 @@ def _token_floor_candidates(lengths: Sequence[int]) -> list[int | None]:
     return [None] + [p for p in (4096, 8192, 16384) if p > longest and p < sum(lengths)]
 
 
-def _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, policy, time_limit):
+def _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, policy, time_limit, solver):
     """EPP knobs ranked by the closed-form estimate; the best few are planned and simulated exactly."""
     ranked = []
     floors = _token_floor_candidates(lengths) if max_tokens_per_unit is None else [None]
@@ -203,7 +215,7 @@ def _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, po
         if floor:
             knobs["unit_token_floor"] = floor
         yield knobs, (lambda k=k, floor=floor, staged=staged:
-                      _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit))
+                      _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit, solver))
 
 
 def _epp_units(lengths, replicas, cost, k, max_tokens_per_unit, floor):
@@ -238,7 +250,7 @@ def _merge_blocks(blocks: list[list[int]], limit: int) -> list[list[int]]:
     return blocks
 
 
-def _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit) -> Plan:
+def _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit, solver=None) -> Plan:
     units: list[Unit] = []
     actions = {}
     info = {"num_slices": k, "token_budget": [], "balance": []}
@@ -255,10 +267,11 @@ def _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit) -> 
     plan = Plan("epp", cost.pp_degree, len(replicas), list(lengths), units, actions, {},
                 list(cost.layers_per_stage), info)
     sol = solve_checkpointing(plan, cost, policy="greedy" if policy == "adaptive" else policy,
-                              time_limit_s=time_limit)
+                              time_limit_s=time_limit, **(solver or {}))
     if not sol.feasible:
         raise ValueError(sol.message or "no checkpointing fits the memory budget")
     plan.checkpoint_layers = sol.checkpoint_layers
+    plan.checkpoint_levels = sol.checkpoint_levels
     plan.info["checkpoint_method"] = sol.method
     plan.info["recompute_time_s"] = sol.recompute_time_s
     return plan

@@ -73,6 +73,10 @@ class HardwareProfile:
     """Weights + gradients + optimizer states per parameter (bf16 mixed precision + AdamW: 16)."""
     embedding_token_s: float = 2e-8
     """Embedding lookup per token (forward; backward is a scatter of the same size)."""
+    elementwise_bytes_per_s: float = 2.0e12
+    """Bandwidth elementwise kernels reach (the ``mlp_act`` checkpoint level's recompute of
+    ``act(g) * u``).  The default is an assumption, not a measurement: about 60% of an H100's
+    3.35 TB/s HBM3; the profiler measures it on the device it runs on."""
     p2p_bandwidth_bytes_per_s: float = 100e9
     """Point-to-point bandwidth between adjacent stages (NVLink-class by default)."""
     p2p_latency_s: float = 20e-6
