@@ -68,6 +68,7 @@ class PlanResult:
             "peak_memory_bytes": list(sim.peak_memory_bytes) if sim else None,
             "memory_budget_bytes": sim.memory_budget_bytes if sim else None,
             "recompute_time_s": sim.recompute_time_s if sim else None,
+            "recompute_fraction": sim.recompute_fraction if sim else None,
             "num_pipelines": plan.num_pipelines if plan else 0,
             "num_units": len(plan.units) if plan else 0,
             "num_tokens": plan.num_tokens if plan else None,
@@ -266,8 +267,11 @@ def _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit, sol
         units.extend(part_units)
     plan = Plan("epp", cost.pp_degree, len(replicas), list(lengths), units, actions, {},
                 list(cost.layers_per_stage), info)
+    # Candidates are compared with the greedy on diagonal-shared counts (fast; the final solve on the
+    # winner uses the caller's sharing and the LP/MILP).
+    levels = (solver or {}).get("levels", ())
     sol = solve_checkpointing(plan, cost, policy="greedy" if policy == "adaptive" else policy,
-                              time_limit_s=time_limit, **(solver or {}))
+                              time_limit_s=time_limit, levels=levels, sharing="diagonal")
     if not sol.feasible:
         raise ValueError(sol.message or "no checkpointing fits the memory budget")
     plan.checkpoint_layers = sol.checkpoint_layers

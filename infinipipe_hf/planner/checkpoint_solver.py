@@ -48,6 +48,9 @@ _SLACK_BYTES = 1.0
 # Margin asked of HiGHS on every row, in bytes, so its feasibility tolerance (1e-7 of a GiB-scaled
 # row) and rounding of near-integral values cannot push a point over budget.
 _MILP_MARGIN_BYTES = 4096.0
+LP_TIME_LIMIT_S = 5.0
+"""The LP relaxation runs to this wall-clock limit even when ``time_limit_s`` (which bounds the
+MILP's branch and bound) is shorter: its rounding is the solver's main answer."""
 
 
 @dataclass
@@ -161,7 +164,7 @@ def _adaptive(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np
             prob, prob.columns_from_vars(prob.var_ub), "every layer checkpointed")
     deadline = time.perf_counter() + time_limit_s
     candidates = [("greedy", greedy_counts(prob))]
-    rounded, bound = _lp_rounding(prob, time_limit_s)
+    rounded, bound = _lp_rounding(prob, max(time_limit_s, LP_TIME_LIMIT_S))
     if rounded is not None:
         candidates.append(("lp-rounding", rounded))
     name, best = min(candidates, key=lambda c: float(c[1] @ prob.var_cost_s))
@@ -169,6 +172,8 @@ def _adaptive(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np
     assert best is not None and _fits(prob, prob.columns_from_vars(best))
     if rounded is not None and best_s - bound <= gap * best_s:
         return best, True, "milp", f"{name} is within {gap:g} of the LP bound"
+    if time.perf_counter() >= deadline:
+        return best, True, name, f"{name} solution used (no time left for the MILP)"
     x, note = _milp_counts(prob, deadline - time.perf_counter(), gap)
     if x is not None and not _fits(prob, prob.columns_from_vars(x)):
         # Solver tolerance left a point over budget: repair from its answer.
@@ -179,6 +184,30 @@ def _adaptive(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np
     why = "no solver solution" if x is None else "better than the solver's incumbent"
     note = (note + "; " if note else "") + f"{name} solution used ({why})"
     return best, True, name, note
+
+
+def _adaptive_blocks(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np.ndarray, bool, str, str]:
+    """:func:`_adaptive` on each independent block (stage) of ``prob``, the time shared by size."""
+    blocks = prob.stage_blocks()
+    if len(blocks) == 1:
+        return _adaptive(prob, time_limit_s, gap)
+    deadline = time.perf_counter() + time_limit_s
+    x = np.zeros(prob.num_vars, dtype=np.int64)
+    methods, notes, feasible = [], [], True
+    sizes = np.array([max(b.num_vars, 1) for b, _ in blocks], dtype=float)
+    for i, (block, index) in enumerate(blocks):
+        left = max(deadline - time.perf_counter(), 1e-3) * sizes[i] / sizes[i:].sum()
+        xb, ok, method, note = _adaptive(block, left, gap)
+        x[index] = xb
+        feasible &= ok
+        methods.append(method)
+        if note:
+            notes.append(f"stage {int(block.cell_stage[0])}: {note}")
+    if not feasible:
+        return prob.var_ub.copy(), False, "infeasible", _infeasible_message(
+            prob, prob.columns_from_vars(prob.var_ub), "every layer checkpointed")
+    method = next((m for m in ("greedy", "lp-rounding", "milp") if m in methods), "none-needed")
+    return x, True, method, "; ".join(notes)
 
 
 def _greedy_only(prob: ReplicaProblem) -> tuple[np.ndarray, bool, str, str]:
@@ -252,7 +281,7 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
             if policy == "greedy":
                 x, ok, method, note = _greedy_only(prob)
             else:
-                x, ok, method, note = _adaptive(prob, left, mip_rel_gap)
+                x, ok, method, note = _adaptive_blocks(prob, left, mip_rel_gap)
             cells.append(prob.columns_from_vars(x))
             feasible &= ok
             methods.append(method)
