@@ -8,6 +8,11 @@ wall time on the machine that runs this script.
 
     python benchmarks/planner_bench.py                 # full run, writes benchmarks/results/planner_bench.json
     python benchmarks/planner_bench.py --quick         # fewer batches, for CI
+    python benchmarks/planner_bench.py --tables checkpoint-levels   # also the tables of planner_tables/
+
+Tables (``planner_tables/``, one module each, rows under ``tables`` in the JSON):
+``checkpoint-levels``: checkpoint levels inside a layer before/after, recompute and bubble shares,
+equal-memory speedups (planner_tables/checkpoint_levels.py).
 """
 from __future__ import annotations
 
@@ -25,7 +30,11 @@ from infinipipe_hf.planner.cost_model import GIB, CostModel
 from infinipipe_hf.planner.hardware import HardwareProfile
 from infinipipe_hf.planner.model_spec import ModelSpec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from planner_tables import checkpoint_levels  # noqa: E402
+
 SETUPS = [("llama2-7b", 4), ("llama2-13b", 8)]
+TABLES = {"checkpoint-levels": checkpoint_levels.run}
 
 
 def real_batch(corpora: tuple[str, ...], n: int, seed: int) -> list[int]:
@@ -54,7 +63,7 @@ def batches(quick: bool) -> dict[str, list[int]]:
     return out
 
 
-def run(quick: bool, profile_path: str | None, memory_gib: float) -> dict:
+def run(quick: bool, profile_path: str | None, memory_gib: float, tables=()) -> dict:
     profile = HardwareProfile.load(profile_path) if profile_path else None
     results = []
     for model, pp in (SETUPS[:1] if quick else SETUPS):
@@ -74,10 +83,13 @@ def run(quick: bool, profile_path: str | None, memory_gib: float) -> dict:
             row["epp_planning_time_s"] = row["schedules"]["epp"]["planning_time_s"]
             results.append(row)
             print(format_row(row), flush=True)
+    setups = [(m, pp, ModelSpec.from_json_file(config_path(m))) for m, pp in (SETUPS[:1] if quick else SETUPS)]
+    done = {name: TABLES[name](setups, batches(quick), memory_gib, profile,
+                               log=lambda line: print(line, flush=True)) for name in tables}
     return {"machine": platform.platform(), "processor": platform.processor() or platform.machine(),
             "memory_budget_gib": memory_gib, "profile": profile_path or "shipped h100-bf16-default",
             "note": "tokens/s are simulated with the cost model; planning_time_s is measured here",
-            "results": results}
+            "results": results, "tables": done}
 
 
 def format_row(row: dict) -> str:
@@ -87,6 +99,9 @@ def format_row(row: dict) -> str:
         parts.append(f"{s}={r['tokens_per_s'] / 1e3:7.1f}K" if r["feasible"] else f"{s}=   OOM  ")
     sp = row["epp_speedup_vs_best_baseline"]
     parts.append(f"speedup={sp:.2f}x vs {row['best_baseline']}" if sp else "speedup=n/a")
+    epp = row["schedules"]["epp"]
+    if epp["feasible"]:
+        parts.append(f"rec={epp['recompute_fraction']:.3f} bub={epp['bubble_fraction']:.3f}")
     parts.append(f"plan={row['epp_planning_time_s']:.2f}s")
     return "  ".join(parts)
 
@@ -97,9 +112,11 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "planner_bench.json"))
+    p.add_argument("--tables", nargs="*", default=[], choices=sorted(TABLES),
+                   help="extra tables to compute (planner_tables/)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    report = run(args.quick, args.profile, args.gpu_memory_gib)
+    report = run(args.quick, args.profile, args.gpu_memory_gib, args.tables)
     report["wall_time_s"] = time.perf_counter() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

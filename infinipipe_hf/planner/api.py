@@ -130,7 +130,7 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
 
     builders = {
         "epp": lambda: _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, policy,
-                                       solver_time_limit_s, solver),
+                                       solver_time_limit_s),
         "packed-1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "packed-1f1b", policy,
                                                     max_tokens_per_unit),
         "seq1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "seq1f1b", policy, max_tokens_per_unit),
@@ -169,14 +169,22 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     plan, sim = best
     if policy == "adaptive":
         # Candidates were compared with the greedy solver (milliseconds); only the winner pays for
-        # the MILP, which never does worse than the greedy start it is checked against.
+        # the finer levels, per-cell counts and the LP/MILP.  Kept when its simulated step is
+        # faster: per-cell counts save recompute but can add bubbles on the other stages.
         sol = solve_checkpointing(plan, cost, policy="adaptive", time_limit_s=solver_time_limit_s, **solver)
         if sol.feasible and sol.recompute_time_s < plan.info.get("recompute_time_s", float("inf")):
+            before = (plan.checkpoint_layers, plan.checkpoint_levels, dict(plan.info))
             plan.checkpoint_layers = sol.checkpoint_layers
             plan.checkpoint_levels = sol.checkpoint_levels
             plan.info["checkpoint_method"] = sol.method
             plan.info["recompute_time_s"] = sol.recompute_time_s  # the info describes the kept plan
-            sim = simulate(plan, cost)
+            solved = simulate(plan, cost)
+            if solved.step_time_s <= sim.step_time_s:
+                sim = solved
+            else:
+                plan.checkpoint_layers, plan.checkpoint_levels, plan.info = before
+                plan.info["checkpoint_note"] = (f"final solve ({sol.method}) saved recompute but simulated "
+                                                f"{solved.step_time_s:.4g} s > {sim.step_time_s:.4g} s; kept the greedy")
     validate(plan, cost, max_tokens_per_unit=max_tokens_per_unit)
     plan.info["candidates_tried"] = len(tried)
     return PlanResult(schedule, plan, sim, True, None, time.perf_counter() - t0, tried)
@@ -198,7 +206,7 @@ def _token_floor_candidates(lengths: Sequence[int]) -> list[int | None]:
     return [None] + [p for p in (4096, 8192, 16384) if p > longest and p < sum(lengths)]
 
 
-def _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, policy, time_limit, solver):
+def _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, policy, time_limit):
     """EPP knobs ranked by the closed-form estimate; the best few are planned and simulated exactly."""
     ranked = []
     floors = _token_floor_candidates(lengths) if max_tokens_per_unit is None else [None]
@@ -216,7 +224,7 @@ def _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, po
         if floor:
             knobs["unit_token_floor"] = floor
         yield knobs, (lambda k=k, floor=floor, staged=staged:
-                      _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit, solver))
+                      _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit))
 
 
 def _epp_units(lengths, replicas, cost, k, max_tokens_per_unit, floor):
@@ -251,7 +259,7 @@ def _merge_blocks(blocks: list[list[int]], limit: int) -> list[list[int]]:
     return blocks
 
 
-def _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit, solver=None) -> Plan:
+def _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit) -> Plan:
     units: list[Unit] = []
     actions = {}
     info = {"num_slices": k, "token_budget": [], "balance": []}
@@ -267,11 +275,11 @@ def _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit, sol
         units.extend(part_units)
     plan = Plan("epp", cost.pp_degree, len(replicas), list(lengths), units, actions, {},
                 list(cost.layers_per_stage), info)
-    # Candidates are compared with the greedy on diagonal-shared counts (fast; the final solve on the
-    # winner uses the caller's sharing and the LP/MILP).
-    levels = (solver or {}).get("levels", ())
+    # Candidates are compared with the greedy on whole layers and diagonal-shared counts: the
+    # cheapest solve (a few ms), and a fair ranking since every candidate gets the same.  The
+    # winner alone gets the finer levels, its own counts per cell and the LP/MILP (plan_step).
     sol = solve_checkpointing(plan, cost, policy="greedy" if policy == "adaptive" else policy,
-                              time_limit_s=time_limit, levels=levels, sharing="diagonal")
+                              time_limit_s=time_limit, sharing="diagonal")
     if not sol.feasible:
         raise ValueError(sol.message or "no checkpointing fits the memory budget")
     plan.checkpoint_layers = sol.checkpoint_layers

@@ -1,20 +1,27 @@
 """The checkpointing problem of one DP replica as a sparse linear system (DESIGN.md 4.4).
 
-Cells are (stage, unit) pairs; a cell's checkpointed-layer count ``c`` lowers the memory of every
+Cells are (stage, unit) pairs.  A cell's checkpointed-layer count ``c`` lowers the memory of every
 point where its unit is live by ``slope * c`` (activation bytes are affine in ``c``).  Each memory
 point of a stage's timeline (planner/memory.py) is one row ``sum slope * c >= need`` with
 ``need = point bytes with nothing checkpointed - budget``.
 
-Variables are shared along backward-order diagonals (paper Alg. 2): the cell of stage ``p`` whose
-unit is the ``k``-th backward there sits on diagonal ``d = k + (pp_degree - 1 - p)``, and cells on
-one diagonal run back to back across stages, so recompute on one shows up as the same bubble on
-the others.  Stages may hold different layer counts (the split gives the embedding and head
-stages fewer): the shared count would be ``min(x_d, layers_p)``, which is not linear.  We give a
-diagonal one variable *per distinct layer count* among its stages instead.  Trade-off: on an
-uneven split a diagonal has two or three variables instead of one (still O(n + pp), not n * pp),
-but every cell can reach full checkpointing, so the adaptive policy is feasible exactly when full
-checkpointing is -- bounding a shared variable by the smallest count would lose that, and an exact
-``min`` needs a binary per cell and weakens the relaxation.
+Finer levels inside a layer (planner/checkpoint_levels.py) give a cell one *column* per level
+holding cumulative counts ``y_full <= y_mlp <= y_mlp_act <= layers``; a row's coefficient of
+``y_l`` is what level ``l`` saves beyond the next finer one, positive, so the rows stay covering
+constraints (raising any count never breaks one) and rounding an LP answer up keeps it feasible
+once each chain is closed upwards.  The chains are the only other constraints.
+
+Variables: ``sharing="cell"`` gives every column its own.  ``"diagonal"`` shares them along
+backward-order diagonals (paper Alg. 2): the cell of stage ``p`` whose unit is the ``k``-th
+backward there sits on diagonal ``d = k + (pp_degree - 1 - p)``, and cells on one diagonal run back
+to back across stages, so recompute on one shows up as the same bubble on the others.  Stages may
+hold different layer counts: the shared count would be ``min(x_d, layers_p)``, which is not
+linear, so a diagonal gets one variable *per distinct layer count* among its stages (every cell
+can still reach full checkpointing; the adaptive policy is feasible exactly when full
+checkpointing is).  Trade-off, measured (benchmarks/solver_study.py): sharing makes the problem
+O(n + pp) instead of O(n * pp) but forces recompute on stages with memory to spare; per-cell
+counts save 20-40% of the recompute on real-text batches and their memory rows separate by stage
+(:meth:`ReplicaProblem.stage_blocks`), which keeps them fast to solve.
 
 Only points that can bind are kept: a point whose live set is contained in another's and whose
 base bytes are not larger is dominated for every choice of counts (activations are non-negative),

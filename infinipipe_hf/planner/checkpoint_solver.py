@@ -1,30 +1,32 @@
 """Per-(stage, unit) activation checkpointing: the least recompute that fits memory (DESIGN.md 4.4).
 
 Design: each DP replica is an independent problem (its stages are its own GPUs), built by
-planner/checkpoint_problem.py as rows ``sum slope * c >= need`` over integer variables shared
-along backward-order diagonals.  ``adaptive`` minimises total recompute seconds:
+planner/checkpoint_problem.py as covering rows ``rows @ y >= need`` over integer variables: one
+per (stage, unit) cell (``sharing="cell"``) or shared along backward-order diagonals
+(``"diagonal"``, the paper's), each cell with a chained count per checkpoint level when finer
+levels inside a layer are allowed (planner/checkpoint_levels.py).  ``adaptive`` minimises total
+recompute seconds, per independent block (a stage, with per-cell counts):
 
 1. nothing over budget with zero checkpointing: ``none-needed`` at once, no solver call;
-2. two cheap candidates -- the LP relaxation rounded up and pruned, and a pure greedy -- the
-   better kept; if it is within ``mip_rel_gap`` of the LP bound it is returned (``milp``);
+2. the LP relaxation (HiGHS), rounded up, its chains closed and pruned greedily (``lp-rounding``),
+   and -- without levels, where it is cheap, or when the LP fails -- the greedy; the better kept.
+   Within ``mip_rel_gap`` of the LP bound it is returned (``milp``: proven near-optimal);
 3. otherwise ``scipy.optimize.milp`` (HiGHS) runs for the rest of ``time_limit_s``; its answer is
-   used when better, else the candidate (``greedy``, message says why).  Greedy is feasible
-   whenever full checkpointing is, since every row only involves its own cells.
+   used when better, else the candidate (its name as method, the message says why).  The greedy
+   is feasible whenever full checkpointing is, since every row only involves its own cells.
 
-``greedy`` is step 1 plus the pure greedy only (no LP, no MILP): for the many trial plans of
-pipeline grouping, where speed matters more than the last percent.  ``none``, ``full`` and
-``uniform`` are the static settings baselines use.
+``greedy`` is step 1 plus the greedy only (no LP, no MILP): for the many trial plans of pipeline
+grouping, where speed matters more than the last percent.  ``none``, ``full`` and ``uniform``
+are the static whole-layer settings baselines use.
 
-Trade-off: these covering problems have a weak LP bound (a few percent on batch-sized plans), so
-under tight memory HiGHS rarely *proves* a 1% gap within seconds (measured: 512 sequences, 268
-units, pp 8, no proof after 10 s); it does find answers about 1% better than the rounding after
-about a second.  So step 3 spends the caller's time limit, and a short limit (0.2-0.5 s) trades
-about 1% more recompute for planning speed.  ``time_limit_s`` bounds the LP and MILP calls;
-building the problem and verifying add about 0.05 s (268 units, pp 8) to 0.15 s (1000 units).
-The MILP is exact on the diagonal-shared variable
-space, not on per-cell counts (see checkpoint_problem.py).  Every answer is re-checked against
-the full memory timeline (planner/memory.py), so a solver tolerance can never hand out a plan that
-does not fit.
+Trade-off and findings (benchmarks/solver_study.py on the planner benchmark's batches): the
+rounded LP is within 1-3% of the LP bound, so no MILP can save more than that; HiGHS finds ~1%
+better answers after about 2 s and none better within 0.25 s.  So the LP always runs (up to
+``LP_TIME_LIMIT_S``) and ``time_limit_s`` bounds only the branch and bound: a short limit trades
+about 1% more recompute for planning speed.  The formulation matters far more: diagonal-shared
+counts force recompute on stages with memory to spare (20-40% more recompute than per-cell counts
+on real-text batches).  Every answer is re-checked against the full memory timeline
+(planner/memory.py), so a solver tolerance can never hand out a plan that does not fit.
 """
 from __future__ import annotations
 
@@ -163,10 +165,13 @@ def _adaptive(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np
         return prob.var_ub.copy(), False, "infeasible", _infeasible_message(
             prob, prob.columns_from_vars(prob.var_ub), "every layer checkpointed")
     deadline = time.perf_counter() + time_limit_s
-    candidates = [("greedy", greedy_counts(prob))]
     rounded, bound = _lp_rounding(prob, max(time_limit_s, LP_TIME_LIMIT_S))
-    if rounded is not None:
-        candidates.append(("lp-rounding", rounded))
+    candidates = [] if rounded is None else [("lp-rounding", rounded)]
+    if rounded is None or not prob.chained:
+        # The plain greedy is vectorised and cheap; the chained one (finer levels) moves one
+        # variable per Python iteration, and the LP rounding beat it on every benchmark batch
+        # (benchmarks/solver_study.py), so with levels it is the fallback only.
+        candidates.append(("greedy", greedy_counts(prob)))
     name, best = min(candidates, key=lambda c: float(c[1] @ prob.var_cost_s))
     best_s = float(best @ prob.var_cost_s)
     assert best is not None and _fits(prob, prob.columns_from_vars(best))
