@@ -6,13 +6,13 @@ profile unless ``--profile`` is given) and memory budget; each baseline is tuned
 *simulated* tokens/s from the cost model, not measured GPU throughput; planning time is measured
 wall time on the machine that runs this script.
 
-    python benchmarks/planner_bench.py                 # full run, writes benchmarks/results/planner_bench.json
+    python benchmarks/planner_bench.py                 # every table; the first writes benchmarks/results/planner_bench.json
     python benchmarks/planner_bench.py --quick         # fewer batches, for CI
-    python benchmarks/planner_bench.py --tables checkpoint-levels   # also the tables of planner_tables/
+    python benchmarks/planner_bench.py --only paper_layout,sp_limits   # some tables only
 
-Tables (``planner_tables/``, one module each, rows under ``tables`` in the JSON):
-``checkpoint-levels``: checkpoint levels inside a layer before/after, recompute and bubble shares,
-equal-memory speedups (planner_tables/checkpoint_levels.py).
+Besides the table of this file (``baselines``), each table lives in its own module under
+``benchmarks/planner_tables/`` and writes ``benchmarks/results/planner_<name>.json`` (with a
+``markdown`` rendering of the table inside).
 """
 from __future__ import annotations
 
@@ -29,12 +29,9 @@ from infinipipe_hf.planner.api import SCHEDULES, plan_step
 from infinipipe_hf.planner.cost_model import GIB, CostModel
 from infinipipe_hf.planner.hardware import HardwareProfile
 from infinipipe_hf.planner.model_spec import ModelSpec
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from planner_tables import checkpoint_levels  # noqa: E402
+from planner_tables import TABLES
 
 SETUPS = [("llama2-7b", 4), ("llama2-13b", 8)]
-TABLES = {"checkpoint-levels": checkpoint_levels.run}
 
 
 def real_batch(corpora: tuple[str, ...], n: int, seed: int) -> list[int]:
@@ -63,7 +60,7 @@ def batches(quick: bool) -> dict[str, list[int]]:
     return out
 
 
-def run(quick: bool, profile_path: str | None, memory_gib: float, tables=()) -> dict:
+def run(quick: bool, profile_path: str | None, memory_gib: float) -> dict:
     profile = HardwareProfile.load(profile_path) if profile_path else None
     results = []
     for model, pp in (SETUPS[:1] if quick else SETUPS):
@@ -83,13 +80,10 @@ def run(quick: bool, profile_path: str | None, memory_gib: float, tables=()) -> 
             row["epp_planning_time_s"] = row["schedules"]["epp"]["planning_time_s"]
             results.append(row)
             print(format_row(row), flush=True)
-    setups = [(m, pp, ModelSpec.from_json_file(config_path(m))) for m, pp in (SETUPS[:1] if quick else SETUPS)]
-    done = {name: TABLES[name](setups, batches(quick), memory_gib, profile,
-                               log=lambda line: print(line, flush=True)) for name in tables}
     return {"machine": platform.platform(), "processor": platform.processor() or platform.machine(),
             "memory_budget_gib": memory_gib, "profile": profile_path or "shipped h100-bf16-default",
             "note": "tokens/s are simulated with the cost model; planning_time_s is measured here",
-            "results": results, "tables": done}
+            "results": results}
 
 
 def format_row(row: dict) -> str:
@@ -112,16 +106,43 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "planner_bench.json"))
-    p.add_argument("--tables", nargs="*", default=[], choices=sorted(TABLES),
-                   help="extra tables to compute (planner_tables/)")
+    names = ["baselines", *TABLES]
+    p.add_argument("--only", default=",".join(names), help=f"comma-separated tables among {', '.join(names)}")
     args = p.parse_args(argv)
-    t0 = time.perf_counter()
-    report = run(args.quick, args.profile, args.gpu_memory_gib, args.tables)
-    report["wall_time_s"] = time.perf_counter() - t0
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out} ({report['wall_time_s']:.1f} s)")
+    chosen = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in names]
+    if unknown:
+        p.error(f"unknown table(s) {', '.join(unknown)}; choose among {', '.join(names)}")
+    if "baselines" in chosen:
+        t0 = time.perf_counter()
+        report = run(args.quick, args.profile, args.gpu_memory_gib)
+        report["wall_time_s"] = time.perf_counter() - t0
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out} ({report['wall_time_s']:.1f} s)")
+    profile = HardwareProfile.load(args.profile) if args.profile else None
+    for name in chosen:
+        if name != "baselines":
+            run_table(TABLES[name], args.quick, profile, args.profile, args.gpu_memory_gib,
+                      Path(args.out).parent / f"planner_{name}.json")
     return 0
+
+
+def run_table(module, quick: bool, profile, profile_path: str | None, memory_gib: float, out: Path) -> None:
+    """Run one ``planner_tables`` module and write its JSON report (markdown table included)."""
+    print(f"== {module.NAME}: {module.DESCRIPTION}", flush=True)
+    t0 = time.perf_counter()
+    report = module.run(quick, profile, memory_gib)
+    report.update(table=module.NAME, description=module.DESCRIPTION, quick=quick,
+                  machine=platform.platform(), processor=platform.processor() or platform.machine(),
+                  profile=profile_path or "shipped h100-bf16-default",
+                  note="tokens/s are simulated with the cost model; planning_time_s is measured here",
+                  wall_time_s=time.perf_counter() - t0)
+    report["markdown"] = module.markdown(report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(report["markdown"])
+    print(f"wrote {out} ({report['wall_time_s']:.1f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@ per schedule, a list for ``all``).  ``--emit-plan`` writes the plan as JSON; wit
 the EPP plan goes to the given path and each baseline's next to it as ``<stem>.<schedule>.json``.
 ``--plot`` draws the Gantt chart with memory curves (one PNG per schedule likewise).
 
+Layout: ``--sp`` GPUs per stage share every unit (Ulysses sequence parallelism), ``--shard``
+shards model states (FSDP2) over the stage's SP group, DP replicas or both, ``--gpus-per-node``
+says which groups cross nodes; ``--world-size`` checks ``pp x sp`` against a job's world and
+derives ``--dp``.  ``--schedule all`` plans every schedule with the same layout.  Times, bytes
+and the memory budget are per GPU.
+
 Input errors (missing files, unsupported model, bad lengths) exit with status 2 and a message on
 stderr; a batch that no plan fits is not an input error: it is reported as ``feasible: false``
 with an ``error`` naming what does not fit.
@@ -17,9 +23,11 @@ import json
 import sys
 from pathlib import Path
 
+from .config import InfiniPipeConfig
 from .planner.api import SCHEDULES, PlanResult, plan_step
 from .planner.cost_model import GIB, CostModel
 from .planner.hardware import HardwareProfile
+from .planner.layout import SHARD_MODES
 from .planner.model_spec import ModelSpec
 
 
@@ -45,7 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF config.json of the model")
     p.add_argument("--lengths", required=True, help="text file: one sequence length per line (one global batch)")
     p.add_argument("--pp", type=int, required=True, help="pipeline stages (pp_degree)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (dp_degree)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (dp_degree; default 1, "
+                   "or world size / (pp x sp) with --world-size)")
+    p.add_argument("--sp", type=int, default=1, help="GPUs per stage sharing each unit (sp_degree, Ulysses)")
+    p.add_argument("--shard", default="none", choices=SHARD_MODES,
+                   help="shard model states (FSDP2) over the stage's SP group (sp), DP replicas (dp), "
+                        "both (sp+dp), or over SP replicated over DP (hybrid)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node (default: the profile's, 8): groups crossing nodes use the "
+                        "inter-node bandwidth")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="total GPUs of the job: checked against pp x sp (x dp)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory budget per GPU in GiB")
     p.add_argument("--profile", default=None, help="cost profile JSON (default: shipped H100/bf16)")
     p.add_argument("--schedule", default="epp", choices=[*SCHEDULES, "all"])
@@ -65,17 +83,31 @@ def run(args: argparse.Namespace) -> list[PlanResult]:
     if spec is None:
         raise ValueError(f"model config {args.model} does not exist")
     lengths = read_lengths(args.lengths)
-    if args.pp < 1 or args.dp < 1:
-        raise ValueError(f"--pp and --dp must be >= 1, got pp={args.pp} dp={args.dp}")
+    dp = resolve_layout(args)
     profile = HardwareProfile.load(args.profile) if args.profile else None
-    cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.gpu_memory_gib * GIB)
+    cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.gpu_memory_gib * GIB,
+                     sp_degree=args.sp, shard=args.shard, dp_degree=dp, gpus_per_node=args.gpus_per_node)
     schedules = SCHEDULES if args.schedule == "all" else (args.schedule,)
     levels = () if args.checkpoint_levels.strip() in ("", "none") else tuple(
         lv.strip() for lv in args.checkpoint_levels.split(","))
-    return [plan_step(lengths, spec, pp_degree=args.pp, dp_degree=args.dp, schedule=s, cost=cost,
+    return [plan_step(lengths, spec, pp_degree=args.pp, dp_degree=dp, schedule=s, cost=cost,
+                      sp_degree=args.sp, shard=args.shard,
                       max_tokens_per_unit=args.max_tokens_per_unit, checkpointing=args.checkpointing,
                       checkpoint_levels=levels)
             for s in schedules]
+
+
+def resolve_layout(args: argparse.Namespace) -> int:
+    """Check the degrees (and ``--world-size``); return ``dp_degree``."""
+    for flag, value in (("--pp", args.pp), ("--dp", args.dp), ("--sp", args.sp),
+                        ("--gpus-per-node", args.gpus_per_node), ("--world-size", args.world_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.world_size is None:
+        return 1 if args.dp is None else args.dp
+    # The runtime's own check, so the CLI and a launched job give the same message.
+    config = InfiniPipeConfig(pp_degree=args.pp, sp_degree=args.sp, dp_degree=args.dp, shard=args.shard)
+    return config.resolve_dp_degree(args.world_size)
 
 
 def _sibling(path: str, schedule: str, first: bool) -> Path:
@@ -120,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             from .viz import plot_plan
 
             plot_plan(r.plan, r.simulation, str(_sibling(args.plot, r.schedule, i == 0)),
-                      title=f"{r.schedule}: {Path(args.model).name}, pp={args.pp}, dp={args.dp}")
+                      title=f"{r.schedule}: {Path(args.model).name}, pp={args.pp}, dp={r.plan.dp_degree}"
+                            + (f", sp={args.sp}" if args.sp != 1 else "")
+                            + (f", shard={args.shard}" if args.shard != "none" else ""))
     if args.json:
         out = [r.summary() for r in results]
         print(json.dumps(out if args.schedule == "all" else out[0], indent=1))

@@ -21,6 +21,11 @@ from collections import defaultdict
 from infinipipe_hf.planner.api import plan_step
 from infinipipe_hf.planner.cost_model import GIB, CostModel
 
+from .common import spec_of
+
+NAME = "checkpoint_levels"
+DESCRIPTION = ("checkpoint levels inside a layer, before (whole layers, diagonal counts) and after (levels, "
+               "per-cell counts): recompute and bubble shares, equal-memory speedups")
 VARIANTS = {
     "whole, diagonal": dict(checkpoint_levels=(), checkpoint_sharing="diagonal"),
     "whole, cell": dict(checkpoint_levels=(), checkpoint_sharing="cell"),
@@ -120,12 +125,44 @@ def format_row(row: dict) -> str:
     return "\n    ".join(parts)
 
 
-def run(setups, batches: dict, budget_gib: float, profile, log=print) -> list[dict]:
-    """``setups``: (model name, pp, ModelSpec); ``batches``: name -> lengths."""
+def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:
+    """Every (model, pp) setup and batch of the planner benchmark (planner_bench.py)."""
+    from planner_bench import SETUPS, batches  # the benchmark's own batches; imported late (it imports us)
+
     rows = []
-    for model, pp, spec in setups:
-        for name, lengths in batches.items():
-            row = table_row(model, pp, spec, name, lengths, budget_gib, profile)
+    for model, pp in (SETUPS[:1] if quick else SETUPS):
+        spec = spec_of(model)
+        for name, lengths in batches(quick).items():
+            row = table_row(model, pp, spec, name, lengths, memory_gib, profile)
             rows.append(row)
-            log(format_row(row))
-    return rows
+            print(format_row(row), flush=True)
+    return {"memory_budget_gib": memory_gib, "variants": {k: dict(v) for k, v in VARIANTS.items()},
+            "before": BEFORE, "after": AFTER, "rows": rows}
+
+
+def markdown(report: dict) -> str:
+    lines = ["| model, pp | batch | EPP tok/s before -> after | recompute share before -> after (worst stage) "
+             "| bubble share before -> after | equal-memory speedup over the best baseline, before -> after |",
+             "|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        b, a = row["epp"][BEFORE], row["epp"][AFTER]
+        if not (b["feasible"] and a["feasible"]):
+            continue
+        best = max(row["baselines"].items(), key=lambda kv: kv[1].get("at_budget", {}).get("tokens_per_s", 0.0))
+        name, base = best
+        if base["at_budget"]["feasible"]:
+            speed = f"{base['speedup_' + BEFORE]:.2f}x -> {base['speedup_' + AFTER]:.2f}x vs {name}"
+        else:  # nothing fits the budget: the baseline needing the least memory, at its budget
+            fits = [(v["fits_at_gib"], k, v) for k, v in row["baselines"].items() if v["fits_at_gib"]]
+            if fits:
+                gib, name, base = min(fits, key=lambda t: t[0])
+                speed = (f"{base['speedup_' + BEFORE]:.2f}x -> {base['speedup_' + AFTER]:.2f}x vs {name} "
+                         f"(at {gib:g} GiB, where it fits)")
+            else:
+                speed = "no baseline fits"
+        lines.append(
+            f"| {row['model']}, pp {row['pp']} | {row['batch']} | {b['tokens_per_s'] / 1e3:.1f}K -> "
+            f"{a['tokens_per_s'] / 1e3:.1f}K | {b['recompute_share']:.3f} -> {a['recompute_share']:.3f} "
+            f"({b['recompute_share_worst_stage']:.3f} -> {a['recompute_share_worst_stage']:.3f}) | "
+            f"{b['bubble_share']:.3f} -> {a['bubble_share']:.3f} | {speed} |")
+    return "\n".join(lines)

@@ -2,7 +2,11 @@
 
 Design: the planner only needs a model's shape, so benchmarks plan for Llama-2-7B/13B,
 Llama-3-8B, Llama-3.2-1B, Qwen2.5-7B and SmolLM2-135M from their published ``config.json``
-(copied verbatim, under ``infinipipe_hf/models/configs/``) without weights or network.  Trade-off:
+(copied verbatim, under ``infinipipe_hf/models/configs/``) without weights or network.
+LLaMA-30B (``llama-30b``, the InfiniPipe paper's largest model; 52 heads, so Ulysses SP 8 splits
+heads unevenly) and Llama-2-70B (``llama2-70b``, 8 K/V heads) are written from their published
+hub configs' fields; ``llama-30b`` states ``num_key_value_heads: 52`` explicitly, which LLaMA-1
+configs leave implicit (equal to the head count).  Trade-off:
 the files are snapshots; a model whose hub config later changes keeps the values it was
 published with, which is what reproducible benchmarks want.
 """

@@ -7,6 +7,12 @@ Every schedule goes through the same cost model, solver and simulator, so EPP an
 are compared on equal terms; each baseline is tuned over its own knob (packing length, uniform
 slice count) with the least uniform checkpointing that fits.
 
+With sequence parallelism a stage is ``sp_degree`` GPUs sharing each unit, so units may be
+``sp_degree`` times longer for the same per-GPU work: the slice-count grid keeps slices of at
+least ``MIN_SLICE_TOKENS`` tokens *per GPU*, packing floors scale with ``sp_degree``, and every
+time and byte comes per GPU from the cost model.  Every schedule is planned with the same SP
+degree and sharding inside its stages.
+
 Searching is the trade-off: a handful of candidates per batch costs milliseconds each and buys
 robustness against a cost model that is only approximately right about where the optimum lies.
 """
@@ -25,6 +31,7 @@ from .dp_assign import assign_sequences
 from .estimate import PipelineEstimator
 from .grouping import group_pipelines
 from .hardware import HardwareProfile
+from .limits import largest_trainable_length
 from .model_spec import ModelSpec
 from .plan import Plan
 from .schedule import (backward_order, build_pipeline_actions, concat_pipelines, epp_warmup,
@@ -37,6 +44,7 @@ from .validator import validate
 SCHEDULES = ("epp", "packed-1f1b", "seq1f1b", "gpipe")
 DEFAULT_SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MIN_SLICE_TOKENS = 256
+"""Fewest tokens per GPU in a slice of the longest sequence searched (thinner slices run the GPU badly)."""
 EXACT_CANDIDATES = 3  # EPP knob settings planned and simulated exactly, best estimates first
 MAX_GROUPING_BLOCKS = 24
 MAX_EXACT_CANDIDATES = 8  # when the best estimates do not fit, a few more are tried
@@ -54,6 +62,10 @@ class PlanResult:
     planning_time_s: float
     candidates: list[dict] = field(default_factory=list)
     """One entry per configuration tried: knob values, step time, feasibility."""
+    sp_degree: int = 1
+    """GPUs per stage the plan (or the failed search) was costed for."""
+    shard: str = "none"
+    """Model-state sharding the plan (or the failed search) was costed for."""
 
     def summary(self) -> dict:
         """The ``--json`` object of DESIGN.md section 9."""
@@ -73,6 +85,8 @@ class PlanResult:
             "num_units": len(plan.units) if plan else 0,
             "num_tokens": plan.num_tokens if plan else None,
             "planning_time_s": self.planning_time_s,
+            "sp_degree": self.sp_degree,
+            "shard": self.shard,
         }
         if plan is not None:
             d["layers_per_stage"] = list(plan.layers_per_stage)
@@ -97,10 +111,15 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
               profile: HardwareProfile | None = None, layers_per_stage: Sequence[int] | None = None,
               max_tokens_per_unit: int | None = None, num_slices: Sequence[int] | None = None,
               checkpointing: str = "adaptive", loss_chunk_tokens: int = 4096,
-              solver_time_limit_s: float = 0.25, cost: CostModel | None = None,
+              solver_time_limit_s: float = 0.25, cost: CostModel | None = None, sp_degree: int = 1,
+              shard: str = "none", gpus_per_node: int | None = None,
               checkpoint_levels: Sequence[str] = FINER_LEVELS, checkpoint_sharing: str = "cell") -> PlanResult:
     """Plan one training step of ``lengths`` (one global batch) with ``schedule``.
 
+    ``sp_degree``, ``shard`` and ``gpus_per_node`` describe the layout (see ``CostModel``); a
+    ``cost`` passed in must have been built for the same degrees and sharding.  ``num_slices``
+    restricts the slice counts searched: of the longest sequence for EPP, the uniform one for
+    seq1f1b (a static setting; its packing length and checkpointing are still tuned).
     ``solver_time_limit_s`` bounds the adaptive-checkpointing MILP run on the winning candidate.
     0.25 s by default: on 512-sequence real batches (planner_bench) a 0.5 s limit changed the
     simulated step time by under 0.01% and cost a quarter of a second of planning.
@@ -122,7 +141,10 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     lengths = [int(n) for n in lengths]
     if cost is None:
         cost = CostModel(spec, profile, pp_degree=pp_degree, layers_per_stage=layers_per_stage,
-                         memory_budget_bytes=memory_budget_bytes, loss_chunk_tokens=loss_chunk_tokens)
+                         memory_budget_bytes=memory_budget_bytes, loss_chunk_tokens=loss_chunk_tokens,
+                         sp_degree=sp_degree, shard=shard, dp_degree=dp_degree, gpus_per_node=gpus_per_node)
+    else:
+        _check_cost_layout(cost, pp_degree, dp_degree, sp_degree, shard)
     replicas = assign_sequences(lengths, dp_degree, cost)
     policy = checkpointing
     if schedule != "epp" and checkpointing == "adaptive":
@@ -133,7 +155,8 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
                                        solver_time_limit_s),
         "packed-1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "packed-1f1b", policy,
                                                     max_tokens_per_unit),
-        "seq1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "seq1f1b", policy, max_tokens_per_unit),
+        "seq1f1b": lambda: _baseline_candidates(lengths, replicas, cost, "seq1f1b", policy, max_tokens_per_unit,
+                                                num_slices),
         "gpipe": lambda: _baseline_candidates(lengths, replicas, cost, "gpipe", policy, max_tokens_per_unit),
     }
     best: tuple[Plan, SimulationResult] | None = None
@@ -165,7 +188,7 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     elapsed = time.perf_counter() - t0
     if best is None:
         error = _infeasible_message(lengths, cost, schedule, last_error)
-        return PlanResult(schedule, None, None, False, error, elapsed, tried)
+        return PlanResult(schedule, None, None, False, error, elapsed, tried, cost.sp_degree, cost.shard)
     plan, sim = best
     if policy == "adaptive":
         # Candidates were compared with the greedy solver (milliseconds); only the winner pays for
@@ -187,30 +210,41 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
                                                 f"{solved.step_time_s:.4g} s > {sim.step_time_s:.4g} s; kept the greedy")
     validate(plan, cost, max_tokens_per_unit=max_tokens_per_unit)
     plan.info["candidates_tried"] = len(tried)
-    return PlanResult(schedule, plan, sim, True, None, time.perf_counter() - t0, tried)
+    return PlanResult(schedule, plan, sim, True, None, time.perf_counter() - t0, tried, cost.sp_degree, cost.shard)
+
+
+def _check_cost_layout(cost: CostModel, pp_degree: int, dp_degree: int, sp_degree: int, shard: str) -> None:
+    want = {"pp_degree": pp_degree, "dp_degree": dp_degree, "sp_degree": sp_degree, "shard": shard}
+    got = {k: getattr(cost, k) for k in want}
+    if got != want:
+        diff = ", ".join(f"{k}={got[k]!r} (asked {want[k]!r})" for k in want if got[k] != want[k])
+        raise ValueError(f"the cost model passed to plan_step was built for {diff}; build the "
+                         f"CostModel with the same pp_degree, dp_degree, sp_degree and shard")
 
 
 # --- EPP -----------------------------------------------------------------------------------
-def _slice_count_candidates(lengths: Sequence[int], num_slices: Sequence[int] | None) -> list[int]:
+def _slice_count_candidates(lengths: Sequence[int], num_slices: Sequence[int] | None,
+                            sp_degree: int = 1) -> list[int]:
     if num_slices:
         return sorted(set(int(k) for k in num_slices))
     longest = max(lengths)
-    ks = [k for k in DEFAULT_SLICE_COUNTS if k == 1 or longest / k >= MIN_SLICE_TOKENS]
+    ks = [k for k in DEFAULT_SLICE_COUNTS if k == 1 or longest / k >= MIN_SLICE_TOKENS * sp_degree]
     return ks
 
 
-def _token_floor_candidates(lengths: Sequence[int]) -> list[int | None]:
+def _token_floor_candidates(lengths: Sequence[int], sp_degree: int = 1) -> list[int | None]:
     """Unit token floors tried next to the slice mesh: packing short sequences into units larger than
-    the longest sequence's slice pays off when every sequence is short (few, efficient units)."""
+    the longest sequence's slice pays off when every sequence is short (few, efficient units).
+    A stage of ``sp_degree`` GPUs runs a unit ``sp_degree`` times longer as efficiently."""
     longest = max(lengths)
-    return [None] + [p for p in (4096, 8192, 16384) if p > longest and p < sum(lengths)]
+    return [None] + [p * sp_degree for p in (4096, 8192, 16384) if longest < p * sp_degree < sum(lengths)]
 
 
 def _epp_candidates(lengths, replicas, cost, num_slices, max_tokens_per_unit, policy, time_limit):
     """EPP knobs ranked by the closed-form estimate; the best few are planned and simulated exactly."""
     ranked = []
-    floors = _token_floor_candidates(lengths) if max_tokens_per_unit is None else [None]
-    for k in _slice_count_candidates(lengths, num_slices):
+    floors = _token_floor_candidates(lengths, cost.sp_degree) if max_tokens_per_unit is None else [None]
+    for k in _slice_count_candidates(lengths, num_slices, cost.sp_degree):
         for floor in (floors if k == 1 else [None]):
             try:
                 staged = _epp_units(lengths, replicas, cost, k, max_tokens_per_unit, floor)
@@ -274,7 +308,7 @@ def _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit) -> 
         part_units, actions[dp_rank] = _replica_actions(lengths, cost, pipelines, dp_rank, "epp")
         units.extend(part_units)
     plan = Plan("epp", cost.pp_degree, len(replicas), list(lengths), units, actions, {},
-                list(cost.layers_per_stage), info)
+                list(cost.layers_per_stage), info, cost.sp_degree, cost.shard)
     # Candidates are compared with the greedy on whole layers and diagonal-shared counts: the
     # cheapest solve (a few ms), and a fair ranking since every candidate gets the same.  The
     # winner alone gets the finer levels, its own counts per cell and the LP/MILP (plan_step).
@@ -332,12 +366,15 @@ def _replica_actions(lengths, cost, pipelines: Sequence[Sequence[Unit]], dp_rank
 
 
 # --- baselines ------------------------------------------------------------------------------
-def _baseline_candidates(lengths, replicas, cost, schedule, policy, max_tokens_per_unit=None):
-    packs = packing_candidates(lengths)
+def _baseline_candidates(lengths, replicas, cost, schedule, policy, max_tokens_per_unit=None, num_slices=None):
+    packs = packing_candidates(lengths, cost.sp_degree)
     if max_tokens_per_unit is not None:
         # The cap itself (or the longest sequence, which packing never cuts) as the tightest pack.
         packs = sorted(set(packs) | {max(max(lengths), int(max_tokens_per_unit))})
-    slice_counts = slicing_candidates(lengths) if schedule == "seq1f1b" else [1]
+    slice_counts = [1]
+    if schedule == "seq1f1b":  # uniform slice counts: the caller's (a static setting) or the grid
+        slice_counts = (sorted(set(int(k) for k in num_slices)) if num_slices
+                        else slicing_candidates(lengths, sp_degree=cost.sp_degree))
     for pack in packs:
         for k in slice_counts:
             knobs = {"pack_tokens": pack} if schedule != "seq1f1b" else {"pack_tokens": pack, "num_slices": k}
@@ -361,7 +398,7 @@ def _baseline_plan(lengths, replicas, cost, schedule, pack, k, policy) -> Plan:
     if schedule == "seq1f1b":
         info["num_slices"] = k
     plan = Plan(schedule, cost.pp_degree, len(replicas), list(lengths), units, actions, {},
-                list(cost.layers_per_stage), info)
+                list(cost.layers_per_stage), info, cost.sp_degree, cost.shard)
     sol = solve_checkpointing(plan, cost, policy=policy)
     if not sol.feasible:
         raise ValueError(sol.message or "no checkpointing fits the memory budget")
@@ -371,36 +408,16 @@ def _baseline_plan(lengths, replicas, cost, schedule, pack, k, policy) -> Plan:
 
 
 # --- errors ---------------------------------------------------------------------------------
-def largest_trainable_length(cost: CostModel, max_slices: int = max(DEFAULT_SLICE_COUNTS)) -> int:
-    """Longest single sequence that fits fully checkpointed and maximally sliced (binary search)."""
-
-    def fits(n: int) -> bool:
-        k = min(max_slices, max(1, n // MIN_SLICE_TOKENS))
-        try:
-            staged = _epp_units([n], [[0]], cost, k, None, None)
-            plan = _epp_plan([n], [[0]], cost, k, None, staged, "full", 1.0)
-        except ValueError:
-            return False
-        return simulate(plan, cost).feasible
-
-    lo, hi = 0, 1
-    while fits(hi) and hi < 1 << 24:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
 def _infeasible_message(lengths, cost, schedule, last_error) -> str:
     longest = max(lengths)
     limit = largest_trainable_length(cost)
     budget = cost.memory_budget_bytes / 2**30
     if longest > limit:
         seq = lengths.index(longest)
-        return (f"sequence {seq} of {longest} tokens cannot fit in {budget:.1f} GiB per stage even fully "
+        more = "sp_degree, " if cost.sp_degree < cost.spec.num_attention_heads else ""
+        return (f"sequence {seq} of {longest} tokens cannot fit in {budget:.1f} GiB per GPU even fully "
                 f"checkpointed and cut into {max(DEFAULT_SLICE_COUNTS)} slices; the largest that fits is "
-                f"{limit} tokens: split or truncate longer documents, raise pp_degree, or raise the memory budget")
-    return (f"no {schedule} plan fits {budget:.1f} GiB per stage for this batch "
+                f"{limit} tokens: split or truncate longer documents, raise pp_degree, {more}or raise the memory budget")
+    return (f"no {schedule} plan fits {budget:.1f} GiB per GPU for this batch "
             f"({len(lengths)} sequences, {sum(lengths)} tokens, longest {longest}); "
             f"last candidate said: {last_error}; use fewer tokens per step or schedule='epp'")

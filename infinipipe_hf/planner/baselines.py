@@ -112,25 +112,29 @@ def make_uniform_slices(lengths: Sequence[int], cost: CostModel, pack_tokens: in
     return units
 
 
-def packing_candidates(lengths: Sequence[int]) -> list[int]:
+def packing_candidates(lengths: Sequence[int], sp_degree: int = 1) -> list[int]:
     """Packing lengths searched for the packing baselines: ``max(longest, 2^k)``, increasing.
 
     ``k`` runs from 10 (1K tokens) to the largest power of two not above the batch's total, so
-    the grid spans "one sequence per micro-batch" to "about two micro-batches per step".
+    the grid spans "one sequence per micro-batch" to "about two micro-batches per step".  With
+    ``sp_degree`` GPUs per stage the grid starts at the first power of two of at least 1K tokens
+    per GPU (smaller micro-batches only waste the GPUs).
     """
     chosen = select_sequences(lengths, None)
     longest = max(int(lengths[s]) for s in chosen)
     total = sum(int(lengths[s]) for s in chosen)
-    top = max(MIN_PACK_LOG2, total.bit_length() - 1)
-    return sorted({max(longest, 1 << k) for k in range(MIN_PACK_LOG2, top + 1)})
+    low = MIN_PACK_LOG2 + (int(sp_degree) - 1).bit_length()
+    top = max(low, total.bit_length() - 1)
+    return sorted({max(longest, 1 << k) for k in range(low, top + 1)})
 
 
-def slicing_candidates(lengths: Sequence[int], pack_tokens: int | None = None) -> list[int]:
-    """Uniform slice counts searched for seq1f1b: 1, 2, 4, 8, 16 while slices keep 256+ tokens.
+def slicing_candidates(lengths: Sequence[int], pack_tokens: int | None = None, sp_degree: int = 1) -> list[int]:
+    """Uniform slice counts searched for seq1f1b: 1, 2, 4, ... while slices keep
+    ``MIN_SLICE_TOKENS`` tokens per GPU (``sp_degree`` GPUs share each slice).
 
     The slice size is judged on ``pack_tokens`` (default: the longest sequence, the smallest
     packing length searched).
     """
     chosen = select_sequences(lengths, None)
     base = int(pack_tokens) if pack_tokens is not None else max(int(lengths[s]) for s in chosen)
-    return [k for k in SLICE_COUNTS if k == 1 or base // k >= MIN_SLICE_TOKENS]
+    return [k for k in SLICE_COUNTS if k == 1 or base // k >= MIN_SLICE_TOKENS * sp_degree]

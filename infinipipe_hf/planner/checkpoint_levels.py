@@ -126,8 +126,13 @@ class LevelCosts:
         inter = spec.intermediate_size
         elements = act_elements(spec.hidden_size, inter, spec.kv_dim, p.bytes_per_element)
         self.saved_share = {MLP: 4 * inter / elements, MLP_ACT: 2 * inter / elements}
-        """Share of the whole layer's saved bytes each finer level drops."""
-        self.saved_bytes_per_token = {lv: s * cost.act_bytes_per_token for lv, s in self.saved_share.items()}
+        """Share of the whole layer's saved bytes (one GPU, whole heads) each finer level drops."""
+        # Per token a GPU holds: the MLP is token-sharded under sequence parallelism, so its
+        # bytes are the single-GPU share of the profile's figure (not of the head-sharded mix).
+        whole_layer = p.activation_bytes_per_token_per_layer * cost._act_ratio
+        self.saved_bytes_per_token = {lv: s * whole_layer for lv, s in self.saved_share.items()}
+        # The single-GPU linear coefficients, per GPU token: the MLP runs no all-to-all.
+        self._linear = p.layer_forward.scaled(cost._attn_ratio, cost._linear_ratio)
         self.gate_up_share = 4.0 * spec.hidden_size * inter / spec.layer_linear_flops_per_token()
         """Gate and up projections' share of the layer's linear FLOPs."""
         self.down_share = self.gate_up_share / 2
@@ -140,12 +145,12 @@ class LevelCosts:
         A whole layer's replay is its forward less ``down_proj``'s GEMM: non-reentrant
         checkpointing stops once ``down_proj``'s input is rebuilt (the residual add after it saves
         nothing), which the runtime tests check by counting GEMMs."""
-        lf = self.cost.layer_fwd
-        linear = lf.token_s * shape.tokens + lf.fixed_s
-        full = lf(shape.pairs, shape.tokens) - self.down_share * linear
+        tokens = self.cost.gpu_tokens(shape.tokens)
+        linear = self._linear.token_s * tokens + self._linear.fixed_s
+        full = self.cost.layer_fwd(shape.pairs, shape.tokens) - self.down_share * linear
         if level == FULL:
             return full
-        act = min(self.act_s_per_token * shape.tokens, full)
+        act = min(self.act_s_per_token * tokens, full)
         if level == MLP_ACT:
             return act
         if level == MLP:
@@ -164,8 +169,8 @@ class LevelCosts:
     def finer_saved_bytes(self, tokens: int, mix: CheckpointMix) -> float:
         """Bytes the mix's finer levels drop from a unit of ``tokens`` (context copies stay:
         the attention is not recomputed)."""
-        return tokens * (mix.mlp * self.saved_bytes_per_token[MLP]
-                         + mix.mlp_act * self.saved_bytes_per_token[MLP_ACT])
+        return self.cost.gpu_tokens(tokens) * (mix.mlp * self.saved_bytes_per_token[MLP]
+                                               + mix.mlp_act * self.saved_bytes_per_token[MLP_ACT])
 
     def unit_activation_bytes(self, stage_index: int, segments: "Iterable[Segment]", mix: CheckpointMix) -> float:
         """:meth:`CostModel.unit_activation_bytes` of a unit under ``mix``."""

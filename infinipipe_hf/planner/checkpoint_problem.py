@@ -253,7 +253,7 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
             a0 = cost.unit_activation_bytes(p, segments, 0)
             zero_act.append(a0)
             saves.append([a0 - cost.unit_activation_bytes(p, segments, 1)]
-                         + [lc.saved_bytes_per_token[lv] * shape.tokens for lv in finer])
+                         + [lc.saved_bytes_per_token[lv] * cost.gpu_tokens(shape.tokens) for lv in finer])
             redos.append([layer_s] + [lc.layer_recompute_s(lv, shape) for lv in finer])
         points = stage_points[p] = memory_points(plan, cost, dp_rank, p)
         if not points:

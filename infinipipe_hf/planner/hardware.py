@@ -80,11 +80,37 @@ class HardwareProfile:
     p2p_bandwidth_bytes_per_s: float = 100e9
     """Point-to-point bandwidth between adjacent stages (NVLink-class by default)."""
     p2p_latency_s: float = 20e-6
+    intra_node_bandwidth_bytes_per_s: float = 360e9
+    """Bus bandwidth per GPU, per direction, of collectives inside one node (SP all-to-all,
+    sharded-state all-gather / reduce-scatter, gradient all-reduce).  H100 SXM NVLink 4 is 900 GB/s
+    bidirectional, 450 GB/s per direction; NCCL's measured bus bandwidth on a DGX H100 is commonly
+    360-480 GB/s, the top of that range only for all-reduce with NVLink SHARP.  Default 360 GB/s:
+    80% of the per-direction peak, the low end of the measured range, because all-to-all and
+    all-gather get no in-switch reduction."""
+    inter_node_bandwidth_bytes_per_s: float = 40e9
+    """Bandwidth per GPU, per direction, of collectives and stage transfers that cross nodes.
+    ConnectX-7 NDR InfiniBand is 400 Gb/s = 50 GB/s per NIC, one NIC per GPU on a DGX/HGX H100;
+    default 40 GB/s, 80% of that (the same achievable fraction as the intra-node figure)."""
+    collective_latency_s: float = 5e-6
+    """Fixed cost per algorithm step of a collective (a ring of g ranks has g - 1 steps).  An
+    order-of-magnitude figure (NCCL's small-message latency on one node is tens of microseconds
+    over a ring's steps); it matters only for small messages."""
+    gpus_per_node: int = 8
+    """GPUs per node (8 on DGX/HGX H100): decides which groups of the rank layout cross nodes."""
     memory_gib: float = 80.0
     """Device memory the profile was taken on; the default per-stage budget derives from it."""
     device: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     """Versions and notes recorded by the profiler (torch, transformers, GPU...)."""
+
+    def __post_init__(self) -> None:
+        for name in ("intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"profile field {name} must be > 0 (bytes per second), got {getattr(self, name)!r}")
+        if not self.collective_latency_s >= 0:
+            raise ValueError(f"profile field collective_latency_s must be >= 0, got {self.collective_latency_s!r}")
+        if int(self.gpus_per_node) != self.gpus_per_node or self.gpus_per_node < 1:
+            raise ValueError(f"profile field gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
 
     # --- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict:

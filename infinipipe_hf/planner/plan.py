@@ -5,6 +5,12 @@ each belongs to, every stage's action list per DP replica, and the number of che
 layers per (stage, unit): ``checkpoint_layers`` counts layers recomputed whole, the optional
 ``checkpoint_levels`` layers recomputed in part (planner/checkpoint_levels.py).  It is computed identically on every rank and serialises to the JSON of
 the ``--emit-plan`` contract, so a plan can be printed, diffed, stored and replayed.
+
+With sequence parallelism (``sp_degree > 1``) a stage is a group of ``sp_degree`` GPUs: units and
+actions are those of the group as a whole (how a unit's tokens are split over its ranks is the
+runtime's business).  ``sp_degree`` and ``shard`` are written to JSON only when they differ from
+their defaults (1 and ``"none"``), so plans of unsharded single-GPU stages keep their old form and
+a JSON without them reads back with the defaults.
 """
 from __future__ import annotations
 
@@ -32,6 +38,10 @@ class Plan:
     layers_per_stage: list[int] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     """Free-form planner facts (chosen slice count, token budget...); serialised, never required."""
+    sp_degree: int = 1
+    """GPUs per stage sharing every unit (Ulysses sequence parallelism)."""
+    shard: str = "none"
+    """Model-state sharding the plan was costed with (``none``, ``sp``, ``dp``, ``sp+dp``, ``hybrid``)."""
     checkpoint_levels: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)
     """stage -> unit id -> finer level -> layers (``{"mlp": n, "mlp_act": n}``), beside the whole
     layers of ``checkpoint_layers``; missing entries are 0.  JSON key ``checkpoint_levels``,
@@ -79,6 +89,12 @@ class Plan:
             "schedule": self.schedule,
             "pp_degree": self.pp_degree,
             "dp_degree": self.dp_degree,
+        }
+        if self.sp_degree != 1:
+            d["sp_degree"] = self.sp_degree
+        if self.shard != "none":
+            d["shard"] = self.shard
+        d.update({
             "sequences": list(self.sequences),
             "units": [u.to_dict() for u in self.units],
             "actions": {
@@ -91,7 +107,7 @@ class Plan:
             },
             "layers_per_stage": list(self.layers_per_stage),
             "info": self.info,
-        }
+        })
         levels = self._levels_dict()
         if levels:  # absent when no finer level is used: such plans serialise as before
             d["checkpoint_levels"] = levels
@@ -127,6 +143,8 @@ class Plan:
             },
             layers_per_stage=[int(x) for x in d.get("layers_per_stage", [])],
             info=dict(d.get("info", {})),
+            sp_degree=int(d.get("sp_degree", 1)),
+            shard=str(d.get("shard", "none")),
             checkpoint_levels={
                 int(s): {int(u): {str(lv): int(n) for lv, n in per.items()} for u, per in per_unit.items()}
                 for s, per_unit in d.get("checkpoint_levels", {}).items()
@@ -140,7 +158,9 @@ class Plan:
     def __str__(self) -> str:
         lines = [
             f"Plan[{self.schedule}] pp={self.pp_degree} dp={self.dp_degree} "
-            f"sequences={len(self.sequences)} tokens={self.num_tokens} units={len(self.units)} "
+            + (f"sp={self.sp_degree} " if self.sp_degree != 1 else "")
+            + (f"shard={self.shard} " if self.shard != "none" else "")
+            + f"sequences={len(self.sequences)} tokens={self.num_tokens} units={len(self.units)} "
             f"pipelines={self.num_pipelines}"
         ]
         for u in self.units:

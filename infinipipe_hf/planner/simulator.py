@@ -4,7 +4,12 @@ Design: each DP replica is replayed on its own (:func:`replay.replay`): a stage 
 list in order, a forward waits for the previous stage's forward of the unit plus the transfer, a
 backward for the next stage's backward (on the last stage its own forward); durations are
 ``cost.forward_time`` / ``cost.backward_time`` with the plan's checkpointed-layer counts (the
-backward includes the recompute, of whole layers and of the finer levels inside layers).  Replicas run in parallel, so the step ends with the slowest.
+backward includes the recompute, of whole layers and of the finer levels inside layers).  Replicas
+run in parallel, so the step ends with the slowest.  A stage's step ends after its last
+action plus the exposed part of the step's gradient reduction (``cost.gradient_sync_time``: the
+all-reduce over SP x DP ranks, or FSDP2's reduce-scatters behind the last backward; zero for a
+stage of one GPU in one replica).  All times are per GPU: with sequence parallelism a stage is
+a group of GPUs working on each unit in lockstep.
 Memory per action comes from :mod:`memory` (the same points the checkpoint solver constrains), so
 simulator, solver and validator agree on what "fits" means.
 
@@ -86,6 +91,13 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
     if cost.pp_degree != plan.pp_degree:
         raise ValueError(f"cost model has pp_degree={cost.pp_degree} but the plan has {plan.pp_degree}; "
                          f"build the CostModel with pp_degree={plan.pp_degree}")
+    # Cost models without a layout (duck-typed test doubles) are single-GPU stages, unsharded.
+    cost_layout = (getattr(cost, "sp_degree", 1), getattr(cost, "shard", "none"))
+    sync_time = getattr(cost, "gradient_sync_time", None)
+    if cost_layout != (plan.sp_degree, plan.shard):
+        raise ValueError(f"cost model has sp_degree={cost_layout[0]}, shard={cost_layout[1]!r} but the plan "
+                         f"has sp_degree={plan.sp_degree}, shard={plan.shard!r}; build the CostModel "
+                         f"with the plan's sp_degree and shard")
     by_id = plan.unit_by_id
     shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
     p = plan.pp_degree
@@ -95,6 +107,7 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
     busy = 0.0
     step = 0.0
     recompute_total = 0.0
+    sync_total = 0.0
 
     def missing(uid: int) -> ValueError:
         return ValueError(f"an action names unit {uid}, which is not among the plan's units; "
@@ -132,7 +145,14 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
                 busy += rep.end[s][i] - rep.start[s][i]
                 events.append(ActionEvent(r, s, str(a), rep.start[s][i], rep.end[s][i], rec))
             if acts:
-                step = max(step, rep.end[s][-1])
+                end = rep.end[s][-1]
+                last_b = max((i for i, a in enumerate(acts) if not a.is_forward), default=None)
+                if last_b is not None and sync_time is not None:
+                    sync = sync_time(s, rep.end[s][last_b] - rep.start[s][last_b])
+                    if sync:
+                        end += sync
+                        sync_total = max(sync_total, sync)
+                step = max(step, end)
             values = _point_values(plan, cost, r, s)
             timeline[(r, s)] = [(rep.start[s][i], v) for i, v in enumerate(values)]
             peaks[s] = max(peaks[s], max(values, default=cost.static_bytes(s)))
@@ -149,7 +169,8 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
         events=events,
         memory_timeline=timeline,
         feasible=all(x <= budget for x in peaks),
-        info={"num_pipelines": plan.num_pipelines, "num_units": len(plan.units)},
+        info={"num_pipelines": plan.num_pipelines, "num_units": len(plan.units),
+              **({"gradient_sync_s": sync_total} if sync_total else {})},
         recompute_fraction=recompute_total / capacity if capacity > 0 else 0.0,
     )
 

@@ -19,6 +19,7 @@ from .actions import Action
 from .checkpoint_levels import FINER_LEVELS
 from .cost_model import CostModel
 from .grid import format_grid, slot_replay
+from .layout import SHARD_MODES
 from .memory import memory_points, point_bytes, stage_peak_bytes
 from .plan import Plan
 from .units import Segment, Unit
@@ -80,8 +81,16 @@ class _Checker:
 
     def structure(self) -> None:
         plan = self.plan
-        if plan.pp_degree < 1 or plan.dp_degree < 1:
-            self.fail(f"pp_degree={plan.pp_degree}, dp_degree={plan.dp_degree}; both must be >= 1")
+        if plan.pp_degree < 1 or plan.dp_degree < 1 or plan.sp_degree < 1:
+            self.fail(f"pp_degree={plan.pp_degree}, dp_degree={plan.dp_degree}, sp_degree={plan.sp_degree}; "
+                      f"all must be >= 1")
+        if plan.shard not in SHARD_MODES:
+            self.fail(f"shard={plan.shard!r} is not known; use one of {', '.join(SHARD_MODES)}")
+        cost_layout = (getattr(self.cost, "sp_degree", 1), getattr(self.cost, "shard", "none"))
+        if self.cost is not None and cost_layout != (plan.sp_degree, plan.shard):
+            self.fail(f"the plan is for sp_degree={plan.sp_degree}, shard={plan.shard!r} but the cost model "
+                      f"for sp_degree={cost_layout[0]}, shard={cost_layout[1]!r}; validate with a "
+                      f"CostModel built for the plan's layout")
         if sorted(plan.actions) != list(range(plan.dp_degree)):
             self.fail(f"action lists are keyed by dp ranks {sorted(plan.actions)}; expected 0..{plan.dp_degree - 1}")
         ids = [u.id for u in plan.units]

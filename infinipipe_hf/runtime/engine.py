@@ -9,6 +9,11 @@ lengths -> plan (identical on every rank: ``PlanAgreement``) -> execute -> gradi
 in ``.grad`` are stashed before the step and added back after the reductions, so they are never
 all-reduced twice.
 
+Sharding (``config.shard`` != ``"none"``): the stage's parameters, gradients and optimizer states
+are sharded with FSDP2 (``StageSharding``) before anything reaches the device; parameters are then
+``DTensor`` s, the step's gradients are reduced once after its last backward (inside
+``GradientSync.sync``), and ``compute_dtype`` selects FSDP's mixed precision.
+
 Trade-offs: the planner is called synchronously (planning one step ahead in a background worker
 is the trainer's job).  A planner can be injected (``planner=callable(lengths, engine) -> Plan |
 PlanResult``, or ``train_step(batch, plan=...)``) so tests and baselines do not depend on the
@@ -33,6 +38,7 @@ from .executor import PipelineExecutor
 from .grad_sync import GradientSync
 from .mesh import ParallelLayout
 from .plan_sync import PlanAgreement
+from .sharding import StageSharding, check_shard_mode, fsdp2_api
 from .timeline import Timeline
 
 
@@ -84,7 +90,11 @@ class PipelineEngine:
 
     def __init__(self, model, config: InfiniPipeConfig | None = None, *,
                  planner: Callable[[list[int], "PipelineEngine"], Any] | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        """``compute_dtype`` (with ``shard`` != ``"none"``): FSDP2 mixed precision, i.e. gather
+        parameters and compute in this dtype (bf16), reduce gradients in float32, keep the shards
+        (master weights) in the model's dtype."""
         from .partition import partition_layers
         from .stage import build_stage
         from .stage_runner import StageRunner
@@ -108,10 +118,16 @@ class PipelineEngine:
                              f"{self.spec.num_layers} decoder layers; use pp_degree <= "
                              f"{self.spec.num_layers}")
         self.planner = planner
-        if config.sp_degree > 1 or config.shard != "none":
-            raise ValueError(f"sp_degree={config.sp_degree}, shard={config.shard!r}: sequence "
-                             f"parallelism and sharding are not available in this build; use "
-                             f"sp_degree=1 and shard='none'")
+        if config.shard != "none":
+            # Before any group exists, so every rank fails the same way, early.
+            fsdp2_api(config.shard)
+            check_shard_mode(config.shard, dp, config.sp_degree)
+        elif compute_dtype is not None:
+            raise ValueError(f"compute_dtype={compute_dtype} is FSDP2 mixed precision and needs "
+                             f"shard != 'none'; without sharding cast the model (model.to(dtype))")
+        if config.sp_degree > 1:
+            raise ValueError(f"sp_degree={config.sp_degree}: sequence parallelism is not available "
+                             f"in this build; use sp_degree=1")
         self.device = torch.device(device) if device is not None else self._default_device()
         self.layout = ParallelLayout(world, rank, config.pp_degree, dp, sp_degree=config.sp_degree,
                                      tied_embeddings=_tied(model), timeout_s=config.p2p_timeout_s,
@@ -121,9 +137,15 @@ class PipelineEngine:
                                   last_stage_extra=self.spec.embedding_params / self.spec.layer_params)
         self.layers_per_stage = [len(r) for r in ranges]
         self.stage = build_stage(model, self.layout.stage_index, ranges[self.layout.stage_index])
-        self.stage.to(self.device)
-        self.dtype = next((p.dtype for p in self.stage.parameters() if p.is_floating_point()),
-                          torch.float32)
+        self.sharding: StageSharding | None = None
+        if config.shard != "none":
+            # Sharded on the host/meta device: only this rank's shards are put on the device.
+            self.sharding = StageSharding(self.stage, self.layout, config.shard, self.device,
+                                          compute_dtype=compute_dtype)
+        else:
+            self.stage.to(self.device)
+        self.dtype = compute_dtype or next(
+            (p.dtype for p in self.stage.parameters() if p.is_floating_point()), torch.float32)
         self.runner = StageRunner(self.stage, loss_chunk_tokens=config.loss_chunk_tokens,
                                   attention_backend=config.attention_backend)
         comm = (StageComm(self.layout, timeout_s=config.p2p_timeout_s, device=self.device,
@@ -131,7 +153,8 @@ class PipelineEngine:
         self.executor = PipelineExecutor(self.runner, self.layout, comm)
         self.plan_agreement = PlanAgreement(self.layout, self.device, config.p2p_timeout_s)
         self.grad_sync = GradientSync(self.layout, self.device, config.p2p_timeout_s,
-                                      trainable=self._trainable, tied=self._tied_params)
+                                      trainable=self._trainable, tied=self._tied_params,
+                                      sharding=self.sharding)
         self.last_plan: Plan | None = None
         self.step_count = 0
         self._profile = None  # loaded on first use of the default planner
@@ -146,7 +169,7 @@ class PipelineEngine:
 
     # --- parameters ----------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under their original HF names."""
+        """This rank's parameters under their original HF names (``DTensor`` s when sharded)."""
         return self.stage.named_parameters()
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
@@ -191,6 +214,7 @@ class PipelineEngine:
                          profile=self._profile, layers_per_stage=self.layers_per_stage,
                          max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
                          checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
+                         sp_degree=c.sp_degree, shard=c.shard,
                          checkpoint_levels=self._checkpoint_levels())
 
     def _checkpoint_levels(self) -> tuple[str, ...]:
@@ -294,11 +318,15 @@ class PipelineEngine:
                 p.grad = None
         self.stage.train()
         try:
+            if self.sharding is not None:
+                self.sharding.begin_step()
             self.runner.begin_step(plan, batch, normaliser)
             result = self.executor.run(plan, step=self.step_count, train=True)
             self.runner.end_step()
             self.grad_sync.sync(self.step_count)
         except BaseException:
+            if self.sharding is not None:
+                self.sharding.abort_step()  # reshard first: the sharded parameters hold the stash
             # Keep what was accumulated before this step; drop the failed step's partial grads.
             for p in self._trainable():
                 p.grad = stash.get(p)
@@ -318,10 +346,14 @@ class PipelineEngine:
         was_training = self.stage.training
         self.stage.eval()
         try:
+            if self.sharding is not None:
+                self.sharding.begin_forward_only()
             self.runner.begin_step(plan, batch, n_labels)
             result = self.executor.run(plan, step=self.step_count, train=False)
             self.runner.end_step()
         finally:
+            if self.sharding is not None:
+                self.sharding.finish_forward_only()
             self.stage.train(was_training)
         return self.grad_sync.global_sum(result.loss_part, "eval loss sum", self.step_count)
 

@@ -9,6 +9,12 @@ the full gradient.  ``global_norm`` sums squared gradients over one replica's st
 others hold identical copies) with the tied weight counted once, as the unsplit model counts it.
 ``global_sum`` adds a scalar over the world (the loss parts of the last stages).
 
+Sharded stages (``StageSharding``): FSDP2 reduce-scatters the accumulated gradients into each
+rank's shard first (and all-reduces over DP under ``"hybrid"``); then the tied pair sums its local
+shards (both ends are sharded alike over groups of the same size, so shard i meets shard i) and
+the ranks FSDP did not cover (``sharding.extra_group``) sum theirs.  The norm adds local shard
+squares over the world, each piece of the model counted once (``holds_distinct_shard``).
+
 Trade-off: the all-reduce runs after the last backward rather than overlapping with the
 cool-down (simple, exact, one bucketed collective per stage); bucketing bounds the extra memory
 of flattening to ``_BUCKET_ELEMENTS`` elements.  Every wait has a deadline naming the ranks.
@@ -22,6 +28,7 @@ import torch
 
 from .comm import wait_collective
 from .mesh import ParallelLayout
+from .sharding import local_tensor
 
 _BUCKET_ELEMENTS = 1 << 25
 
@@ -37,12 +44,14 @@ class GradientSync:
 
     def __init__(self, layout: ParallelLayout, device: torch.device, timeout_s: float,
                  trainable: Callable[[], list[torch.nn.Parameter]],
-                 tied: Callable[[], list[torch.nn.Parameter]]) -> None:
+                 tied: Callable[[], list[torch.nn.Parameter]], sharding=None) -> None:
         self.layout = layout
         self.device = device
         self.timeout_s = timeout_s
         self._trainable = trainable
         self._tied = tied
+        self.sharding = sharding
+        """``StageSharding`` when the stage's states are sharded, else ``None``."""
 
     def _wait(self, work, ranks: list[int], what: str, step: int) -> None:
         wait_collective(work, timeout_s=self.timeout_s, layout=self.layout, ranks=ranks, what=what,
@@ -71,6 +80,8 @@ class GradientSync:
         lay = self.layout
         if lay.world_size == 1:
             return
+        if self.sharding is not None:
+            self.sharding.reduce_gradients()
         params = self._trainable()
         for p in params:  # every rank of a group must reduce the same tensors
             if p.grad is None:
@@ -78,8 +89,14 @@ class GradientSync:
         tied = self._tied()
         if tied:
             pair = [lay.global_rank(lay.dp_rank, 0), lay.global_rank(lay.dp_rank, lay.pp_degree - 1)]
-            self.all_reduce([p.grad for p in tied], lay.tied_group, pair, "tied-embedding gradient sum",
-                            step)
+            self.all_reduce([local_tensor(p.grad) for p in tied], lay.tied_group, pair,
+                            "tied-embedding gradient sum", step)
+        if self.sharding is not None:
+            if self.sharding.extra_group is not None:
+                self.all_reduce([local_tensor(p.grad) for p in params], self.sharding.extra_group,
+                                self.sharding.extra_ranks, "gradient sum of ranks holding one shard",
+                                step)
+            return
         if lay.dp_degree * lay.sp_degree > 1:
             self.all_reduce([p.grad for p in params], lay.grad_group,
                             lay.grad_ranks_of_stage(lay.stage_index),
@@ -89,8 +106,16 @@ class GradientSync:
         """L2 norm of the whole model's gradient (every stage, the tied weight once)."""
         lay = self.layout
         skip = {id(p) for p in self._tied()} if lay.is_last_stage else set()
-        local = sum(float(p.grad.detach().double().pow(2).sum())
+        local = sum(float(local_tensor(p.grad).detach().double().pow(2).sum())
                     for p in self._trainable() if p.grad is not None and id(p) not in skip)
+        if self.sharding is not None:
+            # Shards are spread over the shard group (and copies over the other groups): sum
+            # over the world, each piece once.
+            t = torch.tensor([local if self.sharding.holds_distinct_shard else 0.0],
+                             dtype=torch.float64, device=self.device)
+            self._wait(_dist().all_reduce(t, async_op=True), list(range(lay.world_size)),
+                       "gradient-norm sum", step)
+            return math.sqrt(float(t.item()))
         if lay.pp_degree > 1:
             # After the all-reduce every replica and SP rank holds the same gradients: one
             # replica's stages (with this SP rank) are enough.

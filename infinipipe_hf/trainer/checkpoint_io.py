@@ -11,6 +11,13 @@ for adapters) loads it in one process.
 - Optimizer state is saved per *stage* (``optimizer.stage{s}.pt`` from dp rank 0): DP replicas
   hold identical states, so a resume may even change ``dp_degree``; ``epp_layout.json`` records
   ``pp_degree`` and the layer split and a resume with another split is an error.
+- Sharded stages (FSDP2, ``engine.sharding``): weights are gathered tensor by tensor
+  (``full_tensor``, collective over the shard group, so every rank of the stage takes part) and
+  written by one rank per stage; loading copies each rank's rows of the full tensor into its
+  shard.  Optimizer state stays sharded: every rank writes its own local shards
+  (``optimizer.stage{s}.dp{d}.sp{r}.pt``) and reads them back on resume, so ``epp_layout.json``
+  also records ``shard``, ``dp_degree`` and ``sp_degree``, and a resume with other values is an
+  error (the shards would not line up).
 Trade-off: all ranks must see one shared filesystem (rank 0 reads the other stages' files).
 """
 from __future__ import annotations
@@ -20,6 +27,8 @@ import os
 from typing import Iterable
 
 import torch
+
+from ..runtime.sharding import copy_full_, full_tensor, is_dtensor
 
 LAYOUT_NAME = "epp_layout.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -40,14 +49,32 @@ def _tied(engine) -> bool:
     return bool(getattr(engine.stage, "tie_word_embeddings", False))
 
 
-def stage_state_dict(engine) -> dict[str, torch.Tensor]:
-    """This stage's persistent tensors under their HF names, on CPU; the tied head left out."""
+def _sharded(engine) -> bool:
+    return getattr(engine, "sharding", None) is not None
+
+
+def _is_writer(engine) -> bool:
+    """One rank per stage writes its files (the others hold the same tensors or shards of them)."""
+    return engine.layout.dp_rank == 0 and engine.layout.sp_rank == 0
+
+
+def _gathered(items, keep: bool) -> dict[str, torch.Tensor]:
+    """Whole tensors on CPU, gathered one at a time (collective when sharded: every rank of the
+    stage iterates the same names in the same order); ``keep=False`` drops each after gathering."""
     out = {}
-    for name, t in engine.stage.state_dict().items():
-        if _tied(engine) and name == TIED_HEAD:
-            continue
-        out[name] = t.detach().to("cpu").contiguous()
+    for name, t in items:
+        full = full_tensor(t.detach())
+        if keep:
+            out[name] = full.to("cpu").contiguous()
     return out
+
+
+def stage_state_dict(engine, keep: bool = True) -> dict[str, torch.Tensor]:
+    """This stage's persistent tensors under their HF names, on CPU; the tied head left out.
+
+    Collective over the shard group when the stage is sharded."""
+    return _gathered(((n, t) for n, t in engine.stage.state_dict().items()
+                      if not (_tied(engine) and n == TIED_HEAD)), keep)
 
 
 def shard_name(stage: int, pp: int) -> str:
@@ -61,8 +88,10 @@ def save_full_model(engine, output_dir: str, hf_config, generation_config=None) 
     lay = engine.layout
     os.makedirs(output_dir, exist_ok=True)
     name = shard_name(lay.stage_index, lay.pp_degree)
-    if lay.dp_rank == 0:
+    if _is_writer(engine):
         save_file(stage_state_dict(engine), os.path.join(output_dir, name), metadata={"format": "pt"})
+    elif _sharded(engine):
+        stage_state_dict(engine, keep=False)  # take part in the writer's gathers
     _barrier()
     if lay.rank == 0:
         if lay.pp_degree > 1:
@@ -99,15 +128,21 @@ def _dtype_bytes(dtype: str) -> int:
             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}.get(dtype, 4)
 
 
+def _shard_mode(engine) -> str:
+    return engine.sharding.shard if _sharded(engine) else "none"
+
+
 def write_layout(engine, output_dir: str) -> None:
     layout = {"pp_degree": engine.layout.pp_degree, "dp_degree": engine.layout.dp_degree,
+              "sp_degree": engine.layout.sp_degree, "shard": _shard_mode(engine),
               "layers_per_stage": list(engine.layers_per_stage)}
     with open(os.path.join(output_dir, LAYOUT_NAME), "w") as fh:
         json.dump(layout, fh, indent=2)
 
 
 def check_layout(engine, checkpoint_dir: str) -> None:
-    """Optimizer files are per stage: resuming needs the same pp_degree and layer split."""
+    """Optimizer files are per stage (per rank when sharded): resuming needs the same pp_degree
+    and layer split, and with sharding the same shard mode, dp_degree and sp_degree."""
     path = os.path.join(checkpoint_dir, LAYOUT_NAME)
     if not os.path.isfile(path):
         raise ValueError(f"{checkpoint_dir} has no {LAYOUT_NAME}: it was not written by EPPTrainer; "
@@ -120,6 +155,16 @@ def check_layout(engine, checkpoint_dir: str) -> None:
                          f"layers per stage {saved['layers_per_stage']}, but this run has "
                          f"pp_degree={now[0]}, layers per stage {now[1]}; resume with the same pp_degree "
                          f"and layer_split={saved['layers_per_stage']}")
+    lay = engine.layout
+    saved_shard = saved.get("shard", "none")  # written before sharding existed: unsharded
+    was = (saved_shard, saved.get("dp_degree", lay.dp_degree), saved.get("sp_degree", 1))
+    if saved_shard != _shard_mode(engine) or (saved_shard != "none" and was[1:] != (lay.dp_degree,
+                                                                                   lay.sp_degree)):
+        raise ValueError(f"checkpoint {checkpoint_dir} holds optimizer state saved with shard={was[0]!r}, "
+                         f"dp_degree={was[1]}, sp_degree={was[2]}, but this run has "
+                         f"shard={_shard_mode(engine)!r}, dp_degree={lay.dp_degree}, sp_degree="
+                         f"{lay.sp_degree}; resume with the same shard mode and degrees (its weights "
+                         f"alone load into any layout with from_pretrained)")
 
 
 def _checkpoint_files(checkpoint_dir: str) -> dict[str, str]:
@@ -166,7 +211,7 @@ def load_stage_weights(engine, checkpoint_dir: str) -> None:
                 if tuple(value.shape) != tuple(dst.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape "
                                      f"{tuple(dst.shape)}")
-                dst.copy_(value.to(dst.dtype))
+                copy_full_(dst, value.to(dst.dtype))  # a sharded parameter takes its own rows
 
 
 def save_adapter(engine, peft_model, output_dir: str) -> None:
@@ -177,10 +222,10 @@ def save_adapter(engine, peft_model, output_dir: str) -> None:
     lay = engine.layout
     os.makedirs(output_dir, exist_ok=True)
     part = os.path.join(output_dir, f"adapter_model.stage{lay.stage_index}.tmp.safetensors")
-    if lay.dp_rank == 0:
-        state = {k: v.detach().to("cpu").contiguous()
-                 for k, v in get_peft_model_state_dict(peft_model).items()}
-        save_file(state, part, metadata={"format": "pt"})
+    if _is_writer(engine) or _sharded(engine):
+        state = _gathered(get_peft_model_state_dict(peft_model).items(), keep=_is_writer(engine))
+        if _is_writer(engine):
+            save_file(state, part, metadata={"format": "pt"})
     _barrier()
     if lay.rank == 0:
         merged = {}
@@ -213,34 +258,84 @@ def load_adapter_weights(engine, peft_model, checkpoint_dir: str) -> None:
         raise ValueError(f"no {ADAPTER_NAME} in {checkpoint_dir}; resume a PEFT run from a checkpoint "
                          f"written by EPPTrainer with the same PEFT model")
     saved = load_file(path)
-    mine = set(get_peft_model_state_dict(peft_model))
+    views = get_peft_model_state_dict(peft_model)
+    mine = set(views)
     absent = sorted(mine - set(saved))
     if absent:
         raise ValueError(f"{path} lacks adapter tensors of this stage, e.g. {absent[:3]}")
-    set_peft_model_state_dict(peft_model, {k: v for k, v in saved.items() if k in mine})
+    if not _sharded(engine):
+        set_peft_model_state_dict(peft_model, {k: v for k, v in saved.items() if k in mine})
+        return
+    # Sharded: the state dict's values are views of the parameters; each takes its own rows.
+    for k in sorted(mine):
+        copy_full_(views[k], saved[k].to(views[k].dtype))
 
 
-def optimizer_file(stage: int) -> str:
+def optimizer_file(stage: int, engine=None) -> str:
+    """Per stage; per rank (its coordinates) when the stage is sharded."""
+    if engine is not None and _sharded(engine):
+        lay = engine.layout
+        return f"optimizer.stage{stage}.dp{lay.dp_rank}.sp{lay.sp_rank}.pt"
     return f"optimizer.stage{stage}.pt"
 
 
 def save_optimizer_state(engine, optimizer, scheduler, output_dir: str) -> None:
-    """Collective: per-stage optimizer state (dp rank 0) and the scheduler (rank 0)."""
+    """Collective: optimizer state (one rank per stage, or every rank's shards) and the scheduler."""
     lay = engine.layout
     os.makedirs(output_dir, exist_ok=True)
-    if lay.dp_rank == 0:
-        torch.save(optimizer.state_dict(), os.path.join(output_dir, optimizer_file(lay.stage_index)))
+    path = os.path.join(output_dir, optimizer_file(lay.stage_index, engine))
+    if _sharded(engine):
+        torch.save(_local_optimizer_state(optimizer.state_dict()), path)
+    elif _is_writer(engine):
+        torch.save(optimizer.state_dict(), path)
     if lay.rank == 0 and scheduler is not None:
         torch.save(scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
     _barrier()
 
 
+def _local_optimizer_state(state_dict: dict) -> dict:
+    """The optimizer state with every DTensor replaced by this rank's shard; ``dtensors`` lists
+    which entries to turn back into DTensors on load."""
+    state, dtensors = {}, []
+    for idx, entry in state_dict["state"].items():
+        state[idx] = {}
+        for key, v in entry.items():
+            if is_dtensor(v):
+                v = v.to_local()
+                dtensors.append([idx, key])
+            state[idx][key] = v
+    return {"state": state, "param_groups": state_dict["param_groups"], "dtensors": dtensors}
+
+
+def _sharded_optimizer_state(saved: dict, optimizer, path: str) -> dict:
+    """Inverse of ``_local_optimizer_state`` against the optimizer's current (DTensor) params."""
+    from torch.distributed.tensor import DTensor
+
+    by_index = {}
+    for ids, group in zip((g["params"] for g in optimizer.state_dict()["param_groups"]),
+                          optimizer.param_groups):
+        by_index.update(zip(ids, group["params"]))
+    state = saved["state"]
+    for idx, key in saved["dtensors"]:
+        p, local = by_index.get(idx), state[idx][key]
+        if p is None or not is_dtensor(p) or tuple(local.shape) != tuple(p.to_local().shape):
+            raise ValueError(f"{path}: optimizer state {key!r} of parameter {idx} has shard shape "
+                             f"{tuple(local.shape)}, which does not fit this run's shards; resume with "
+                             f"the shard layout the checkpoint was saved with")
+        state[idx][key] = DTensor.from_local(local.to(p.device), p.device_mesh, p.placements,
+                                             shape=p.shape, stride=p.stride(), run_check=False)
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
 def load_optimizer_state(engine, optimizer, scheduler, checkpoint_dir: str, device) -> None:
-    path = os.path.join(checkpoint_dir, optimizer_file(engine.layout.stage_index))
+    path = os.path.join(checkpoint_dir, optimizer_file(engine.layout.stage_index, engine))
     if not os.path.isfile(path):
         raise ValueError(f"{path} is missing; the checkpoint is incomplete or was written with another "
-                         f"pp_degree")
-    optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+                         f"pp_degree or shard layout")
+    saved = torch.load(path, map_location=device, weights_only=True)
+    if _sharded(engine):
+        saved = _sharded_optimizer_state(saved, optimizer, path)
+    optimizer.load_state_dict(saved)
     sched = os.path.join(checkpoint_dir, "scheduler.pt")
     if scheduler is not None and os.path.isfile(sched):
         scheduler.load_state_dict(torch.load(sched, map_location="cpu", weights_only=True))

@@ -9,7 +9,9 @@ frozen: the engine and the optimizer only touch parameters with ``requires_grad`
 
 bf16: ``bf16=True`` casts the model to bfloat16 before the stage is built (pure bf16 weights,
 activations and point-to-point transfers, since the pipeline sends hidden states in the stage's
-dtype).  On CPU it does the same but warns: CPU bf16 matmuls are slow on most CPUs.
+dtype).  With a sharded stage (``shard`` != ``"none"``) it is FSDP2 mixed precision instead: the
+shards keep the model's dtype (float32 master weights), parameters are gathered and the stage
+runs in bf16, gradients are reduced in float32.  On CPU it warns: CPU bf16 matmuls are slow.
 """
 from __future__ import annotations
 
@@ -43,14 +45,18 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in hf_model_of(model).parameters())
 
 
-def apply_precision(model, args) -> None:
+def apply_precision(model, args, shard: str = "none") -> torch.dtype | None:
+    """Cast for ``bf16=True``; with sharding return the compute dtype for FSDP2 instead."""
     if not args.bf16:
-        return
+        return None
     if not torch.cuda.is_available():
         warnings.warn("bf16=True on CPU: the stage weights, activations and transfers are cast to "
                       "bfloat16 and run slowly on most CPUs; drop bf16=True to train in the model's "
                       "dtype", UserWarning, stacklevel=3)
+    if shard != "none":
+        return torch.bfloat16  # shards keep the model's dtype; FSDP2 computes in bf16
     model.to(torch.bfloat16)
+    return None
 
 
 def check_world(args) -> tuple[int, int]:
@@ -74,8 +80,9 @@ def build_engine(model, args, planner=None) -> PipelineEngine:
         raise ValueError(f"pp_degree={args.pp_degree} cannot split a model with {n_layers} decoder "
                          f"layers (each stage needs at least one); use pp_degree <= {n_layers}")
     check_world(args)
-    apply_precision(model, args)
-    return PipelineEngine(base, args.to_infinipipe_config(), planner=planner)
+    config = args.to_infinipipe_config()
+    compute_dtype = apply_precision(model, args, config.shard)
+    return PipelineEngine(base, config, planner=planner, compute_dtype=compute_dtype)
 
 
 def peak_flops_per_device(args, device: torch.device) -> float | None:

@@ -280,3 +280,21 @@ def test_plan_step_levels_cut_recompute_and_info_stays_true():
         plan_step(LONG_TAILED, LLAMA_7B, pp_degree=4, checkpoint_levels=("attention",))
     with pytest.raises(ValueError, match="checkpoint_sharing='rows'"):
         plan_step(LONG_TAILED, LLAMA_7B, pp_degree=4, checkpoint_sharing="rows")
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_levels_per_gpu_under_sequence_parallelism(sp):
+    """The MLP is token-sharded: a level drops its elements for the tokens a GPU holds, and its
+    recompute runs on those tokens (no all-to-all in the MLP)."""
+    one, many = CostModel(LLAMA_7B, pp_degree=4), CostModel(LLAMA_7B, pp_degree=4, sp_degree=sp)
+    tokens = 8191
+    mix = CheckpointMix(0, 3, 2)
+    per_gpu = math.ceil(tokens / sp)
+    want = per_gpu * (3 * 4 + 2 * 2) * 11008 * 2  # bf16 elements of the levels
+    assert many.levels.finer_saved_bytes(tokens, mix) == pytest.approx(want, rel=2e-3)
+    assert many.levels.finer_saved_bytes(tokens, mix) == pytest.approx(
+        one.levels.finer_saved_bytes(per_gpu, mix), rel=1e-12)
+    shape, gpu_shape = UnitShape(float(tokens * tokens), tokens), UnitShape(0.0, per_gpu)
+    assert many.levels.layer_recompute_s("mlp_act", shape) == pytest.approx(
+        one.levels.layer_recompute_s("mlp_act", gpu_shape), rel=1e-12)
+    assert many.levels.layer_recompute_s("mlp", shape) < many.levels.layer_recompute_s("full", shape)

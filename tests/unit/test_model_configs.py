@@ -9,7 +9,7 @@ from infinipipe_hf.planner.model_spec import ModelSpec
 # Published parameter counts (model cards), in billions; a typo in a size field breaks these.
 PUBLISHED_PARAMS_B = {
     "llama2-7b": 6.74, "llama2-13b": 13.0, "llama3-8b": 8.03, "llama3.2-1b": 1.24,
-    "qwen2.5-7b": 7.61, "smollm2-135m": 0.135,
+    "qwen2.5-7b": 7.61, "smollm2-135m": 0.135, "llama-30b": 32.5, "llama2-70b": 69.0,
 }
 
 

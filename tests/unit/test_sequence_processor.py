@@ -52,7 +52,7 @@ def check_units(res, lengths, seqs=None, max_tokens=None, first_unit_id=0):
         assert t == pytest.approx(LT.unit(u.segments), rel=1e-9)
         assert t <= res.time_budget_s * (1 + 1e-9)
     assert res.mesh == sorted(set(res.mesh)) and len(res.mesh) == res.num_slices - 1
-    assert res.balance() >= 1.0
+    assert res.balance() >= 1.0 - 1e-12  # max / mean of equal floats can round below 1
 
 
 lengths_st = st.lists(st.one_of(st.integers(1, 64), st.integers(1, 4000), st.integers(1, 200_000)),
