@@ -20,7 +20,7 @@ linear, so a diagonal gets one variable *per distinct layer count* among its sta
 can still reach full checkpointing; the adaptive policy is feasible exactly when full
 checkpointing is).  Trade-off, measured (benchmarks/solver_study.py): sharing makes the problem
 O(n + pp) instead of O(n * pp) but forces recompute on stages with memory to spare; per-cell
-counts save 20-40% of the recompute on real-text batches and their memory rows separate by stage
+counts save 14-38% of the recompute on real-text batches and their memory rows separate by stage
 (:meth:`ReplicaProblem.stage_blocks`), which keeps them fast to solve.
 
 Only points that can bind are kept: a point whose live set is contained in another's and whose

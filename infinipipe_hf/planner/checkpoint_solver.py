@@ -20,11 +20,11 @@ grouping, where speed matters more than the last percent.  ``none``, ``full`` an
 are the static whole-layer settings baselines use.
 
 Trade-off and findings (benchmarks/solver_study.py on the planner benchmark's batches): the
-rounded LP is within 1-3% of the LP bound, so no MILP can save more than that; HiGHS finds ~1%
-better answers after about 2 s and none better within 0.25 s.  So the LP always runs (up to
+rounded LP is within 0.4-2.6% of the LP bound, so no MILP can save more than that; HiGHS finds
+0.1-1% better answers after about 2 s and none better within 0.25 s.  So the LP always runs (up to
 ``LP_TIME_LIMIT_S``) and ``time_limit_s`` bounds only the branch and bound: a short limit trades
 about 1% more recompute for planning speed.  The formulation matters far more: diagonal-shared
-counts force recompute on stages with memory to spare (20-40% more recompute than per-cell counts
+counts force recompute on stages with memory to spare (per-cell counts need 14-38% less recompute
 on real-text batches).  Every answer is re-checked against the full memory timeline
 (planner/memory.py), so a solver tolerance can never hand out a plan that does not fit.
 """
