@@ -93,6 +93,9 @@ def format_row(row: dict) -> str:
         parts.append(f"{s}={r['tokens_per_s'] / 1e3:7.1f}K" if r["feasible"] else f"{s}=   OOM  ")
     sp = row["epp_speedup_vs_best_baseline"]
     parts.append(f"speedup={sp:.2f}x vs {row['best_baseline']}" if sp else "speedup=n/a")
+    epp = row["schedules"]["epp"]
+    if epp["feasible"]:
+        parts.append(f"rec={epp['recompute_fraction']:.3f} bub={epp['bubble_fraction']:.3f}")
     parts.append(f"plan={row['epp_planning_time_s']:.2f}s")
     return "  ".join(parts)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 SCHEDULES = ("epp", "packed-1f1b", "seq1f1b", "gpipe")
 CHECKPOINTING = ("adaptive", "none", "full")
+CHECKPOINT_LEVELS = ("mlp", "mlp_act")
 SHARD_MODES = ("none", "sp", "dp", "sp+dp", "hybrid")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash")
 
@@ -57,6 +58,11 @@ class InfiniPipeConfig:
     checkpointing: str = "adaptive"
     """``adaptive`` (solver picks per stage and unit), ``none`` or ``full`` (every layer)."""
 
+    checkpoint_levels: tuple[str, ...] = ("mlp", "mlp_act")
+    """Levels inside a decoder layer ``adaptive`` checkpointing may use beside whole layers:
+    ``mlp`` (recompute the MLP), ``mlp_act`` (recompute only ``act(gate) * up``); ``()`` for
+    whole layers only.  See docs/checkpoint_levels.md."""
+
     max_tokens_per_unit: int | None = None
     """Upper bound on tokens in one unit; ``None`` lets the planner choose per batch."""
 
@@ -93,6 +99,12 @@ class InfiniPipeConfig:
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(
                 f"checkpointing={self.checkpointing!r} is not known; use one of {', '.join(CHECKPOINTING)}")
+        levels = (self.checkpoint_levels,) if isinstance(self.checkpoint_levels, str) else self.checkpoint_levels
+        bad = [lv for lv in levels if lv not in CHECKPOINT_LEVELS]
+        if bad:
+            raise ValueError(f"checkpoint_levels={self.checkpoint_levels!r} names unknown level(s) {bad}; "
+                             f"use any of {', '.join(CHECKPOINT_LEVELS)}, or () for whole layers only")
+        self.checkpoint_levels = tuple(levels)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not known; "
                              f"use one of {', '.join(ATTENTION_BACKENDS)}")

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="epp", choices=[*SCHEDULES, "all"])
     p.add_argument("--max-tokens-per-unit", type=int, default=None)
     p.add_argument("--checkpointing", default="adaptive", choices=["adaptive", "none", "full"])
+    p.add_argument("--checkpoint-levels", default="mlp,mlp_act", metavar="LEVELS",
+                   help="levels inside a decoder layer adaptive checkpointing may use beside whole "
+                        "layers: comma-separated among mlp, mlp_act, or 'none' (whole layers only)")
     p.add_argument("--emit-plan", default=None, metavar="PLAN.json", help="write the plan as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart + memory per stage")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
@@ -131,9 +134,12 @@ def run(args: argparse.Namespace) -> list[PlanResult]:
     cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.gpu_memory_gib * GIB,
                      sp_degree=args.sp, shard=args.shard, dp_degree=dp, gpus_per_node=args.gpus_per_node)
     schedules = SCHEDULES if args.schedule == "all" else (args.schedule,)
+    levels = () if args.checkpoint_levels.strip() in ("", "none") else tuple(
+        lv.strip() for lv in args.checkpoint_levels.split(","))
     return [plan_step(lengths, spec, pp_degree=args.pp, dp_degree=dp, schedule=s, cost=cost,
                       sp_degree=args.sp, shard=args.shard,
-                      max_tokens_per_unit=args.max_tokens_per_unit, checkpointing=args.checkpointing)
+                      max_tokens_per_unit=args.max_tokens_per_unit, checkpointing=args.checkpointing,
+                      checkpoint_levels=levels)
             for s in schedules]
 
 

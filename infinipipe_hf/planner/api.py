@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .baselines import make_packed_units, make_uniform_slices, packing_candidates, slicing_candidates
+from .checkpoint_levels import FINER_LEVELS, check_levels
 from .checkpoint_solver import solve_checkpointing
 from .cost_model import CostModel
 from .dp_assign import assign_sequences
@@ -79,6 +80,7 @@ class PlanResult:
             "peak_memory_bytes": list(sim.peak_memory_bytes) if sim else None,
             "memory_budget_bytes": sim.memory_budget_bytes if sim else None,
             "recompute_time_s": sim.recompute_time_s if sim else None,
+            "recompute_fraction": sim.recompute_fraction if sim else None,
             "num_pipelines": plan.num_pipelines if plan else 0,
             "num_units": len(plan.units) if plan else 0,
             "num_tokens": plan.num_tokens if plan else None,
@@ -110,7 +112,8 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
               max_tokens_per_unit: int | None = None, num_slices: Sequence[int] | None = None,
               checkpointing: str = "adaptive", loss_chunk_tokens: int = 4096,
               solver_time_limit_s: float = 0.25, cost: CostModel | None = None, sp_degree: int = 1,
-              shard: str = "none", gpus_per_node: int | None = None) -> PlanResult:
+              shard: str = "none", gpus_per_node: int | None = None,
+              checkpoint_levels: Sequence[str] = FINER_LEVELS, checkpoint_sharing: str = "cell") -> PlanResult:
     """Plan one training step of ``lengths`` (one global batch) with ``schedule``.
 
     ``sp_degree``, ``shard`` and ``gpus_per_node`` describe the layout (see ``CostModel``); a
@@ -120,12 +123,20 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     ``solver_time_limit_s`` bounds the adaptive-checkpointing MILP run on the winning candidate.
     0.25 s by default: on 512-sequence real batches (planner_bench) a 0.5 s limit changed the
     simulated step time by under 0.01% and cost a quarter of a second of planning.
+    ``checkpoint_levels``: the levels inside a decoder layer adaptive checkpointing may use beside
+    whole layers (``()`` for whole layers only); ``checkpoint_sharing``: ``cell`` (a count per
+    stage and unit) or ``diagonal`` (shared along backward diagonals, the paper's formulation);
+    see docs/checkpoint_levels.md.  Baselines keep their static whole-layer setting.
     """
     t0 = time.perf_counter()
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
     if checkpointing not in ("adaptive", "none", "full"):
         raise ValueError(f"checkpointing={checkpointing!r} is not known; use adaptive, none or full")
+    levels = check_levels(checkpoint_levels)
+    if checkpoint_sharing not in ("cell", "diagonal"):
+        raise ValueError(f"checkpoint_sharing={checkpoint_sharing!r} is not known; use cell or diagonal")
+    solver = {"levels": levels, "sharing": checkpoint_sharing}
     check_batch(lengths)
     lengths = [int(n) for n in lengths]
     if cost is None:
@@ -181,12 +192,22 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     plan, sim = best
     if policy == "adaptive":
         # Candidates were compared with the greedy solver (milliseconds); only the winner pays for
-        # the MILP, which never does worse than the greedy start it is checked against.
-        sol = solve_checkpointing(plan, cost, policy="adaptive", time_limit_s=solver_time_limit_s)
+        # the finer levels, per-cell counts and the LP/MILP.  Kept when its simulated step is
+        # faster: per-cell counts save recompute but can add bubbles on the other stages.
+        sol = solve_checkpointing(plan, cost, policy="adaptive", time_limit_s=solver_time_limit_s, **solver)
         if sol.feasible and sol.recompute_time_s < plan.info.get("recompute_time_s", float("inf")):
+            before = (plan.checkpoint_layers, plan.checkpoint_levels, dict(plan.info))
             plan.checkpoint_layers = sol.checkpoint_layers
+            plan.checkpoint_levels = sol.checkpoint_levels
             plan.info["checkpoint_method"] = sol.method
-            sim = simulate(plan, cost)
+            plan.info["recompute_time_s"] = sol.recompute_time_s  # the info describes the kept plan
+            solved = simulate(plan, cost)
+            if solved.step_time_s <= sim.step_time_s:
+                sim = solved
+            else:
+                plan.checkpoint_layers, plan.checkpoint_levels, plan.info = before
+                plan.info["checkpoint_note"] = (f"final solve ({sol.method}) saved recompute but simulated "
+                                                f"{solved.step_time_s:.4g} s > {sim.step_time_s:.4g} s; kept the greedy")
     validate(plan, cost, max_tokens_per_unit=max_tokens_per_unit)
     plan.info["candidates_tried"] = len(tried)
     return PlanResult(schedule, plan, sim, True, None, time.perf_counter() - t0, tried, cost.sp_degree, cost.shard)
@@ -288,11 +309,15 @@ def _epp_plan(lengths, replicas, cost, k, floor, staged, policy, time_limit) -> 
         units.extend(part_units)
     plan = Plan("epp", cost.pp_degree, len(replicas), list(lengths), units, actions, {},
                 list(cost.layers_per_stage), info, cost.sp_degree, cost.shard)
+    # Candidates are compared with the greedy on whole layers and diagonal-shared counts: the
+    # cheapest solve (a few ms), and a fair ranking since every candidate gets the same.  The
+    # winner alone gets the finer levels, its own counts per cell and the LP/MILP (plan_step).
     sol = solve_checkpointing(plan, cost, policy="greedy" if policy == "adaptive" else policy,
-                              time_limit_s=time_limit)
+                              time_limit_s=time_limit, sharing="diagonal")
     if not sol.feasible:
         raise ValueError(sol.message or "no checkpointing fits the memory budget")
     plan.checkpoint_layers = sol.checkpoint_layers
+    plan.checkpoint_levels = sol.checkpoint_levels
     plan.info["checkpoint_method"] = sol.method
     plan.info["recompute_time_s"] = sol.recompute_time_s
     return plan

@@ -1,41 +1,45 @@
 """Per-(stage, unit) activation checkpointing: the least recompute that fits memory (docs/algorithms.md).
 
 Design: each DP replica is an independent problem (its stages are its own GPUs), built by
-planner/checkpoint_problem.py as rows ``sum slope * c >= need`` over integer variables shared
-along backward-order diagonals.  ``adaptive`` minimises total recompute seconds:
+planner/checkpoint_problem.py as covering rows ``rows @ y >= need`` over integer variables: one
+per (stage, unit) cell (``sharing="cell"``) or shared along backward-order diagonals
+(``"diagonal"``, the paper's), each cell with a chained count per checkpoint level when finer
+levels inside a layer are allowed (planner/checkpoint_levels.py).  ``adaptive`` minimises total
+recompute seconds, per independent block (a stage, with per-cell counts):
 
 1. nothing over budget with zero checkpointing: ``none-needed`` at once, no solver call;
-2. two cheap candidates -- the LP relaxation rounded up and pruned, and a pure greedy -- the
-   better kept; if it is within ``mip_rel_gap`` of the LP bound it is returned (``milp``);
+2. the LP relaxation (HiGHS), rounded up, its chains closed and pruned greedily (``lp-rounding``),
+   and -- without levels, where it is cheap, or when the LP fails -- the greedy; the better kept.
+   Within ``mip_rel_gap`` of the LP bound it is returned (``milp``: proven near-optimal);
 3. otherwise ``scipy.optimize.milp`` (HiGHS) runs for the rest of ``time_limit_s``; its answer is
-   used when better, else the candidate (``greedy``, message says why).  Greedy is feasible
-   whenever full checkpointing is, since every row only involves its own cells.
+   used when better, else the candidate (its name as method, the message says why).  The greedy
+   is feasible whenever full checkpointing is, since every row only involves its own cells.
 
-``greedy`` is step 1 plus the pure greedy only (no LP, no MILP): for the many trial plans of
-pipeline grouping, where speed matters more than the last percent.  ``none``, ``full`` and
-``uniform`` are the static settings baselines use.
+``greedy`` is step 1 plus the greedy only (no LP, no MILP): for the many trial plans of pipeline
+grouping, where speed matters more than the last percent.  ``none``, ``full`` and ``uniform``
+are the static whole-layer settings baselines use.
 
-Trade-off: these covering problems have a weak LP bound (a few percent on batch-sized plans), so
-under tight memory HiGHS rarely *proves* a 1% gap within seconds (measured: 512 sequences, 268
-units, pp 8, no proof after 10 s); it does find answers about 1% better than the rounding after
-about a second.  So step 3 spends the caller's time limit, and a short limit (0.2-0.5 s) trades
-about 1% more recompute for planning speed.  ``time_limit_s`` bounds the LP and MILP calls;
-building the problem and verifying add about 0.05 s (268 units, pp 8) to 0.15 s (1000 units).
-The MILP is exact on the diagonal-shared variable
-space, not on per-cell counts (see checkpoint_problem.py).  Every answer is re-checked against
-the full memory timeline (planner/memory.py), so a solver tolerance can never hand out a plan that
-does not fit.
+Trade-off and findings (benchmarks/solver_study.py on the planner benchmark's batches): the
+rounded LP is within 0.4-2.6% of the LP bound, so no MILP can save more than that; HiGHS finds
+0.1-1% better answers after about 2 s and none better within 0.25 s.  So the LP always runs (up to
+``LP_TIME_LIMIT_S``) and ``time_limit_s`` bounds only the branch and bound: a short limit trades
+about 1% more recompute for planning speed.  The formulation matters far more: diagonal-shared
+counts force recompute on stages with memory to spare (per-cell counts need 14-38% less recompute
+on real-text batches).  Every answer is re-checked against the full memory timeline
+(planner/memory.py), so a solver tolerance can never hand out a plan that does not fit.
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
-from .checkpoint_problem import ReplicaProblem, build_problem
+from .checkpoint_greedy import greedy_counts
+from .checkpoint_levels import CheckpointMix, check_levels
+from .checkpoint_problem import SHARING, ReplicaProblem, build_problem
 from .cost_model import GIB, CostModel, UnitShape
 from .memory import stage_peak_bytes
 from .plan import Plan
@@ -46,6 +50,9 @@ _SLACK_BYTES = 1.0
 # Margin asked of HiGHS on every row, in bytes, so its feasibility tolerance (1e-7 of a GiB-scaled
 # row) and rounding of near-integral values cannot push a point over budget.
 _MILP_MARGIN_BYTES = 4096.0
+LP_TIME_LIMIT_S = 5.0
+"""The LP relaxation runs to this wall-clock limit even when ``time_limit_s`` (which bounds the
+MILP's branch and bound) is shorter: its rounding is the solver's main answer."""
 
 
 @dataclass
@@ -56,50 +63,27 @@ class CheckpointSolution:
     """Sum over stages and units of ``cost.recompute_time``."""
     feasible: bool
     method: str
-    """``milp``, ``greedy``, ``none-needed``, ``full``, ``uniform`` or ``infeasible``."""
+    """``milp``, ``lp-rounding``, ``greedy``, ``none-needed``, ``full``, ``uniform`` or ``infeasible``."""
     message: str = ""
+    checkpoint_levels: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)
+    """stage -> unit id -> finer level -> layers, non-zero entries only (the plan's key)."""
 
 
-def greedy_counts(prob: ReplicaProblem, x0: np.ndarray | None = None) -> np.ndarray | None:
-    """Greedy variable values that fit, or ``None`` when even full checkpointing does not.
+def _chain_rows(prob: ReplicaProblem, used: np.ndarray | None = None) -> sparse.csr_matrix:
+    """``y_v - y_parent(v) <= 0`` for every chained variable (over ``used`` columns if given)."""
+    v = np.flatnonzero(prob.var_parent >= 0)
+    n = prob.num_vars
+    m = sparse.csr_matrix((np.r_[np.ones(len(v)), -np.ones(len(v))],
+                           (np.r_[np.arange(len(v)), np.arange(len(v))], np.r_[v, prob.var_parent[v]])),
+                          shape=(len(v), n))
+    return m if used is None else m[:, used]
 
-    Repeatedly take the worst violated point and raise, among its variables not at their bound,
-    the one saving the most bytes there per recompute second, by as many layers as that point
-    needs; then lower variables, the most expensive first, as far as every point allows.
-    """
-    a_rows = prob.var_rows()
-    a_cols = a_rows.tocsc()
-    x = np.zeros(prob.num_vars, dtype=np.int64) if x0 is None else np.array(x0, dtype=np.int64)
-    over = prob.need - a_rows @ x
-    cost_s = np.maximum(prob.var_cost_s, 1e-30)
-    while len(over):
-        i = int(np.argmax(over))
-        if over[i] <= 0:
-            break
-        lo, hi = a_rows.indptr[i], a_rows.indptr[i + 1]
-        cols, vals = a_rows.indices[lo:hi], a_rows.data[lo:hi]
-        room = prob.var_ub[cols] - x[cols]
-        usable = (room > 0) & (vals > 0)
-        if not usable.any():
-            return None
-        score = np.where(usable, vals / cost_s[cols], -np.inf)
-        j = int(np.argmax(score))
-        g = int(cols[j])
-        step = int(min(room[j], math.ceil(over[i] / vals[j])))
-        x[g] += step
-        clo, chi = a_cols.indptr[g], a_cols.indptr[g + 1]
-        over[a_cols.indices[clo:chi]] -= step * a_cols.data[clo:chi]
-    for g in np.argsort(-prob.var_cost_s, kind="stable"):
-        if x[g] == 0:
-            continue
-        clo, chi = a_cols.indptr[g], a_cols.indptr[g + 1]
-        rows, vals = a_cols.indices[clo:chi], a_cols.data[clo:chi]
-        pos = vals > 0
-        spare = np.floor(-over[rows][pos] / vals[pos]) if pos.any() else np.array([x[g]])
-        drop = int(max(0, min(x[g], spare.min())))
-        if drop:
-            x[g] -= drop
-            over[rows] += drop * vals
+
+def _close_chains(prob: ReplicaProblem, x: np.ndarray) -> np.ndarray:
+    """Raise each variable's chain so ``y_v <= y_parent(v)`` (only raises: rows stay covered)."""
+    has = np.flatnonzero(prob.var_parent >= 0)
+    for _ in range(len(prob.levels) - 1):
+        np.maximum.at(x, prob.var_parent[has], x[has])
     return x
 
 
@@ -107,9 +91,13 @@ def _highs(prob: ReplicaProblem, time_limit_s: float, gap: float):
     binding = prob.need > 0
     a = prob.var_rows()[binding] / GIB  # GiB rows and millisecond costs keep HiGHS well scaled
     lb = (prob.need[binding] + _MILP_MARGIN_BYTES) / GIB
+    constraints = [LinearConstraint(a.tocsr(), lb, np.full(len(lb), np.inf))]
+    if prob.chained:
+        chain = _chain_rows(prob)
+        constraints.append(LinearConstraint(chain, np.full(chain.shape[0], -np.inf), np.zeros(chain.shape[0])))
     return milp(c=prob.var_cost_s * 1e3, integrality=np.ones(prob.num_vars),
                 bounds=Bounds(np.zeros(prob.num_vars), prob.var_ub.astype(float)),
-                constraints=[LinearConstraint(a.tocsr(), lb, np.full(len(lb), np.inf))],
+                constraints=constraints,
                 options={"time_limit": max(time_limit_s, 1e-3), "mip_rel_gap": gap, "disp": False})
 
 
@@ -117,7 +105,7 @@ def _milp_counts(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple
     res = _highs(prob, time_limit_s, gap)
     if res.x is None:
         return None, f"HiGHS: {res.message}"
-    x = np.clip(np.round(res.x), 0, prob.var_ub).astype(np.int64)
+    x = _close_chains(prob, np.clip(np.round(res.x), 0, prob.var_ub).astype(np.int64))
     return x, ("" if res.status == 0 else f"HiGHS stopped early ({res.message})")
 
 
@@ -131,25 +119,35 @@ def _lp_rounding(prob: ReplicaProblem, time_limit_s: float) -> tuple[np.ndarray 
     """
     binding = prob.need > 0
     a = prob.var_rows()[binding]
-    used = np.flatnonzero(np.diff(a.tocsc().indptr) > 0)  # the rest stay 0 in any optimum
+    used_mask = np.diff(a.tocsc().indptr) > 0  # the rest stay 0 in any optimum
+    for _ in range(len(prob.levels) - 1):  # ... unless a used variable's chain needs them
+        used_mask[prob.var_parent[used_mask & (prob.var_parent >= 0)]] = True
+    used = np.flatnonzero(used_mask)
+    a_ub = -(a[:, used] / GIB)
+    b_ub = -prob.need[binding] / GIB
+    if prob.chained:
+        chain = _chain_rows(prob, used)
+        keep = np.diff(chain.tocsr().indptr) > 0
+        a_ub = sparse.vstack([a_ub, chain[keep]])
+        b_ub = np.r_[b_ub, np.zeros(int(keep.sum()))]
     # Interior point (with HiGHS' crossover to a vertex) is the fastest LP on these covering
     # problems: about 30% under dual simplex on 1000-unit plans.
-    res = linprog(prob.var_cost_s[used] * 1e3, A_ub=-(a[:, used] / GIB).tocsr(), b_ub=-prob.need[binding] / GIB,
+    res = linprog(prob.var_cost_s[used] * 1e3, A_ub=a_ub.tocsr(), b_ub=b_ub,
                   bounds=np.column_stack([np.zeros(len(used)), prob.var_ub[used]]), method="highs-ipm",
                   options={"time_limit": max(time_limit_s, 1e-3)})
     if res.x is None or res.status != 0:
         return None, 0.0
     up = np.zeros(prob.num_vars, dtype=np.int64)
     up[used] = np.minimum(np.ceil(res.x - 1e-6), prob.var_ub[used])
-    return greedy_counts(prob, up), float(res.fun) / 1e3
+    return greedy_counts(prob, _close_chains(prob, up)), float(res.fun) / 1e3
 
 
-def _fits(prob: ReplicaProblem, cells: np.ndarray) -> bool:
-    return len(prob.need) == 0 or bool((prob.overshoot(cells) <= _SLACK_BYTES).all())
+def _fits(prob: ReplicaProblem, columns: np.ndarray) -> bool:
+    return len(prob.need) == 0 or bool((prob.overshoot(columns) <= _SLACK_BYTES).all())
 
 
-def _infeasible_message(prob: ReplicaProblem, cells: np.ndarray, what: str) -> str:
-    over = prob.overshoot(cells)
+def _infeasible_message(prob: ReplicaProblem, columns: np.ndarray, what: str) -> str:
+    over = prob.overshoot(columns)
     i = int(np.argmax(over))
     needed = prob.budget + over[i]
     return (f"dp replica {prob.dp_rank}, stage {int(prob.row_stage[i])} does not fit with {what}: at action "
@@ -163,21 +161,26 @@ def _adaptive(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np
     zeros = np.zeros(prob.num_vars, dtype=np.int64)
     if not (prob.need > 0).any():
         return zeros, True, "none-needed", ""
-    if not _fits(prob, prob.cells_from_vars(prob.var_ub)):
+    if not _fits(prob, prob.columns_from_vars(prob.var_ub)):
         return prob.var_ub.copy(), False, "infeasible", _infeasible_message(
-            prob, prob.cells_from_vars(prob.var_ub), "every layer checkpointed")
+            prob, prob.columns_from_vars(prob.var_ub), "every layer checkpointed")
     deadline = time.perf_counter() + time_limit_s
-    candidates = [("greedy", greedy_counts(prob))]
-    rounded, bound = _lp_rounding(prob, time_limit_s)
-    if rounded is not None:
-        candidates.append(("LP rounding", rounded))
+    rounded, bound = _lp_rounding(prob, max(time_limit_s, LP_TIME_LIMIT_S))
+    candidates = [] if rounded is None else [("lp-rounding", rounded)]
+    if rounded is None or not prob.chained:
+        # The plain greedy is vectorised and cheap; the chained one (finer levels) moves one
+        # variable per Python iteration, and the LP rounding beat it on every benchmark batch
+        # (benchmarks/solver_study.py), so with levels it is the fallback only.
+        candidates.append(("greedy", greedy_counts(prob)))
     name, best = min(candidates, key=lambda c: float(c[1] @ prob.var_cost_s))
     best_s = float(best @ prob.var_cost_s)
-    assert best is not None and _fits(prob, prob.cells_from_vars(best))
+    assert best is not None and _fits(prob, prob.columns_from_vars(best))
     if rounded is not None and best_s - bound <= gap * best_s:
         return best, True, "milp", f"{name} is within {gap:g} of the LP bound"
+    if time.perf_counter() >= deadline:
+        return best, True, name, f"{name} solution used (no time left for the MILP)"
     x, note = _milp_counts(prob, deadline - time.perf_counter(), gap)
-    if x is not None and not _fits(prob, prob.cells_from_vars(x)):
+    if x is not None and not _fits(prob, prob.columns_from_vars(x)):
         # Solver tolerance left a point over budget: repair from its answer.
         x = greedy_counts(prob, x)
         note = (note + "; " if note else "") + "repaired after rounding"
@@ -185,7 +188,31 @@ def _adaptive(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np
         return x, True, "milp", note
     why = "no solver solution" if x is None else "better than the solver's incumbent"
     note = (note + "; " if note else "") + f"{name} solution used ({why})"
-    return best, True, "greedy", note
+    return best, True, name, note
+
+
+def _adaptive_blocks(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np.ndarray, bool, str, str]:
+    """:func:`_adaptive` on each independent block (stage) of ``prob``, the time shared by size."""
+    blocks = prob.stage_blocks()
+    if len(blocks) == 1:
+        return _adaptive(prob, time_limit_s, gap)
+    deadline = time.perf_counter() + time_limit_s
+    x = np.zeros(prob.num_vars, dtype=np.int64)
+    methods, notes, feasible = [], [], True
+    sizes = np.array([max(b.num_vars, 1) for b, _ in blocks], dtype=float)
+    for i, (block, index) in enumerate(blocks):
+        left = max(deadline - time.perf_counter(), 1e-3) * sizes[i] / sizes[i:].sum()
+        xb, ok, method, note = _adaptive(block, left, gap)
+        x[index] = xb
+        feasible &= ok
+        methods.append(method)
+        if note:
+            notes.append(f"stage {int(block.cell_stage[0])}: {note}")
+    if not feasible:
+        return prob.var_ub.copy(), False, "infeasible", _infeasible_message(
+            prob, prob.columns_from_vars(prob.var_ub), "every layer checkpointed")
+    method = next((m for m in ("greedy", "lp-rounding", "milp") if m in methods), "none-needed")
+    return x, True, method, "; ".join(notes)
 
 
 def _greedy_only(prob: ReplicaProblem) -> tuple[np.ndarray, bool, str, str]:
@@ -194,7 +221,7 @@ def _greedy_only(prob: ReplicaProblem) -> tuple[np.ndarray, bool, str, str]:
     x = greedy_counts(prob)
     if x is None:
         return prob.var_ub.copy(), False, "infeasible", _infeasible_message(
-            prob, prob.cells_from_vars(prob.var_ub), "every layer checkpointed")
+            prob, prob.columns_from_vars(prob.var_ub), "every layer checkpointed")
     return x, True, "greedy", ""
 
 
@@ -214,10 +241,20 @@ def _least_uniform(prob: ReplicaProblem) -> int | None:
 
 
 def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive", time_limit_s: float = 2.0,
-                        mip_rel_gap: float = 0.01) -> CheckpointSolution:
-    """Checkpointed layers per (stage, unit) for ``plan`` under ``cost.memory_budget_bytes``."""
+                        mip_rel_gap: float = 0.01, levels: tuple[str, ...] | list[str] = (),
+                        sharing: str = "diagonal") -> CheckpointSolution:
+    """Checkpointed layers per (stage, unit) for ``plan`` under ``cost.memory_budget_bytes``.
+
+    ``levels``: finer levels inside a layer the adaptive and greedy policies may use beside whole
+    layers (``mlp``, ``mlp_act``; planner/checkpoint_levels.py); the static policies use whole
+    layers only.  ``sharing``: ``diagonal`` shares counts along backward diagonals (paper Alg. 2),
+    ``cell`` gives every (stage, unit) its own (checkpoint_problem.py).
+    """
     if policy not in POLICIES:
         raise ValueError(f"unknown checkpoint policy {policy!r}; use one of {', '.join(POLICIES)}")
+    levels = check_levels(levels)
+    if sharing not in SHARING:
+        raise ValueError(f"sharing={sharing!r} is not known; use one of {', '.join(SHARING)}")
     if cost.pp_degree != plan.pp_degree:
         raise ValueError(f"cost model is for pp_degree={cost.pp_degree} but the plan has pp_degree="
                          f"{plan.pp_degree}; build the CostModel with the plan's pp_degree")
@@ -227,8 +264,10 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
     if time_limit_s <= 0 or not 0 <= mip_rel_gap < 1:
         raise ValueError(f"need time_limit_s > 0 and 0 <= mip_rel_gap < 1, got {time_limit_s}, {mip_rel_gap}")
     deadline = time.perf_counter() + time_limit_s
-    problems = [build_problem(plan, cost, r) for r in sorted(plan.actions)]
-    cells: list[np.ndarray] = []
+    if policy not in ("adaptive", "greedy"):
+        levels = ()  # static settings are whole layers (Megatron / Seq1F1B style)
+    problems = [build_problem(plan, cost, r, levels=levels, sharing=sharing) for r in sorted(plan.actions)]
+    cells: list[np.ndarray] = []  # per replica: column values
     feasible, methods, messages = True, [], []
     if policy == "uniform":
         least = [_least_uniform(p) for p in problems]
@@ -236,7 +275,7 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
             c = max((int(p.cell_layers.max()) for p in problems if len(p.cell_layers)), default=0)
         else:
             c = max(least, default=0)
-        cells = [np.minimum(c, p.cell_layers) for p in problems]
+        cells = [np.minimum(c, p.cell_layers) for p in problems]  # no levels: one column per cell
         methods = ["uniform"]
     elif policy in ("none", "full"):
         cells = [p.cell_layers.copy() if policy == "full" else np.zeros_like(p.cell_layers) for p in problems]
@@ -247,8 +286,8 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
             if policy == "greedy":
                 x, ok, method, note = _greedy_only(prob)
             else:
-                x, ok, method, note = _adaptive(prob, left, mip_rel_gap)
-            cells.append(prob.cells_from_vars(x))
+                x, ok, method, note = _adaptive_blocks(prob, left, mip_rel_gap)
+            cells.append(prob.columns_from_vars(x))
             feasible &= ok
             methods.append(method)
             if note:
@@ -260,35 +299,52 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
             if not _fits(prob, cc):
                 feasible = False
                 messages.append(_infeasible_message(prob, cc, what))
-    checkpoint_layers = _assemble(plan, problems, cells)
-    recompute = _recompute_s(plan, cost, checkpoint_layers)
+    checkpoint_layers, checkpoint_levels = _assemble(plan, problems, cells)
+    recompute = recompute_seconds(plan, cost, checkpoint_layers, checkpoint_levels)
     if feasible:
-        _verify(plan, cost, problems, checkpoint_layers)
-        # The weakest replica's method describes the plan: greedy < milp < none-needed.
-        method = next((m for m in ("greedy", "milp") if m in methods), methods[0] if methods else "none-needed")
+        _verify(plan, cost, problems, checkpoint_layers, checkpoint_levels)
+        # The weakest replica's method describes the plan: greedy < lp-rounding < milp < none-needed.
+        method = next((m for m in ("greedy", "lp-rounding", "milp") if m in methods),
+                      methods[0] if methods else "none-needed")
     else:
         method = "infeasible"
-    return CheckpointSolution(checkpoint_layers, recompute, feasible, method, "; ".join(messages))
+    return CheckpointSolution(checkpoint_layers, recompute, feasible, method, "; ".join(messages),
+                              checkpoint_levels)
 
 
-def _assemble(plan: Plan, problems: list[ReplicaProblem], cells: list[np.ndarray]) -> dict[int, dict[int, int]]:
+def _assemble(plan: Plan, problems: list[ReplicaProblem], columns: list[np.ndarray]):
+    """``checkpoint_layers`` (every unit of every stage) and ``checkpoint_levels`` (non-zero only)."""
     out: dict[int, dict[int, int]] = {s: {u.id: 0 for u in plan.units} for s in range(plan.pp_degree)}
-    for prob, cc in zip(problems, cells):
-        for s, u, c in zip(prob.cell_stage.tolist(), prob.cell_unit.tolist(), cc.tolist()):
-            out[s][u] = int(c)
-    return out
+    finer: dict[int, dict[int, dict[str, int]]] = {}
+    for prob, cc in zip(problems, columns):
+        per_level = prob.counts_per_level(cc)
+        for s, u, row in zip(prob.cell_stage.tolist(), prob.cell_unit.tolist(), per_level.tolist()):
+            out[s][u] = int(row[0])
+            extra = {lv: int(n) for lv, n in zip(prob.levels[1:], row[1:]) if n}
+            if extra:
+                finer.setdefault(s, {})[u] = extra
+    return out, finer
 
 
-def _recompute_s(plan: Plan, cost: CostModel, ck: dict[int, dict[int, int]]) -> float:
+def recompute_seconds(plan: Plan, cost: CostModel, ck: dict[int, dict[int, int]],
+                      levels: dict[int, dict[int, dict[str, int]]] | None = None) -> float:
+    """Recompute seconds of a whole step under whole-layer counts ``ck`` and finer ``levels``."""
     by_id = plan.unit_by_id
     shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
-    return float(sum(cost.recompute_time(s, shapes[u], c) for s, per in ck.items() for u, c in per.items()
-                     if c and u in by_id))
+    total = float(sum(cost.recompute_time(s, shapes[u], c) for s, per in ck.items() for u, c in per.items()
+                      if c and u in by_id))
+    for s, per in (levels or {}).items():
+        for u, counts in per.items():
+            if u in by_id:
+                total += cost.levels.finer_recompute_s(shapes[u], CheckpointMix.of(0, counts))
+    return total
 
 
-def _verify(plan: Plan, cost: CostModel, problems: list[ReplicaProblem], ck: dict[int, dict[int, int]]) -> None:
+def _verify(plan: Plan, cost: CostModel, problems: list[ReplicaProblem], ck: dict[int, dict[int, int]],
+            levels: dict[int, dict[int, dict[str, int]]]) -> None:
     """Every stage of every replica within budget on its full timeline (not just kept points)."""
     for prob in problems:
         for s, points in prob.stage_points.items():
-            peak = stage_peak_bytes(plan, cost, prob.dp_rank, s, ck[s], points=points)
+            peak = stage_peak_bytes(plan, cost, prob.dp_rank, s, ck[s], checkpoint_levels=levels.get(s, {}),
+                                    points=points)
             assert peak <= cost.memory_budget_bytes + _SLACK_BYTES, (prob.dp_rank, s, peak, cost.memory_budget_bytes)

@@ -23,8 +23,10 @@ working set of the action running now (one layer's peak, a recompute, a chunk of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Sequence
 
+from .checkpoint_levels import FULL, LevelCosts, act_elements, norm_elements
 from .hardware import HardwareProfile, TimeCoefficients, default_profile, reference_spec
 from .layout import LayoutSpec
 from .model_spec import ModelSpec
@@ -126,7 +128,7 @@ class CostModel:
         self._attn_ratio = spec.q_dim / ref.q_dim
         self._linear_ratio = spec.layer_linear_flops_per_token() / ref.layer_linear_flops_per_token()
         self._head_ratio = (spec.hidden_size * spec.vocab_size) / (ref.hidden_size * ref.vocab_size)
-        self._act_ratio = _act_elements(spec) / _act_elements(ref)
+        self._act_ratio = _act_elements(spec, p.bytes_per_element) / _act_elements(ref, p.bytes_per_element)
         self.layer_fwd = p.layer_forward.scaled(self._attn_ratio, self._linear_ratio)
         self.layer_bwd = p.layer_backward.scaled(self._attn_ratio, self._linear_ratio)
         self.head_fwd = p.head_forward.scaled(0.0, self._head_ratio)
@@ -160,7 +162,7 @@ class CostModel:
         self.head_fwd = TimeCoefficients(0.0, self.head_fwd.token_s / sp, self.head_fwd.fixed_s)
         self.head_bwd = TimeCoefficients(0.0, self.head_bwd.token_s / sp, self.head_bwd.fixed_s)
         self.embedding_token_s = self.embedding_token_s / sp
-        self.act_bytes_per_token *= u.activation_scale(_act_elements(self.spec))
+        self.act_bytes_per_token *= u.activation_scale(_act_elements(self.spec, self.profile.bytes_per_element))
         self.kv_bytes_per_token_per_layer = u.kv_bytes_per_token_per_layer()
         # While an all-to-all runs, q, k, v exist in both layouts: the received copy is extra.
         self.layer_working_bytes_per_token += sum(u.all_to_all_bytes_per_token()[:3])
@@ -192,7 +194,8 @@ class CostModel:
         return t
 
     def recompute_time(self, stage_index: int, shape: UnitShape, checkpointed_layers: int) -> float:
-        return checkpointed_layers * self.layer_fwd(shape.pairs, shape.tokens)
+        """Replay of whole checkpointed layers (their forward less ``down_proj``: checkpoint_levels.py)."""
+        return checkpointed_layers * self.levels.layer_recompute_s(FULL, shape)
 
     def backward_time(self, stage_index: int, shape: UnitShape, checkpointed_layers: int = 0) -> float:
         """Backward of the stage on the unit, including the recompute of checkpointed layers."""
@@ -278,7 +281,8 @@ class CostModel:
         per_token = ((layers - checkpointed_layers) * self.act_bytes_per_token
                      + checkpointed_layers * self.hidden_bytes_per_token)
         if stage_index == self.pp_degree - 1:
-            per_token += self.hidden_bytes_per_token  # input of the chunked, checkpointed head
+            # The final norm's saved tensors and its output, the chunked (checkpointed) head's input.
+            per_token += self.hidden_bytes_per_token * (norm_elements(self.profile.bytes_per_element) + 1)
         return tokens * per_token
 
     def activation_bytes_per_checkpointed_layer(self, stage_index: int, tokens: int) -> float:
@@ -319,6 +323,11 @@ class CostModel:
         return (self.activation_bytes_per_checkpointed_layer(stage_index, tokens)
                 + self.context_bytes_per_layer(segments))
 
+    @cached_property
+    def levels(self) -> LevelCosts:
+        """Bytes and recompute seconds of the checkpoint levels inside a layer (checkpoint_levels.py)."""
+        return LevelCosts(self)
+
     def kv_bytes(self, stage_index: int, continuing_tokens: int) -> float:
         """KV-store bytes for tokens whose K/V later slices need: K/V plus pending gradients."""
         return 2 * continuing_tokens * self.layers_per_stage[stage_index] * self.kv_bytes_per_token_per_layer
@@ -338,6 +347,7 @@ class CostModel:
         return w
 
 
-def _act_elements(spec: ModelSpec) -> float:
-    """Activation elements per token a Llama layer saves (norms, q/k/v/o inputs, MLP: 4x inter)."""
-    return 10 * spec.hidden_size + 4 * spec.intermediate_size + 2 * spec.kv_dim
+def _act_elements(spec: ModelSpec, bytes_per_element: float = 2) -> float:
+    """Activation elements per token a Llama layer saves (norms, q/k/v/o inputs, MLP: 4x inter);
+    :func:`checkpoint_levels.act_elements` for ``spec``, bf16 unless told."""
+    return act_elements(spec.hidden_size, spec.intermediate_size, spec.kv_dim, bytes_per_element)

@@ -53,7 +53,7 @@ class PipelineEstimator:
             act = [cost.unit_activation_bytes(st, u.segments, 0) for u in self.units]
             kv = [cost.kv_bytes(st, sum(s.length for s in u.segments if s.end < lengths[s.seq])) for u in self.units]
             save = [cost.unit_checkpoint_saving(st, u.segments) * layers for u in self.units]
-            redo = [cost.layer_fwd(sh.pairs, sh.tokens) * layers for sh in shapes]
+            redo = [cost.recompute_time(st, sh, layers) for sh in shapes]
             work = [cost.working_bytes(st, u.num_tokens, 1, backward=True) for u in self.units]
             self.per_stage[st] = (
                 np.concatenate([[0.0], np.cumsum(act)]), np.concatenate([[0.0], np.cumsum(kv)]),

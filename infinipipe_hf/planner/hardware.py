@@ -73,6 +73,10 @@ class HardwareProfile:
     """Weights + gradients + optimizer states per parameter (bf16 mixed precision + AdamW: 16)."""
     embedding_token_s: float = 2e-8
     """Embedding lookup per token (forward; backward is a scatter of the same size)."""
+    elementwise_bytes_per_s: float = 2.0e12
+    """Bandwidth elementwise kernels reach (the ``mlp_act`` checkpoint level's recompute of
+    ``act(g) * u``).  The default is an assumption, not a measurement: about 60% of an H100's
+    3.35 TB/s HBM3; ``python -m infinipipe_hf.profile`` measures it (``mlp_act_recompute`` rows)."""
     p2p_bandwidth_bytes_per_s: float = 100e9
     """Point-to-point bandwidth between adjacent stages (NVLink-class by default)."""
     p2p_latency_s: float = 20e-6
@@ -186,6 +190,9 @@ def fit_profile(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, int],
         head_fwd.append((0.0, r["tokens"], f_ms / 1e3))
         head_bwd.append((0.0, r["tokens"], (r["fwd_bwd_ms"] - f_ms) / 1e3))
     saved = float(np.median([r["saved_bytes_per_token"] for r in layer]))
+    # Optional: elementwise bandwidth (the mlp_act level's recompute); absent rows keep the default.
+    act = [r["bytes_per_s"] for r in rows if r.get("kind") == "mlp_act_recompute"]
+    extra = {"elementwise_bytes_per_s": float(np.median(act))} if act else {}
     peak = float(np.median([r.get("fwd_peak_bytes_per_token", r["saved_bytes_per_token"]) for r in layer]))
     return HardwareProfile(
         name=name,
@@ -199,6 +206,7 @@ def fit_profile(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, int],
         memory_gib=memory_gib,
         device=device,
         meta=dict(meta or {}),
+        **extra,
     )
 
 

@@ -3,7 +3,8 @@
 Design: a stage's memory at an action splits into a part that does not depend on checkpointing
 (``base_bytes``: model states, the KV store, the working set of the running action) and the
 activations of the *live* units (forwarded on this stage, backward not finished, the running
-one included), each affine in its checkpointed-layer count.  A :class:`MemoryPoint` keeps the two
+one included), each affine in its checkpointed-layer counts (whole layers, and the finer levels
+of planner/checkpoint_levels.py, passed as ``checkpoint_levels``: unit -> level -> layers).  A :class:`MemoryPoint` keeps the two
 apart, so the checkpoint solver turns every point into one linear constraint and the simulator
 and validator evaluate any checkpoint choice with :func:`point_bytes` without replaying the plan.
 
@@ -35,8 +36,19 @@ from typing import Mapping
 import numpy as np
 
 from .actions import Action
+from .checkpoint_levels import CheckpointMix
 from .cost_model import CostModel
 from .plan import Plan
+
+LevelCounts = Mapping[int, Mapping[str, int]]
+"""unit id -> finer checkpoint level -> layers, for one stage (a plan's ``checkpoint_levels[stage]``)."""
+
+
+def _finer_bytes(cost: CostModel, tokens: int, counts: Mapping[str, int] | None) -> float:
+    """Bytes the finer levels ``counts`` drop from a unit of ``tokens`` (0.0 for none)."""
+    if not counts or not any(counts.values()):
+        return 0.0
+    return cost.levels.finer_saved_bytes(tokens, CheckpointMix.of(0, counts))
 
 
 @dataclass(frozen=True)
@@ -80,22 +92,28 @@ class StageTimeline:
     def __len__(self) -> int:
         return len(self.actions)
 
-    def activations(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int]) -> np.ndarray:
-        """``cost.activation_bytes`` of every unit (``units`` order) under ``checkpoint_layers``."""
+    def activations(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
+                    checkpoint_levels: LevelCounts | None = None) -> np.ndarray:
+        """``cost.activation_bytes`` of every unit (``units`` order) under ``checkpoint_layers``
+        (and ``checkpoint_levels``)."""
         get = checkpoint_layers.get
         act = cost.activation_bytes
         layers = cost.layers_per_stage[stage]
         values = [act(stage, t, get(u, 0)) for u, t in zip(self.units.tolist(), self.tokens.tolist())]
         for k, extra in self.context_bytes.items():  # slices with context: K/V copies (and masks)
             values[k] += (layers - get(int(self.units[k]), 0)) * extra
+        if checkpoint_levels:
+            for k, u in enumerate(self.units.tolist()):
+                values[k] -= _finer_bytes(cost, int(self.tokens[k]), checkpoint_levels.get(u))
         return np.array(values, dtype=float)
 
-    def point_values(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int]) -> np.ndarray:
+    def point_values(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
+                     checkpoint_levels: LevelCounts | None = None) -> np.ndarray:
         """:func:`point_bytes` of every point under ``checkpoint_layers`` (bit-identical)."""
         n = len(self.actions)
         if n == 0:
             return np.zeros(0)
-        act = self.activations(cost, stage, checkpoint_layers)
+        act = self.activations(cost, stage, checkpoint_layers, checkpoint_levels)
         if self.regular:
             # Interleave "+act at the forward" and "-act after the backward" in action order, so
             # the cumulative sum performs the same float operations as the per-action loop.
@@ -115,11 +133,12 @@ class StageTimeline:
                 live_sum -= held.pop(k)
         return values
 
-    def peak(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int]) -> float:
+    def peak(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
+             checkpoint_levels: LevelCounts | None = None) -> float:
         """Max of :meth:`point_values` (the model states alone when the stage runs nothing)."""
         if not self.actions:
             return cost.static_bytes(stage)
-        return float(self.point_values(cost, stage, checkpoint_layers).max())
+        return float(self.point_values(cost, stage, checkpoint_layers, checkpoint_levels).max())
 
     def windows(self) -> tuple[np.ndarray, np.ndarray]:
         """:func:`live_windows` as arrays (``regular`` timelines only)."""
@@ -261,20 +280,27 @@ def timeline_points(tl: StageTimeline) -> list[MemoryPoint]:
 
 
 def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
-                checkpoint_layers: Mapping[int, int]) -> float:
-    """Bytes of ``point`` on ``stage`` when unit ``u`` checkpoints ``checkpoint_layers.get(u, 0)`` layers."""
+                checkpoint_layers: Mapping[int, int], checkpoint_levels: LevelCounts | None = None) -> float:
+    """Bytes of ``point`` on ``stage`` when unit ``u`` checkpoints ``checkpoint_layers.get(u, 0)`` layers
+    (and the finer levels ``checkpoint_levels.get(u)``)."""
     by_id = plan.unit_by_id
+    levels = checkpoint_levels or {}
     total = point.base_bytes
     for uid in point.live_units:
-        total += cost.unit_activation_bytes(stage, by_id[uid].segments, checkpoint_layers.get(uid, 0))
+        segs = by_id[uid].segments
+        total += (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(uid, 0))
+                  - _finer_bytes(cost, sum(s.end - s.start for s in segs), levels.get(uid)))
     return total
 
 
 def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
                      checkpoint_layers: Mapping[int, int] | None = None, *,
+                     checkpoint_levels: LevelCounts | None = None,
                      points: list[MemoryPoint] | None = None,
                      timeline: StageTimeline | None = None) -> float:
-    """Peak over the stage's actions of :func:`point_bytes` (``plan.checkpoint_layers`` by default).
+    """Peak over the stage's actions of :func:`point_bytes` (the plan's ``checkpoint_layers`` and
+    ``checkpoint_levels`` when ``checkpoint_layers`` is not given; else none of the finer levels
+    unless ``checkpoint_levels`` is).
 
     ``points`` may pass :func:`memory_points` of the same stage, or ``timeline`` its
     :func:`stage_timeline`, when the caller has them.  Keeps a running sum of live activations
@@ -283,11 +309,14 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
     """
     if checkpoint_layers is None:
         checkpoint_layers = plan.checkpoint_layers.get(stage, {})
+        if checkpoint_levels is None:
+            checkpoint_levels = plan.checkpoint_levels.get(stage, {})
+    levels = checkpoint_levels or {}
     if points is None:
         if timeline is None:
             timeline = stage_timeline(plan, cost, dp_rank, stage)
         assert timeline.actions is plan.stage_actions(dp_rank, stage), "timeline is not this stage's"
-        return timeline.peak(cost, stage, checkpoint_layers)
+        return timeline.peak(cost, stage, checkpoint_layers, levels)
     if not points:
         return cost.static_bytes(stage)
     actions = plan.stage_actions(dp_rank, stage)
@@ -299,8 +328,9 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
     for p in points:
         a = actions[p.action_index]
         if a.unit not in act:
-            act[a.unit] = cost.unit_activation_bytes(stage, by_id[a.unit].segments,
-                                                     checkpoint_layers.get(a.unit, 0))
+            segs = by_id[a.unit].segments
+            act[a.unit] = (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(a.unit, 0))
+                           - _finer_bytes(cost, sum(s.end - s.start for s in segs), levels.get(a.unit)))
             live_sum += act[a.unit]
         peak = max(peak, p.base_bytes + live_sum)
         if not a.is_forward:

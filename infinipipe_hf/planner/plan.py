@@ -2,7 +2,8 @@
 
 A ``Plan`` holds everything decided before a step runs: the units, which pipeline and DP replica
 each belongs to, every stage's action list per DP replica, and the number of checkpointed decoder
-layers per (stage, unit).  It is computed identically on every rank and serialises to the JSON of
+layers per (stage, unit): ``checkpoint_layers`` counts layers recomputed whole, the optional
+``checkpoint_levels`` layers recomputed in part (planner/checkpoint_levels.py).  It is computed identically on every rank and serialises to the JSON of
 the ``--emit-plan`` contract, so a plan can be printed, diffed, stored and replayed.
 
 With sequence parallelism (``sp_degree > 1``) a stage is a group of ``sp_degree`` GPUs: units and
@@ -19,6 +20,7 @@ from functools import cached_property
 from typing import Any
 
 from .actions import Action
+from .checkpoint_levels import CheckpointMix
 from .units import Segment, Unit
 
 
@@ -40,6 +42,10 @@ class Plan:
     """GPUs per stage sharing every unit (Ulysses sequence parallelism)."""
     shard: str = "none"
     """Model-state sharding the plan was costed with (``none``, ``sp``, ``dp``, ``sp+dp``, ``hybrid``)."""
+    checkpoint_levels: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)
+    """stage -> unit id -> finer level -> layers (``{"mlp": n, "mlp_act": n}``), beside the whole
+    layers of ``checkpoint_layers``; missing entries are 0.  JSON key ``checkpoint_levels``,
+    written only when some count is non-zero."""
 
     def __post_init__(self) -> None:
         assert len(self.actions) == self.dp_degree, (len(self.actions), self.dp_degree)
@@ -59,6 +65,11 @@ class Plan:
 
     def checkpointed(self, stage_index: int, unit_id: int) -> int:
         return self.checkpoint_layers.get(stage_index, {}).get(unit_id, 0)
+
+    def checkpoint_mix(self, stage_index: int, unit_id: int) -> CheckpointMix:
+        """Whole and finer checkpointed layers of the unit on the stage."""
+        finer = self.checkpoint_levels.get(stage_index, {}).get(unit_id)
+        return CheckpointMix.of(self.checkpointed(stage_index, unit_id), finer)
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +108,19 @@ class Plan:
             "layers_per_stage": list(self.layers_per_stage),
             "info": self.info,
         })
+        levels = self._levels_dict()
+        if levels:  # absent when no finer level is used: such plans serialise as before
+            d["checkpoint_levels"] = levels
         return d
+
+    def _levels_dict(self) -> dict:
+        out = {}
+        for s, per_unit in sorted(self.checkpoint_levels.items()):
+            units = {str(u): {lv: int(n) for lv, n in sorted(per.items()) if n}
+                     for u, per in sorted(per_unit.items()) if any(per.values())}
+            if units:
+                out[str(s)] = units
+        return out
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -122,6 +145,10 @@ class Plan:
             info=dict(d.get("info", {})),
             sp_degree=int(d.get("sp_degree", 1)),
             shard=str(d.get("shard", "none")),
+            checkpoint_levels={
+                int(s): {int(u): {str(lv): int(n) for lv, n in per.items()} for u, per in per_unit.items()}
+                for s, per_unit in d.get("checkpoint_levels", {}).items()
+            },
         )
 
     @staticmethod
@@ -141,7 +168,13 @@ class Plan:
             lines.append(f"  unit {u.id:>3} dp{u.dp_rank} pipe{u.pipeline}: {segs}")
         for r, per_stage in sorted(self.actions.items()):
             for s, acts in enumerate(per_stage):
-                ck = self.checkpoint_layers.get(s, {})
                 lines.append(f"  dp{r} stage{s}: " + " ".join(
-                    f"{a}" + (f"(c{ck[a.unit]})" if a.is_forward and ck.get(a.unit) else "") for a in acts))
+                    f"{a}" + (self._ckpt_tag(s, a.unit) if a.is_forward else "") for a in acts))
         return "\n".join(lines)
+
+    def _ckpt_tag(self, stage_index: int, unit_id: int) -> str:
+        """``(c2)`` for two whole layers, ``(c2+m1+a3)`` with finer levels, empty for none."""
+        mix = self.checkpoint_mix(stage_index, unit_id)
+        parts = ([f"c{mix.full}"] if mix.full else []) + ([f"m{mix.mlp}"] if mix.mlp else []) \
+            + ([f"a{mix.mlp_act}"] if mix.mlp_act else [])
+        return f"({'+'.join(parts)})" if parts else ""

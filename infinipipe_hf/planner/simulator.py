@@ -4,7 +4,8 @@ Design: each DP replica is replayed on its own (:func:`replay.replay`): a stage 
 list in order, a forward waits for the previous stage's forward of the unit plus the transfer, a
 backward for the next stage's backward (on the last stage its own forward); durations are
 ``cost.forward_time`` / ``cost.backward_time`` with the plan's checkpointed-layer counts (the
-backward includes the recompute).  Replicas run in parallel, so the step ends with the slowest.  A stage's step ends after its last
+backward includes the recompute, of whole layers and of the finer levels inside layers).  Replicas
+run in parallel, so the step ends with the slowest.  A stage's step ends after its last
 action plus the exposed part of the step's gradient reduction (``cost.gradient_sync_time``: the
 all-reduce over SP x DP ranks, or FSDP2's reduce-scatters behind the last backward; zero for a
 stage of one GPU in one replica).  All times are per GPU: with sequence parallelism a stage is
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .actions import Action
+from .checkpoint_levels import CheckpointMix
 from .cost_model import CostModel, UnitShape
 from .memory import stage_timeline
 from .plan import Plan
@@ -57,6 +59,9 @@ class SimulationResult:
     feasible: bool
     """Every stage's peak is within the budget."""
     info: dict[str, Any] = field(default_factory=dict)
+    recompute_fraction: float = 0.0
+    """Recompute share of stage-time over the step (``recompute_time_s`` over ``step_time_s`` times
+    stages and replicas); with ``bubble_fraction``, the two overheads a plan trades."""
 
     def to_dict(self, *, include_events: bool = False) -> dict:
         d = {
@@ -66,6 +71,7 @@ class SimulationResult:
             "peak_memory_bytes": list(self.peak_memory_bytes),
             "memory_budget_bytes": self.memory_budget_bytes,
             "recompute_time_s": self.recompute_time_s,
+            "recompute_fraction": self.recompute_fraction,
             "feasible": self.feasible,
             "info": dict(self.info),
         }
@@ -112,7 +118,12 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
             raise missing(a.unit)
         if a.is_forward:
             return cost.forward_time(stage, shapes[a.unit])
-        return cost.backward_time(stage, shapes[a.unit], plan.checkpointed(stage, a.unit))
+        t = cost.backward_time(stage, shapes[a.unit], plan.checkpointed(stage, a.unit))
+        return t + finer_recompute(stage, a.unit)
+
+    def finer_recompute(stage: int, uid: int) -> float:
+        finer = plan.checkpoint_levels.get(stage, {}).get(uid)
+        return cost.levels.finer_recompute_s(shapes[uid], CheckpointMix.of(0, finer)) if finer else 0.0
 
     def transfer(a: Action) -> float:
         if a.unit not in by_id:
@@ -127,9 +138,9 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
             raise PlanDeadlockError(f"dp replica {r} deadlocks: {stuck} wait forever; run "
                                     f"validate(plan) for the stage-by-time grid")
         for s, acts in enumerate(stage_actions):
-            ck = plan.checkpoint_layers.get(s, {})
             for i, a in enumerate(acts):
-                rec = 0.0 if a.is_forward else cost.recompute_time(s, shapes[a.unit], ck.get(a.unit, 0))
+                rec = 0.0 if a.is_forward else (
+                    cost.recompute_time(s, shapes[a.unit], plan.checkpointed(s, a.unit)) + finer_recompute(s, a.unit))
                 recompute_total += rec
                 busy += rep.end[s][i] - rep.start[s][i]
                 events.append(ActionEvent(r, s, str(a), rep.start[s][i], rep.end[s][i], rec))
@@ -160,6 +171,7 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
         feasible=all(x <= budget for x in peaks),
         info={"num_pipelines": plan.num_pipelines, "num_units": len(plan.units),
               **({"gradient_sync_s": sync_total} if sync_total else {})},
+        recompute_fraction=recompute_total / capacity if capacity > 0 else 0.0,
     )
 
 
@@ -167,4 +179,5 @@ def _point_values(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list
     """``memory.point_bytes`` of every point of the stage (the array timeline: a cumulative sum of
     live activations, bit-identical to summing each point's live set, tested in test_memory.py)."""
     ck = plan.checkpoint_layers.get(stage, {})
-    return stage_timeline(plan, cost, dp_rank, stage).point_values(cost, stage, ck).tolist()
+    levels = plan.checkpoint_levels.get(stage, {})
+    return stage_timeline(plan, cost, dp_rank, stage).point_values(cost, stage, ck, levels).tolist()

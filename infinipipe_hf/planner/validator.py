@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .actions import Action
+from .checkpoint_levels import FINER_LEVELS
 from .cost_model import CostModel
 from .grid import format_grid, slot_replay
 from .layout import SHARD_MODES
@@ -241,6 +242,35 @@ class _Checker:
                 if n < 0 or (top is not None and n > top):
                     self.fail_unit(f"stage {s} checkpoints {n} layers of unit {uid}, outside [0, {top}] "
                                    f"(the stage has {top} decoder layers)", unit, "B", s)
+        self.checkpoint_levels(layers)
+
+    def checkpoint_levels(self, layers: list[int]) -> None:
+        """Finer levels: known names, counts >= 0, whole + finer layers within the stage's layers."""
+        plan = self.plan
+        for s, per_unit in sorted(plan.checkpoint_levels.items()):
+            if not 0 <= s < plan.pp_degree:
+                self.fail(f"checkpoint_levels names stage {s}, outside 0..{plan.pp_degree - 1}")
+            for uid, per in sorted(per_unit.items()):
+                unit = plan.unit_by_id.get(uid)
+                if unit is None:
+                    self.fail(f"checkpoint_levels[{s}] names unit {uid}, which is not in the plan")
+                bad = sorted(set(per) - set(FINER_LEVELS))
+                if bad:
+                    self.fail_unit(f"checkpoint_levels[{s}][{uid}] has unknown level(s) {bad}; the levels "
+                                   f"inside a layer are {', '.join(FINER_LEVELS)} (whole layers go in "
+                                   f"checkpoint_layers)", unit, "B", s)
+                for lv, n in sorted(per.items()):
+                    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                        self.fail_unit(f"checkpoint_levels[{s}][{uid}][{lv!r}] = {n!r}; level counts are "
+                                       f"non-negative ints (layers of the stage)", unit, "B", s)
+                top = layers[s] if s < len(layers) else None
+                full = plan.checkpointed(s, uid)
+                total = full + sum(per.values())
+                if top is not None and total > top:
+                    self.fail_unit(f"stage {s} gives unit {uid} {full} whole + "
+                                   + " + ".join(f"{n} {lv}" for lv, n in sorted(per.items()))
+                                   + f" = {total} checkpointed layers, but the stage has {top} decoder "
+                                   f"layers; each layer takes at most one level", unit, "B", s)
 
     def memory(self, r: int) -> None:
         plan, cost = self.plan, self.cost
@@ -248,12 +278,13 @@ class _Checker:
         budget = cost.memory_budget_bytes
         for s in range(plan.pp_degree):
             ck = plan.checkpoint_layers.get(s, {})
-            peak = stage_peak_bytes(plan, cost, r, s, ck)
+            levels = plan.checkpoint_levels.get(s, {})
+            peak = stage_peak_bytes(plan, cost, r, s, ck, checkpoint_levels=levels)
             if peak <= budget:
                 continue
             # Only on failure: find the action at the peak to mark it.
             points = memory_points(plan, cost, r, s)
-            worst = max(points, key=lambda p: point_bytes(p, plan, cost, s, ck))
+            worst = max(points, key=lambda p: point_bytes(p, plan, cost, s, ck, levels))
             a = plan.stage_actions(r, s)[worst.action_index]
             gib = 1024 ** 3
             self.fail(f"stage {s} of dp replica {r} needs {peak / gib:.2f} GiB at {a} "

@@ -10,6 +10,9 @@ Row formats are those of the shipped ``profiles/h100_bf16_measurements.json`` so
   runs per chunk), ``tokens``, ``fwd_ms``, ``fwd_bwd_ms``.
 - ``attn_slice_lower_right`` (optional): SDPA of ``slice`` queries over ``prefix + slice`` keys
   with a lower-right causal mask, fwd+bwd: the attention of a slice carrying earlier K/V.
+- ``mlp_act_recompute``: the layer's ``act_fn(g) * u`` on ``tokens x intermediate`` inputs, what
+  the ``mlp_act`` checkpoint level redoes in backward; ``bytes_per_s`` = the ``5 * intermediate``
+  elements per token it moves over its time (the profile's ``elementwise_bytes_per_s``).
 
 Forward-only timings run under ``torch.no_grad`` (no graph is built), while ``fwd_bwd_ms`` is
 measured separately as one forward with graph plus its backward, which is what a training step
@@ -131,6 +134,22 @@ def measure_slice_attention(m: ProfiledModules, slice_len: int, prefix: int, dev
             "tflops": 3 * spec.attention_flops_per_pair() * pairs / (ms * 1e-3) / 1e12}
 
 
+def measure_mlp_act(m: ProfiledModules, tokens: int, device: torch.device, dtype: torch.dtype, *,
+                    warmup: int = 2, repeat: int = 5) -> dict:
+    inter = m.spec.intermediate_size
+    g = torch.Generator(device=device).manual_seed(tokens + 2)
+    gate, up = (torch.randn(tokens, inter, device=device, dtype=dtype, generator=g) for _ in range(2))
+    act = m.layer.mlp.act_fn
+
+    def run():
+        with torch.no_grad():
+            return act(gate) * up
+
+    ms = time_fn(run, device, warmup=warmup, repeat=repeat)
+    moved = 5 * inter * tokens * gate.element_size()
+    return {"kind": "mlp_act_recompute", "tokens": tokens, "ms": ms, "bytes_per_s": moved / (ms * 1e-3)}
+
+
 def guarded(fn: Callable[[], dict], what: str, device: torch.device, log: Callable[[str], None]) -> dict | None:
     """Run one measurement; an out-of-memory becomes a skipped row, not a failed profile."""
     try:
@@ -158,6 +177,12 @@ def profile_rows(m: ProfiledModules, lengths: Sequence[int], head_tokens: Sequen
                       f"lm_head_ce {n}", device, log)
         if row:
             log(f"  head  {n:>7} tokens: fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwd_bwd_ms']:.3f} ms")
+            rows.append(row)
+    for n in lengths[-1:]:
+        row = guarded(lambda: measure_mlp_act(m, n, device, dtype, warmup=warmup, repeat=repeat),
+                      f"mlp_act_recompute {n}", device, log)
+        if row:
+            log(f"  act*mul {n:>7} tokens: {row['ms']:.3f} ms, {row['bytes_per_s'] / 1e9:.1f} GB/s")
             rows.append(row)
     for s, c in slice_attention:
         row = guarded(lambda: measure_slice_attention(m, s, c, device, dtype, warmup=warmup, repeat=repeat),

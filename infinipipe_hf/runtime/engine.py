@@ -242,7 +242,21 @@ class PipelineEngine:
                          profile=self._profile, layers_per_stage=self.layers_per_stage,
                          max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
                          checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
-                         sp_degree=c.sp_degree, shard=c.shard)
+                         sp_degree=c.sp_degree, shard=c.shard,
+                         checkpoint_levels=self._checkpoint_levels())
+
+    def _checkpoint_levels(self) -> tuple[str, ...]:
+        """The configured levels, or none (with a warning) if this stage's MLPs cannot switch."""
+        from .mlp_levels import supports_levels
+
+        levels = tuple(self.config.checkpoint_levels)
+        if levels and not all(supports_levels(layer) for _, layer in self.stage.decoder_layers()):
+            warnings.warn(f"checkpoint_levels={levels} ignored: this model's decoder layers have no "
+                          f"gated MLP (gate_proj, up_proj, down_proj, act_fn) to switch; planning with "
+                          f"whole layers only. Set InfiniPipeConfig(checkpoint_levels=()) to silence this",
+                          stacklevel=3)
+            self.config.checkpoint_levels = levels = ()
+        return levels
 
     def plan_locally(self, lengths: list[int]) -> tuple[Plan, Any]:
         """This rank's own plan of ``lengths`` and its simulation, with no communication: safe to

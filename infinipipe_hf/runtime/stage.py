@@ -23,6 +23,7 @@ from torch import nn
 from ..planner.model_spec import SUPPORTED_MODEL_TYPES
 from .attention import EPP_ATTENTION, register_epp_attention
 from .checkpointing import run_decoder_layers
+from .mlp_levels import install_mlp_levels
 
 _REQUIRED = ("model.layers", "model.embed_tokens", "model.norm", "lm_head", "model.rotary_emb")
 
@@ -120,11 +121,11 @@ class StageModule(nn.Module):
         return self.hf_model.model.embed_tokens(input_ids)
 
     def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, unit_ctx,
-                   num_checkpointed: int = 0) -> torch.Tensor:
+                   num_checkpointed: int = 0, finer_levels: dict[str, int] | None = None) -> torch.Tensor:
         cos_sin = self.hf_model.model.rotary_emb(hidden, position_ids=position_ids)
         return run_decoder_layers(self.decoder_layers(), hidden, num_checkpointed=num_checkpointed,
                                   position_ids=position_ids, position_embeddings=cos_sin,
-                                  unit_ctx=unit_ctx)
+                                  unit_ctx=unit_ctx, finer_levels=finer_levels)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.is_last, "only the last stage holds the final norm"
@@ -181,6 +182,7 @@ def build_stage(model: nn.Module, stage_index: int, layer_range: range) -> Stage
     kept = nn.ModuleDict({str(i): layers[i] for i in layer_range})
     for _, layer in kept.items():
         layer.gradient_checkpointing = False
+        install_mlp_levels(layer)  # checkpoint levels inside the layer (runtime/mlp_levels.py)
     inner.layers = kept
     del layers
 

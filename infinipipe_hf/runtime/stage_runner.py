@@ -151,10 +151,11 @@ class StageRunner:
         leaf, h = self._input(t, hidden_in, grad)
         st = self.stage
         n_ckpt = self._plan.checkpointed(st.stage_index, unit_id) if grad else 0
-        if n_ckpt > len(st.layer_indices):
-            raise ValueError(f"the plan checkpoints {n_ckpt} layers of unit {unit_id} on stage "
-                             f"{st.stage_index}, which has {len(st.layer_indices)} layers")
-        h = st.run_layers(h, t.position_ids, self._context(t), n_ckpt)
+        finer = self._plan.checkpoint_levels.get(st.stage_index, {}).get(unit_id) if grad else None
+        if n_ckpt + sum((finer or {}).values()) > len(st.layer_indices):
+            raise ValueError(f"the plan checkpoints {n_ckpt} whole layers and {finer or {}} of unit "
+                             f"{unit_id} on stage {st.stage_index}, which has {len(st.layer_indices)} layers")
+        h = st.run_layers(h, t.position_ids, self._context(t), n_ckpt, finer)
         if st.is_last:
             h = chunked_lm_loss(st.lm_head, st.final_norm(h), t.labels, self._label_token_count,
                                 self.loss_chunk_tokens, self.label_smoothing)

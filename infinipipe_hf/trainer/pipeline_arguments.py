@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import textwrap
 import typing
@@ -62,6 +63,19 @@ def argument_name(config_field: str) -> str:
     return RENAMED.get(config_field, config_field)
 
 
+def _as_list_type(tp: Any) -> Any:
+    """``tuple[X, ...]`` (and ``tuple[X, ...] | None``) as ``list[X]``: ``HfArgumentParser`` parses
+    lists (``nargs="+"``) but would split a tuple-typed value into characters.  The config turns
+    the list back into its own type in ``__post_init__``; other types are returned unchanged."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return list[args[0]]
+    if args and type(None) in args and any(typing.get_origin(a) is tuple for a in args):
+        inner = [_as_list_type(a) for a in args if a is not type(None)]
+        return inner[0] | None if len(inner) == 1 else tp
+    return tp
+
+
 def pipeline_argument_fields(config_cls: type = InfiniPipeConfig) -> list[tuple[str, Any, Any]]:
     """``make_dataclass`` field specs for every field of ``config_cls`` the arguments carry."""
     hints = typing.get_type_hints(config_cls)
@@ -77,11 +91,15 @@ def pipeline_argument_fields(config_cls: type = InfiniPipeConfig) -> list[tuple[
                             f"add it to RENAMED or FROM_TRAINING_ARGUMENTS in {__name__}")
         help_text = docs.get(f.name, f.name).replace("%", "%%")  # argparse formats help with %
         kw: dict[str, Any] = {"metadata": {"help": help_text}}
+        tp = _as_list_type(hints[f.name])
         if f.default is not dataclasses.MISSING:
-            kw["default"] = f.default
+            if isinstance(f.default, tuple) and tp is not hints[f.name]:
+                kw["default_factory"] = functools.partial(list, f.default)
+            else:
+                kw["default"] = f.default
         elif f.default_factory is not dataclasses.MISSING:
             kw["default_factory"] = f.default_factory
-        specs.append((name, hints[f.name], dataclasses.field(**kw)))
+        specs.append((name, tp, dataclasses.field(**kw)))
     return specs
 
 

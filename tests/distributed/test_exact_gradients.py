@@ -12,7 +12,7 @@ import pytest
 from tests.distributed.launch import run_torchrun
 
 PP2_CASES = ["pp2_llama_untied_ckpt_none", "pp2_mistral_tied_ckpt_all", "pp2_qwen2_untied_ckpt_mixed",
-             "pp2_llama_tied_split13", "pp2_accumulation", "eval_and_clip", "plan_on_rank0",
+             "pp2_llama_tied_split13", "pp2_mistral_untied_ckpt_levels", "pp2_accumulation", "eval_and_clip", "plan_on_rank0",
              "rank0_plan_error_reaches_all", "plan_disagreement", "explicit_plans_differ",
              "pp_not_dividing_world",
              "pp_larger_than_layers", "unsupported_model"]

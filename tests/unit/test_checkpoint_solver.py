@@ -185,7 +185,7 @@ def test_greedy_feasible_whenever_full_is():
         prob = build_problem(plan, cost, 0)
         x = greedy_counts(prob)
         assert x is not None, "full checkpointing fits by construction"
-        cells = prob.cells_from_vars(x)
+        cells = prob.columns_from_vars(x)
         ck = {s: {} for s in range(pp)}
         for s, u, c in zip(prob.cell_stage, prob.cell_unit, cells):
             ck[int(s)][int(u)] = int(c)

@@ -16,6 +16,7 @@ def test_defaults_are_valid():
     (dict(memory_budget_gib=0), "memory_budget_gib"),
     (dict(sp_degree=0), "sp_degree must be a positive integer"),
     (dict(shard="zero3"), "shard='zero3' is not known"),
+    (dict(checkpoint_levels=("mlp", "attention")), "unknown level\\(s\\) \\['attention'\\]"),
 ])
 def test_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -31,3 +32,9 @@ def test_world_size_check():
     assert InfiniPipeConfig(pp_degree=2, sp_degree=2).resolve_dp_degree(8) == 2
     with pytest.raises(ValueError, match="pp_degree=2 x sp_degree=3 = 6 does not divide world size 4"):
         InfiniPipeConfig(pp_degree=2, sp_degree=3).resolve_dp_degree(4)
+
+
+def test_checkpoint_levels_default_on_and_can_be_turned_off():
+    assert InfiniPipeConfig().checkpoint_levels == ("mlp", "mlp_act")
+    assert InfiniPipeConfig(checkpoint_levels=[]).checkpoint_levels == ()
+    assert InfiniPipeConfig(checkpoint_levels="mlp_act").checkpoint_levels == ("mlp_act",)

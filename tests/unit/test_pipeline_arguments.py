@@ -37,9 +37,14 @@ def test_every_config_field_is_an_argument_with_its_type_default_and_help():
             continue
         name = pa.argument_name(f.name)
         assert name in arg_fields, f"InfiniPipeConfig.{f.name} is not on EPPTrainingArguments"
-        assert arg_fields[name].default == f.default, name
-        assert arg_hints[name] == cfg_hints[f.name], name
+        # tuple-typed settings are lists on the command line (the config converts them back)
+        assert arg_hints[name] == pa._as_list_type(cfg_hints[f.name]), name
         assert docs[f.name] and arg_fields[name].metadata["help"] == docs[f.name].replace("%", "%%")
+
+
+def test_default_arguments_give_the_default_config(tmp_path):
+    cfg = _args(tmp_path, ddp_timeout=InfiniPipeConfig().p2p_timeout_s).to_infinipipe_config()
+    assert cfg == InfiniPipeConfig()
 
 
 def test_non_default_values_reach_the_engine_config(tmp_path):
@@ -60,12 +65,12 @@ def test_command_line_parses_the_pipeline_fields(tmp_path):
         "--output_dir", str(tmp_path), "--use_cpu", "--pp_degree", "4", "--num_slices", "2", "4",
         "--attention_backend", "sdpa", "--loss_chunk_tokens", "512", "--memory_reserve_gib", "3.5",
         "--seed_plan_on_rank0", "--epp_schedule", "seq1f1b", "--layer_split", "2", "2", "1", "3",
-        "--ddp_timeout", "45", "--label_smoothing_factor", "0.1"])
+        "--ddp_timeout", "45", "--label_smoothing_factor", "0.1", "--checkpoint_levels", "mlp"])
     cfg = args.to_infinipipe_config()
     assert (cfg.pp_degree, cfg.num_slices, cfg.attention_backend, cfg.loss_chunk_tokens,
             cfg.memory_reserve_gib, cfg.seed_plan_on_rank0, cfg.schedule, cfg.layer_split,
-            cfg.p2p_timeout_s, cfg.label_smoothing) == (4, [2, 4], "sdpa", 512, 3.5, True, "seq1f1b",
-                                                         [2, 2, 1, 3], 45.0, 0.1)
+            cfg.p2p_timeout_s, cfg.label_smoothing, cfg.checkpoint_levels) == (
+        4, [2, 4], "sdpa", 512, 3.5, True, "seq1f1b", [2, 2, 1, 3], 45.0, 0.1, ("mlp",))
 
 
 def test_a_new_config_field_appears_without_touching_the_trainer():

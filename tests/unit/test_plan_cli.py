@@ -117,3 +117,18 @@ def test_module_entry_point(lengths_file):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["feasible"]
+
+
+def test_checkpoint_levels_flag(lengths_file, tmp_path, capsys):
+    """Finer levels are on by default and go in the plan's own key; ``none`` turns them off."""
+    args = ["--model", str(config_path("llama2-7b")), "--lengths", str(lengths_file), "--pp", "4",
+            "--gpu-memory-gib", "40", "--json"]
+    for flag, want_levels in (([], True), (["--checkpoint-levels", "none"], False)):
+        plan_path = tmp_path / f"plan{len(flag)}.json"
+        assert main(args + flag + ["--emit-plan", str(plan_path)]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["feasible"] and out["recompute_time_s"] > 0
+        plan = json.loads(plan_path.read_text())
+        assert ("checkpoint_levels" in plan) == want_levels
+    assert main(args + ["--checkpoint-levels", "mlp,attn"]) == 2
+    assert "unknown checkpoint level 'attn'" in capsys.readouterr().err

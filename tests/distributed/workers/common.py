@@ -68,9 +68,19 @@ def check_grads(engine: PipelineEngine, want: dict) -> float:
     return worst
 
 
+def levels_after_whole(stage: int, unit: int, layers: int, whole: int) -> dict[str, int]:
+    """Finer checkpoint levels for the layers ``whole`` leaves: cycle mlp / mlp_act / both / none."""
+    free = layers - whole
+    if free < 1:
+        return {}
+    pick = (stage + 2 * unit) % 4
+    want = [{"mlp": free}, {"mlp_act": free}, {"mlp": 1, "mlp_act": free - 1}, {}][pick]
+    return {lv: n for lv, n in want.items() if n > 0}
+
+
 def run_case(name: str, *, family: str, tie: bool, pp: int, lengths: list[int], units_per_dp,
              ckpt: str = "none", labels: bool = False, layer_split=None, num_layers: int = 4,
-             seed: int = 0) -> None:
+             seed: int = 0, levels: bool = False) -> None:
     t0 = time.time()
     batch = random_batch(lengths, seed=seed + 1, with_labels=labels)
     (want_loss,), want, _ = reference(family, tie, [batch], num_layers, seed)
@@ -78,6 +88,13 @@ def run_case(name: str, *, family: str, tie: bool, pp: int, lengths: list[int], 
     engine = PipelineEngine(model, InfiniPipeConfig(pp_degree=pp, layer_split=layer_split,
                                                     p2p_timeout_s=60))
     plan = make_plan(lengths, units_per_dp, pp, engine.layers_per_stage, checkpoint=CKPT[ckpt])
+    if levels:  # finer checkpoint levels (runtime/mlp_levels.py) on the layers left whole
+        for s, layers in enumerate(engine.layers_per_stage):
+            for u in plan.units:
+                per = levels_after_whole(s, u.id, layers, plan.checkpointed(s, u.id))
+                if per:
+                    plan.checkpoint_levels.setdefault(s, {})[u.id] = per
+        assert plan.checkpoint_levels
     out = engine.train_step(batch, plan=plan)
     loss_rel = abs(out.loss - want_loss) / abs(want_loss)
     assert loss_rel <= 1e-10, (out.loss, want_loss)

@@ -1,7 +1,8 @@
 """Exact-gradient worker: many cases in one launch (process start-up is the expensive part).
 
 ``exact_grads.py pp2`` (2 ranks): pp 2 cases for Llama/Mistral/Qwen2, tied and untied, checkpoint
-counts none/all/mixed, accumulation, eval, gradient clipping, user errors.
+counts none/all/mixed, whole layers mixed with the finer levels inside layers, accumulation, eval,
+gradient clipping, user errors.
 ``exact_grads.py world4`` (4 ranks): pp 4 and dp 2 x pp 2 cases, DP accumulation, timelines.
 Prints ``CASE <name> OK`` per passed case and ``ALL OK``; any failure raises (non-zero exit).
 """
@@ -129,6 +130,8 @@ def pp2() -> None:
              units_per_dp=UNITS_DP1, ckpt="mixed", labels=True)
     run_case("pp2_llama_tied_split13", family="llama", tie=True, pp=2, lengths=LENGTHS,
              units_per_dp=UNITS_DP1, ckpt="mixed", layer_split=[1, 3])
+    run_case("pp2_mistral_untied_ckpt_levels", family="mistral", tie=False, pp=2, lengths=LENGTHS,
+             units_per_dp=UNITS_DP1, ckpt="mixed", labels=True, levels=True)
     accumulation("pp2_accumulation", family="qwen2", tie=True, pp=2, units_a=UNITS_DP1,
                  units_b=[[[(0, 0, 6)], [(0, 6, 9), (1, 0, 4)]]], lengths_b=[9, 4])
     eval_and_clip(2)
