@@ -5,6 +5,7 @@ A table module has ``NAME`` (the ``--only`` key and the JSON file name
 JSON report: rows and whatever the table needs) and ``markdown(report) -> str`` (the README-ready
 table).  Add a table by writing a module and listing it in ``TABLES``.
 """
-from . import paper_layout, paper_table, sharded_70b, sp_limits, static_vs_tuned, users_alternatives
+from . import flexsp_solver, paper_layout, paper_table, sharded_70b, sp_limits, static_vs_tuned, users_alternatives
 
-TABLES = {m.NAME: m for m in (paper_layout, sp_limits, sharded_70b, users_alternatives, static_vs_tuned, paper_table)}
+TABLES = {m.NAME: m for m in (paper_layout, sp_limits, sharded_70b, users_alternatives, static_vs_tuned, flexsp_solver,
+                                    paper_table)}
