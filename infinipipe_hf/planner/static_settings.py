@@ -137,18 +137,19 @@ def static_pipeline_baseline(schedule: str, batches: Sequence[Sequence[int]], tu
 
 # --- non-pipeline alternatives -------------------------------------------------------------
 def _run_setting(batches, build, cost: FlatCost):
-    """Total time of one setting: each batch at its least count, then all at the run's largest."""
+    """Total time of one setting: each batch at its least count, then all at the run's largest.
+    ``build(i, checkpoint)`` plans batch ``i``."""
     first = []
-    for lengths in batches:
+    for i in range(len(batches)):
         try:
-            first.append(build(lengths, None))
+            first.append(build(i, None))
         except ValueError as exc:
             return None, str(exc)
     run_c = max(p.checkpoint_layers for p in first)
     times = []
-    for lengths, plan in zip(batches, first):
+    for i, plan in enumerate(first):
         if plan.checkpoint_layers != run_c:
-            plan = build(lengths, run_c)
+            plan = build(i, run_c)
         sim = simulate_rounds(plan, cost)
         if not sim.feasible:
             return None, sim.error
@@ -172,27 +173,23 @@ def static_alternative(schedule: str, batches: Sequence[Sequence[int]], cost: Fl
                 best = (sum(times), {"checkpoint_layers": c}, times)
         return _finish(schedule, batches, best, tried, error)
     if schedule == "ulysses-zero3":
-        settings = [({"sp_degree": sp, "pack_log2": e, "pack_tokens": 1 << e}, sp, e) for sp in cost.group_sizes("ulysses")
-                    for e in _pack_exponents(batches, sp)]
-        builders = {}
+        settings = [({"sp_degree": sp, "pack_log2": e, "pack_tokens": 1 << e}, sp, e)
+                    for sp in cost.group_sizes("ulysses") for e in _pack_exponents(batches, sp)]
+        builders = [UlyssesBuilder(b, cost) for b in batches]  # each caches its packings
 
-        def make(knobs, sp, e):
-            def build(lengths, c):
-                key = id(lengths)
-                if key not in builders:
-                    builders[key] = UlyssesBuilder(lengths, cost)
-                return builders[key]({"sp_degree": sp, "pack_tokens": max(max(lengths), 1 << e)}, c)
-            return build
+        def make(sp, e):
+            return lambda i, c: builders[i]({"sp_degree": sp, "pack_tokens": max(max(batches[i]), 1 << e)}, c)
     elif schedule == "ring-cp":
         settings = [({"cp_degree": cp}, cp, None) for cp in cost.group_sizes("ring")]
+        ring_builders = [build_ring_cp(b, cost) for b in batches]
 
-        def make(knobs, cp, _):
-            return lambda lengths, c: build_ring_cp(lengths, cost)({"cp_degree": cp}, c)
+        def make(cp, _):
+            return lambda i, c: ring_builders[i]({"cp_degree": cp}, c)
     else:
         raise ValueError(f"schedule={schedule!r} is not a non-pipeline alternative; use ulysses-zero3, ring-cp or flexsp")
     for knobs, a, b in settings:
         tried += 1
-        got, err = _run_setting(batches, make(knobs, a, b), cost)
+        got, err = _run_setting(batches, make(a, b), cost)
         if got is None:
             error = err
             continue

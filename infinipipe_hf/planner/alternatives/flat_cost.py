@@ -100,6 +100,11 @@ class _Group:
     cost: CostModel
     layers: int
 
+    def __init__(self, size: int, layers: int):
+        self.size = size
+        self.layers = layers
+        self._max_tokens_cache: dict[tuple[int, float], int] = {}
+
     def padded_tokens(self, tokens: int) -> int:
         raise NotImplementedError
 
@@ -121,10 +126,9 @@ class _Group:
     def max_tokens(self, checkpointed_layers: int, room_bytes: float) -> int:
         """Most (padded) tokens a micro-batch of this group may hold at ``checkpointed_layers``."""
         key = (int(checkpointed_layers), float(room_bytes))
-        cache = self.__dict__.setdefault("_max_tokens_cache", {})
-        if key not in cache:
-            cache[key] = self._max_tokens(*key)
-        return cache[key]
+        if key not in self._max_tokens_cache:  # FlexSP asks once per round and group size
+            self._max_tokens_cache[key] = self._max_tokens(*key)
+        return self._max_tokens_cache[key]
 
     def _max_tokens(self, checkpointed_layers: int, room_bytes: float) -> int:
         lo, hi = 0, 1
@@ -150,8 +154,7 @@ class UlyssesGroup(_Group):
     def __init__(self, spec: ModelSpec, profile: HardwareProfile, size: int, world_size: int,
                  gpus_per_node: int, loss_chunk_tokens: int):
         check_sp_degree(spec, size)
-        self.size = size
-        self.layers = spec.num_layers
+        super().__init__(size, spec.num_layers)
         shard = "sp+dp" if world_size > 1 else "none"
         self.cost = CostModel(spec, profile, pp_degree=1, sp_degree=size, dp_degree=world_size // size,
                               shard=shard, gpus_per_node=gpus_per_node, loss_chunk_tokens=loss_chunk_tokens)
@@ -198,8 +201,7 @@ class RingGroup(_Group):
 
     def __init__(self, spec: ModelSpec, profile: HardwareProfile, size: int, world_size: int,
                  gpus_per_node: int, loss_chunk_tokens: int):
-        self.size = size
-        self.layers = spec.num_layers
+        super().__init__(size, spec.num_layers)
         shard = "dp" if world_size > 1 else "none"
         self.cost = CostModel(spec, profile, pp_degree=1, sp_degree=1, dp_degree=world_size, shard=shard,
                               gpus_per_node=gpus_per_node, loss_chunk_tokens=loss_chunk_tokens)
