@@ -58,9 +58,12 @@ def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:
     return {"memory_budget_gib": memory_gib, "rows": rows}
 
 
+LABELS = {"sp_degree": "sp", "cp_degree": "cp", "pack_tokens": "pack", "num_rounds": "rounds",
+          "checkpoint_layers": "ckpt"}
+
+
 def _knobs(s: dict) -> str:
-    keys = ("sp_degree", "cp_degree", "pack_tokens", "num_rounds", "checkpoint_layers")
-    return ", ".join(f"{k.split('_')[0]} {s[k]}" for k in keys if k in s)
+    return ", ".join(f"{label} {s[k]}" for k, label in LABELS.items() if k in s)
 
 
 def markdown(report: dict) -> str:
