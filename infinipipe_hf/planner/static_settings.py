@@ -65,6 +65,12 @@ def _pack_exponents(batches: Sequence[Sequence[int]], sp_degree: int) -> range:
     return range(low, max(low, top) + 1)
 
 
+def _pack_knob(e: int, batches: Sequence[Sequence[int]]) -> int | str:
+    """The packing length a setting ``2^e`` amounts to: ``"longest"`` when every batch packs at
+    its longest sequence (``2^e`` at most the shortest of the batches' longest)."""
+    return "longest" if (1 << e) <= min(max(b) for b in batches) else 1 << e
+
+
 def _finish(schedule, batches, best, tried, error) -> StaticResult:
     if best is None:
         return StaticResult(schedule, False, settings_tried=tried,
@@ -128,7 +134,7 @@ def static_pipeline_baseline(schedule: str, batches: Sequence[Sequence[int]], tu
             continue
         total = sum(times)
         if best is None or total < best[0]:
-            knobs = {"pack_log2": e, "pack_tokens": 1 << e, "checkpoint_layers": run_c}
+            knobs = {"pack_log2": e, "pack_tokens": _pack_knob(e, batches), "checkpoint_layers": run_c}
             if schedule == "seq1f1b":
                 knobs["num_slices"] = k
             best = (total, knobs, times)
@@ -173,7 +179,7 @@ def static_alternative(schedule: str, batches: Sequence[Sequence[int]], cost: Fl
                 best = (sum(times), {"checkpoint_layers": c}, times)
         return _finish(schedule, batches, best, tried, error)
     if schedule == "ulysses-zero3":
-        settings = [({"sp_degree": sp, "pack_log2": e, "pack_tokens": 1 << e}, sp, e)
+        settings = [({"sp_degree": sp, "pack_log2": e, "pack_tokens": _pack_knob(e, batches)}, sp, e)
                     for sp in cost.group_sizes("ulysses") for e in _pack_exponents(batches, sp)]
         builders = [UlyssesBuilder(b, cost) for b in batches]  # each caches its packings
 
