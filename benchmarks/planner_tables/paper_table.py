@@ -35,6 +35,8 @@ CAPS = (48 * 1024, 96 * 1024)
 NUM_BATCHES = 20
 LAYOUT = dict(pp=4, sp=8, dp=1, shard="sp", gpus_per_node=8)
 SLOW_INTER_NODE_GBPS = 12.5
+FIXED_SLICES = (4, 8)
+"""Seq1F1B is usually run with a fixed slice count; its best static setting at these counts too."""
 PAPER = {"seq1f1b": 1.40, "flexsp": 1.69, "ulysses-zero3": 2.07}
 """The paper's largest speedups of EPP over each baseline (its abstract and evaluation)."""
 
@@ -50,7 +52,8 @@ def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:
             for cap in CAPS:
                 batches = [gen(n=512, max_len=cap, seed=s) for s in range(n)]
                 print(f"  {model} {dataset} {cap // 1024}K ({n} batches)", flush=True)
-                out = plan_run(batches, model, profile=base, memory_gib=memory_gib, epp_unit_reduce=True, **LAYOUT)
+                out = plan_run(batches, model, profile=base, memory_gib=memory_gib, epp_unit_reduce=True,
+                               fixed_seq1f1b_slices=FIXED_SLICES, **LAYOUT)
                 print("  slow network:", flush=True)
                 slow_out = plan_run(batches, model, profile=slow, memory_gib=memory_gib, baselines=(),
                                     alternatives=("ulysses-zero3", "flexsp"), **LAYOUT)
@@ -71,6 +74,9 @@ def _ratios(out: dict) -> dict:
         for static in (True, False):
             other = run_tps(out, name, static)
             r[f"{name}{'' if static else '-tuned'}"] = epp / other if epp and other else None
+    for k in FIXED_SLICES:
+        other = run_tps(out, f"seq1f1b-K{k}", True)
+        r[f"seq1f1b-K{k}"] = epp / other if epp and other else None
     return r
 
 
@@ -79,6 +85,10 @@ def _summary(rows: list[dict]) -> dict:
     out = {}
     for name, paper in PAPER.items():
         ours = [r["ratios"][name] for r in rows if r["ratios"].get(name)]
+        if name == "seq1f1b":  # the paper's Seq1F1B runs a fixed slice count: its best static one counts too
+            fixed = [r["ratios"][f"seq1f1b-K{k}"] for r in rows for k in FIXED_SLICES if r["ratios"].get(f"seq1f1b-K{k}")]
+            out["seq1f1b-fixed-K"] = {"paper_max": paper, "ours_min": min(fixed, default=None),
+                                      "ours_max": max(fixed, default=None), "slow_network_max": None}
         slow = [r["slow_ratios"][name] for r in rows if r["slow_ratios"].get(name)]
         out[name] = {"paper_max": paper, "ours_min": min(ours, default=None), "ours_max": max(ours, default=None),
                      "slow_network_max": max(slow, default=None)}
@@ -117,18 +127,21 @@ def markdown(report: dict) -> str:
             f"({_knob(o, 'flexsp', 'checkpoint_layers')}) | {fmt_k(run_tps(o, 'flexsp'))} | "
             f"{fmt_k(run_tps(o, 'ring-cp', True))} ({_knob(o, 'ring-cp', 'cp_degree')}) | "
             f"{t['epp']['planning_time_s_mean']:.2f} / {t['epp']['planning_time_s_max']:.2f} s |")
-    lines += ["", "| model | data | cap | EPP / Seq1F1B static (tuned) | EPP / FlexSP static (tuned) | "
-              "EPP / DeepSpeed static (tuned) | EPP / ring-CP static | slow network: EPP / FlexSP, EPP / DeepSpeed |",
-              "|" + "---|" * 8]
+    fixed = "/".join(f"K={k}" for k in FIXED_SLICES)
+    lines += ["", f"| model | data | cap | EPP / Seq1F1B static (tuned) | EPP / Seq1F1B static at {fixed} | "
+              "EPP / FlexSP static (tuned) | EPP / DeepSpeed static (tuned) | EPP / ring-CP static | "
+              "slow network: EPP / FlexSP, EPP / DeepSpeed |", "|" + "---|" * 9]
     for row in report["rows"]:
         r, s = row["ratios"], row["slow_ratios"]
+        at_k = " / ".join(_x(r.get(f"seq1f1b-K{k}")) for k in FIXED_SLICES)
         lines.append(f"| {row['model']} | {row['dataset']} | {row['cap'] // 1024}K | {_x(r['seq1f1b'])} "
-                     f"({_x(r['seq1f1b-tuned'])}) | {_x(r['flexsp'])} ({_x(r['flexsp-tuned'])}) | "
+                     f"({_x(r['seq1f1b-tuned'])}) | {at_k} | {_x(r['flexsp'])} ({_x(r['flexsp-tuned'])}) | "
                      f"{_x(r['ulysses-zero3'])} ({_x(r['ulysses-zero3-tuned'])}) | {_x(r['ring-cp'])} | "
                      f"{_x(s['flexsp'])}, {_x(s['ulysses-zero3'])} |")
     lines += ["", "| EPP over (static) | paper, up to | ours, min - max | ours at "
               f"{report['slow_inter_node_gbps']} GB/s inter-node, max |", "|---|---|---|---|"]
-    names = {"seq1f1b": "Seq1F1B", "flexsp": "FlexSP", "ulysses-zero3": "DeepSpeed (Ulysses + ZeRO-3)"}
+    names = {"seq1f1b": "Seq1F1B (best static setting)", "flexsp": "FlexSP", "ulysses-zero3": "DeepSpeed (Ulysses + ZeRO-3)",
+             "seq1f1b-fixed-K": f"Seq1F1B (static, K fixed at {'/'.join(map(str, FIXED_SLICES))})"}
     for name, v in report["summary"].items():
         lines.append(f"| {names[name]} | {v['paper_max']:.2f}x | {_x(v['ours_min'])} - {_x(v['ours_max'])} | "
                      f"{_x(v['slow_network_max'])} |")

@@ -23,8 +23,10 @@ from .common import spec_of
 def plan_run(batches, model: str, *, pp: int, sp: int = 1, dp: int = 1, shard: str = "none",
              memory_gib: float = 80.0, profile=None, gpus_per_node: int | None = None,
              baselines=("seq1f1b",), alternatives=("ulysses-zero3", "ring-cp", "flexsp"),
-             epp_unit_reduce: bool = False, log=print) -> dict:
-    """Per-schedule run throughput (tuned per batch and static) and per-batch details."""
+             epp_unit_reduce: bool = False, fixed_seq1f1b_slices=(), log=print) -> dict:
+    """Per-schedule run throughput (tuned per batch and static) and per-batch details;
+    ``fixed_seq1f1b_slices``: also the best static seq1f1b with each of these slice counts
+    (keys ``seq1f1b-K<k>``)."""
     spec = spec_of(model)
     cost = CostModel(spec, profile, pp_degree=pp, sp_degree=sp, dp_degree=dp, shard=shard,
                      memory_budget_bytes=memory_gib * GIB, gpus_per_node=gpus_per_node)
@@ -74,6 +76,10 @@ def plan_run(batches, model: str, *, pp: int, sp: int = 1, dp: int = 1, shard: s
                               "batches": rows}
     for s in baselines:
         out["static"][s] = static_pipeline_baseline(s, batches, tuned_results[s], cost).summary()
+    if "seq1f1b" in baselines:
+        for k in fixed_seq1f1b_slices:
+            out["static"][f"seq1f1b-K{k}"] = static_pipeline_baseline("seq1f1b", batches, tuned_results["seq1f1b"],
+                                                                      cost, num_slices=k).summary()
     for s in alternatives:
         out["static"][s] = static_alternative(s, batches, flat).summary()
     return out

@@ -81,10 +81,11 @@ def _finish(schedule, batches, best, tried, error) -> StaticResult:
 
 
 # --- pipeline baselines ---------------------------------------------------------------------
-def static_pipeline_baseline(schedule: str, batches: Sequence[Sequence[int]], tuned: Sequence, cost: CostModel
-                             ) -> StaticResult:
+def static_pipeline_baseline(schedule: str, batches: Sequence[Sequence[int]], tuned: Sequence, cost: CostModel,
+                             num_slices: int | None = None) -> StaticResult:
     """Best static ``(packing length, slice count, checkpoint count)`` of ``seq1f1b`` or
-    ``packed-1f1b``, from the per-batch tuned ``PlanResult`` s of the same ``cost`` (module docstring)."""
+    ``packed-1f1b``, from the per-batch tuned ``PlanResult`` s of the same ``cost`` (module docstring).
+    ``num_slices`` fixes seq1f1b's slice count (the setting Seq1F1B is usually run with)."""
     from . import api  # the pipeline planner's builders; lazy, api is heavy
     from .dp_assign import assign_sequences
     from .simulator import simulate
@@ -101,6 +102,11 @@ def static_pipeline_baseline(schedule: str, batches: Sequence[Sequence[int]], tu
                 recs[(int(c["pack_tokens"]), int(c.get("num_slices", 1)))] = c
         records.append(recs)
     slices = sorted({k for recs in records for _, k in recs})
+    if num_slices is not None:
+        if num_slices not in slices:
+            return StaticResult(schedule, False, error=f"{schedule}: the tuned results hold no plan with "
+                                                      f"num_slices={num_slices}; tune over a grid that has it")
+        slices = [num_slices]
     settings = []
     for e in _pack_exponents(batches, cost.sp_degree):
         for k in slices:

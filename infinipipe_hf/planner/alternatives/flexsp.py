@@ -141,7 +141,7 @@ def plan_flexsp(lengths: Sequence[int], cost: FlatCost, *, checkpointing: str | 
         low = least_rounds(lengths, cost, c, sizes)
         if low == 0:
             continue
-        worse = 0
+        worse, best_here = 0, float("inf")  # the round count's search is per checkpoint count
         for m in range(low, min(low + EXTRA_ROUNDS, len(lengths)) + 1):
             if best is not None and m * floor >= best[1].step_time_s:
                 break  # every round pays the ZeRO-3 collectives at least: cannot win
@@ -158,7 +158,9 @@ def plan_flexsp(lengths: Sequence[int], cost: FlatCost, *, checkpointing: str | 
                 last_error = sim.error
                 continue
             if best is None or sim.step_time_s < best[1].step_time_s:
-                best, worse = (plan, sim), 0
+                best = (plan, sim)
+            if sim.step_time_s < best_here:
+                best_here, worse = sim.step_time_s, 0
             else:
                 worse += 1
                 if worse >= 2:
