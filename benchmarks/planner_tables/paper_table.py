@@ -85,13 +85,13 @@ def _summary(rows: list[dict]) -> dict:
     out = {}
     for name, paper in PAPER.items():
         ours = [r["ratios"][name] for r in rows if r["ratios"].get(name)]
+        slow = [r["slow_ratios"][name] for r in rows if r["slow_ratios"].get(name)]
+        out[name] = {"paper_max": paper, "ours_min": min(ours, default=None), "ours_max": max(ours, default=None),
+                     "slow_network_max": max(slow, default=None)}
         if name == "seq1f1b":  # the paper's Seq1F1B runs a fixed slice count: its best static one counts too
             fixed = [r["ratios"][f"seq1f1b-K{k}"] for r in rows for k in FIXED_SLICES if r["ratios"].get(f"seq1f1b-K{k}")]
             out["seq1f1b-fixed-K"] = {"paper_max": paper, "ours_min": min(fixed, default=None),
                                       "ours_max": max(fixed, default=None), "slow_network_max": None}
-        slow = [r["slow_ratios"][name] for r in rows if r["slow_ratios"].get(name)]
-        out[name] = {"paper_max": paper, "ours_min": min(ours, default=None), "ours_max": max(ours, default=None),
-                     "slow_network_max": max(slow, default=None)}
     return out
 
 
