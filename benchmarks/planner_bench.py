@@ -9,6 +9,7 @@ wall time on the machine that runs this script.
     python benchmarks/planner_bench.py                 # every table; the first writes benchmarks/results/planner_bench.json
     python benchmarks/planner_bench.py --quick         # fewer batches, for CI
     python benchmarks/planner_bench.py --only paper_layout,sp_limits   # some tables only
+    python benchmarks/planner_bench.py --only paper_table --render     # print (and refresh) a table's markdown from its JSON
 
 Besides the table of this file (``baselines``), each table lives in its own module under
 ``benchmarks/planner_tables/`` and writes ``benchmarks/results/planner_<name>.json`` (with a
@@ -108,11 +109,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "planner_bench.json"))
     names = ["baselines", *TABLES]
     p.add_argument("--only", default=",".join(names), help=f"comma-separated tables among {', '.join(names)}")
+    p.add_argument("--render", action="store_true",
+                   help="do not plan: rewrite each chosen table's markdown from its results JSON and print it")
     args = p.parse_args(argv)
     chosen = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in names]
     if unknown:
         p.error(f"unknown table(s) {', '.join(unknown)}; choose among {', '.join(names)}")
+    if args.render:
+        for name in chosen:
+            if name != "baselines":
+                render_table(TABLES[name], Path(args.out).parent / f"planner_{name}.json")
+        return 0
     if "baselines" in chosen:
         t0 = time.perf_counter()
         report = run(args.quick, args.profile, args.gpu_memory_gib)
@@ -143,6 +151,14 @@ def run_table(module, quick: bool, profile, profile_path: str | None, memory_gib
     out.write_text(json.dumps(report, indent=1))
     print(report["markdown"])
     print(f"wrote {out} ({report['wall_time_s']:.1f} s)", flush=True)
+
+
+def render_table(module, path: Path) -> None:
+    """Refresh the ``markdown`` of a table's results JSON from its rows (no planning)."""
+    report = json.loads(path.read_text())
+    report["markdown"] = module.markdown(report)
+    path.write_text(json.dumps(report, indent=1))
+    print(report["markdown"])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ says which groups cross nodes; ``--world-size`` checks ``pp x sp`` against a job
 derives ``--dp``.  ``--schedule all`` plans every schedule with the same layout.  Times, bytes
 and the memory budget are per GPU.
 
+The users' alternatives that are not pipelines (``ulysses-zero3``, ``ring-cp``, ``flexsp``; see
+``infinipipe_hf.planner.alternatives``) are planned on the same ``pp x sp x dp`` GPUs, every GPU
+running every layer with ZeRO-3 states; ``--schedule all`` includes them after the pipeline
+schedules.  Their ``--emit-plan`` is their own round form (``RoundPlan.to_dict``: groups of GPUs
+and the sequences each runs per round); ``--plot`` draws pipelines only and skips them.
+
 Input errors (missing files, a directory without ``config.json``, invalid JSON, unsupported model,
 missing config keys, bad lengths) exit with status 2 and a message on stderr naming the file;
 ``--model`` may be an HF checkpoint directory (its ``config.json`` is read).  A batch that no plan
@@ -26,6 +32,7 @@ import sys
 from pathlib import Path
 
 from .config import InfiniPipeConfig
+from .planner.alternatives import ALTERNATIVES, AlternativeResult, FlatCost, plan_alternative
 from .planner.api import SCHEDULES, PlanResult, plan_step
 from .planner.cost_model import GIB, CostModel
 from .planner.hardware import HardwareProfile
@@ -107,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="total GPUs of the job: checked against pp x sp (x dp)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory budget per GPU in GiB")
     p.add_argument("--profile", default=None, help="cost profile JSON (default: shipped H100/bf16)")
-    p.add_argument("--schedule", default="epp", choices=[*SCHEDULES, "all"])
+    p.add_argument("--schedule", default="epp", choices=[*SCHEDULES, *ALTERNATIVES, "all"],
+                   help="a pipeline schedule, a non-pipeline alternative on the same GPUs, or all of them")
     p.add_argument("--max-tokens-per-unit", type=int, default=None)
     p.add_argument("--checkpointing", default="adaptive", choices=["adaptive", "none", "full"])
     p.add_argument("--checkpoint-levels", default="mlp,mlp_act", metavar="LEVELS",
@@ -119,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> list[PlanResult]:
+def run(args: argparse.Namespace) -> list[PlanResult | AlternativeResult]:
     spec = read_model_spec(args.model)
     lengths = read_lengths(args.lengths)
     dp = resolve_layout(args)
@@ -133,14 +141,27 @@ def run(args: argparse.Namespace) -> list[PlanResult]:
                              f"{exc}); write one with python -m infinipipe_hf.profile") from None
     cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.gpu_memory_gib * GIB,
                      sp_degree=args.sp, shard=args.shard, dp_degree=dp, gpus_per_node=args.gpus_per_node)
-    schedules = SCHEDULES if args.schedule == "all" else (args.schedule,)
+    schedules = (*SCHEDULES, *ALTERNATIVES) if args.schedule == "all" else (args.schedule,)
     levels = () if args.checkpoint_levels.strip() in ("", "none") else tuple(
         lv.strip() for lv in args.checkpoint_levels.split(","))
-    return [plan_step(lengths, spec, pp_degree=args.pp, dp_degree=dp, schedule=s, cost=cost,
-                      sp_degree=args.sp, shard=args.shard,
-                      max_tokens_per_unit=args.max_tokens_per_unit, checkpointing=args.checkpointing,
-                      checkpoint_levels=levels)
-            for s in schedules]
+    results = []
+    flat = None
+    for s in schedules:
+        if s in ALTERNATIVES:
+            if flat is None:
+                flat = FlatCost.of(spec, args.pp * args.sp * dp, args.gpu_memory_gib * GIB, cost.profile,
+                                   cost.layout.gpus_per_node)
+                if args.max_tokens_per_unit is not None:
+                    print(f"warning: --max-tokens-per-unit caps pipeline units; {', '.join(ALTERNATIVES)} "
+                          f"do not cut sequences and ignore it", file=sys.stderr)
+            results.append(plan_alternative(lengths, spec, s, world_size=flat.world_size, cost=flat,
+                                            checkpointing=args.checkpointing))
+            continue
+        results.append(plan_step(lengths, spec, pp_degree=args.pp, dp_degree=dp, schedule=s, cost=cost,
+                                 sp_degree=args.sp, shard=args.shard,
+                                 max_tokens_per_unit=args.max_tokens_per_unit, checkpointing=args.checkpointing,
+                                 checkpoint_levels=levels))
+    return results
 
 
 def resolve_layout(args: argparse.Namespace) -> int:
@@ -174,10 +195,12 @@ def format_table(results: list[PlanResult]) -> str:
             rows.append((r.schedule, "NO", "-", "0", "-", "-", "-", "-", "-", f"{r.planning_time_s:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-    best_base = max((r.summary()["tokens_per_s"] for r in results if r.schedule != "epp" and r.feasible), default=0)
     epp = next((r for r in results if r.schedule == "epp" and r.feasible), None)
-    if epp is not None and best_base > 0:
-        lines.append(f"EPP speedup over the best baseline: {epp.summary()['tokens_per_s'] / best_base:.2f}x")
+    for label, names in (("the best pipeline baseline", SCHEDULES), ("the best non-pipeline alternative", ALTERNATIVES)):
+        best = max((r.summary()["tokens_per_s"] for r in results
+                    if r.schedule != "epp" and r.schedule in names and r.feasible), default=0)
+        if epp is not None and best > 0:
+            lines.append(f"EPP speedup over {label}: {epp.summary()['tokens_per_s'] / best:.2f}x")
     for r in results:
         if r.error:
             lines.append(f"{r.schedule}: {r.error}")
@@ -194,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, r in enumerate(results):
         if r.plan is not None and args.emit_plan:
             _sibling(args.emit_plan, r.schedule, i == 0).write_text(r.plan.to_json(indent=1))
-        if r.plan is not None and args.plot:
+        if r.plan is not None and args.plot and isinstance(r, AlternativeResult):
+            print(f"note: --plot draws pipeline schedules; {r.schedule} is not one (skipped)", file=sys.stderr)
+        elif r.plan is not None and args.plot:
             from .viz import plot_plan
 
             plot_plan(r.plan, r.simulation, str(_sibling(args.plot, r.schedule, i == 0)),

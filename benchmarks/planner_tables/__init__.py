@@ -5,6 +5,8 @@ A table module has ``NAME`` (the ``--only`` key and the JSON file name
 JSON report: rows and whatever the table needs) and ``markdown(report) -> str`` (the README-ready
 table).  Add a table by writing a module and listing it in ``TABLES``.
 """
-from . import checkpoint_levels, paper_layout, sharded_70b, sp_limits
+from . import (checkpoint_levels, flexsp_solver, paper_layout, paper_table, sharded_70b, sp_limits, static_vs_tuned,
+               users_alternatives)
 
-TABLES = {m.NAME: m for m in (paper_layout, sp_limits, sharded_70b, checkpoint_levels)}
+TABLES = {m.NAME: m for m in (paper_layout, sp_limits, sharded_70b, checkpoint_levels, users_alternatives,
+                              static_vs_tuned, flexsp_solver, paper_table)}

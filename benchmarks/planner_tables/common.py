@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.alternatives import ALTERNATIVES, FlatCost, plan_alternative
 from infinipipe_hf.planner.api import plan_step
 from infinipipe_hf.planner.cost_model import GIB, CostModel
 from infinipipe_hf.planner.model_spec import ModelSpec
@@ -23,11 +24,33 @@ def plan_schedules(lengths, model: str, schedules, *, pp: int, sp: int = 1, dp: 
                      memory_budget_bytes=memory_gib * GIB, grad_reduce=grad_reduce)
     runs = [(s, None) for s in schedules] + [(f"seq1f1b-K{k}", [k]) for k in fixed_seq1f1b_slices]
     out = {}
+    flat = None
     for name, slices in runs:
+        if name in ALTERNATIVES:  # not pipelines: the same GPUs, every one running every layer
+            if flat is None:
+                flat = FlatCost.of(spec, pp * sp * dp, memory_gib * GIB, cost.profile, cost.layout.gpus_per_node)
+            res = plan_alternative(lengths, spec, name, world_size=flat.world_size, cost=flat)
+            out[name] = compact_alternative(res.summary(), flat)
+            continue
         res = plan_step(lengths, spec, pp_degree=pp, dp_degree=dp, sp_degree=sp, shard=shard,
                         schedule="seq1f1b" if slices else name, num_slices=slices, cost=cost)
         out[name] = compact(res.summary(), cost)
     return out
+
+
+def compact_alternative(summary: dict, flat: FlatCost) -> dict:
+    """The fields a table needs from an ``AlternativeResult.summary()``."""
+    keep = {k: summary[k] for k in ("feasible", "tokens_per_s", "step_time_s", "bubble_fraction", "num_units",
+                                    "planning_time_s")}
+    keep["peak_memory_gib"] = summary["peak_memory_bytes"][0] / GIB if summary["peak_memory_bytes"] else None
+    keep["static_memory_gib"] = flat.states.static_bytes / GIB
+    info = summary.get("info", {})
+    for key in ("sp_degree", "cp_degree", "pack_tokens", "num_rounds", "checkpoint_layers", "group_sizes"):
+        if key in info:
+            keep[key] = info[key]
+    if "error" in summary:
+        keep["error"] = summary["error"]
+    return keep
 
 
 def compact(summary: dict, cost: CostModel) -> dict:

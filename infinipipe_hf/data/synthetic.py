@@ -15,6 +15,19 @@ expectation, so every seed, not just most, reproduces the figure:
 ``long_tailed_batch`` draws a global batch from real lengths (e.g. ``document_lengths("stdlib")``)
 up to a token budget.
 
+The InfiniPipe paper's table uses CommonCrawl and GitHub batches capped at 48K and 96K tokens; its
+length histograms are not reproduced here, so the two stand-ins are anchored on figures that are
+published or measured, and say which:
+- ``commoncrawl_like``: web text.  The figure is SlimPajama's (about 30% of documents over 4K
+  tokens, the statistic the InfiniPipe paper quotes; SlimPajama is mostly CommonCrawl and C4 web
+  text), with the same log-normal (sigma 1.6, median about 1.8K); documents longer than the cap
+  are *truncated* to it, as a training pipeline with a maximum length does, so some sit at the cap.
+- ``github_like``: source files.  A log-normal through the quantiles of a real code corpus, the
+  Python standard library's sources in SmolLM2 tokens (median 2.1K, p90 11.9K, max 172K, measured
+  by this project: ``corpus.document_lengths("stdlib")``), truncated at the cap.  Draws are
+  stratified (one uniform per ``1/n`` slice of probability, shuffled), so every batch reproduces
+  the quantiles closely, not only on average.
+
 Trade-off: fixing the statistic couples the draws (the count of long documents is not random),
 which is what benchmarks want (comparable batches across seeds) but is not an i.i.d. sample.
 Only numpy and the standard library are used; everything is deterministic given ``seed``.
@@ -69,6 +82,40 @@ def slimpajama_like(n: int = 512, max_len: int = 131072, seed: int = 0) -> list[
     lengths = np.concatenate([long, short])
     rng.shuffle(lengths)
     return [int(x) for x in lengths]
+
+
+def commoncrawl_like(n: int = 512, max_len: int = 49152, seed: int = 0) -> list[int]:
+    """``n`` web-text lengths: 30% of documents over 4K tokens, longer ones truncated to ``max_len``."""
+    _check(n, max_len, SLIMPAJAMA_LONG_THRESHOLD + 1, "commoncrawl_like")
+    rng = np.random.default_rng(seed)
+    sigma = 1.6
+    mu = math.log(SLIMPAJAMA_LONG_THRESHOLD) - sigma * _NORMAL.inv_cdf(1 - SLIMPAJAMA_LONG_DOC_FRACTION)
+    n_long = int(round(SLIMPAJAMA_LONG_DOC_FRACTION * n))
+    # The tail is drawn without an upper bound, then cut at the cap (truncated documents).
+    long = _truncated_lognormal(rng, n_long, mu, sigma, SLIMPAJAMA_LONG_THRESHOLD + 1, 1 << 30)
+    short = _truncated_lognormal(rng, n - n_long, mu, sigma, MIN_LEN, SLIMPAJAMA_LONG_THRESHOLD)
+    lengths = np.minimum(np.concatenate([long, short]), max_len)
+    rng.shuffle(lengths)
+    return [int(x) for x in lengths]
+
+
+GITHUB_MEDIAN_TOKENS = 2100
+GITHUB_P90_TOKENS = 11900
+
+
+def github_like(n: int = 512, max_len: int = 49152, seed: int = 0) -> list[int]:
+    """``n`` source-file lengths: log-normal with the stdlib's median 2.1K and p90 11.9K tokens,
+    stratified draws, truncated to ``max_len``."""
+    _check(n, max_len, MIN_LEN, "github_like")
+    rng = np.random.default_rng(seed)
+    mu = math.log(GITHUB_MEDIAN_TOKENS)
+    sigma = (math.log(GITHUB_P90_TOKENS) - mu) / _NORMAL.inv_cdf(0.9)
+    u = (np.arange(n) + rng.uniform(0.0, 1.0, n)) / n
+    u = np.clip(u, 1e-12, 1 - 1e-12)
+    x = np.exp([mu + sigma * _NORMAL.inv_cdf(float(v)) for v in u])
+    lengths = np.clip(np.round(x), MIN_LEN, max_len).astype(np.int64)
+    rng.shuffle(lengths)
+    return [int(v) for v in lengths]
 
 
 def prolong_like(n: int = 512, max_len: int = 131072, seed: int = 0) -> list[int]:

@@ -25,7 +25,8 @@ def test_json_all_and_emit_plan(lengths_file, tmp_path, capsys):
                "--gpu-memory-gib", "80", "--schedule", "all", "--emit-plan", str(plan_path), "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert [r["schedule"] for r in out] == ["epp", "packed-1f1b", "seq1f1b", "gpipe"]
+    assert [r["schedule"] for r in out] == ["epp", "packed-1f1b", "seq1f1b", "gpipe", "ulysses-zero3", "ring-cp",
+                                            "flexsp"]
     epp = out[0]
     assert epp["feasible"] and epp["num_tokens"] == sum(LENGTHS)
     assert epp["memory_budget_bytes"] == 80 * 2**30

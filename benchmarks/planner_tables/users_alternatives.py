@@ -1,0 +1,83 @@
+"""The systems HF users run instead of a pipeline, on the planner benchmark's batches and GPUs.
+
+The batches of the main planner table (512 sequences: real Python-stdlib lengths, the stdlib +
+Shakespeare + KJV mix, SlimPajama-like and ProLong-like synthetic ones to 128K, short ones) and its
+setups (Llama-2-7B on 4 GPUs as pp 4, Llama-2-13B on 8 GPUs as pp 8, one node, 80 GiB): EPP and the
+best pipeline baseline against ``ulysses-zero3`` (DeepSpeed-Ulysses + ZeRO-3), ``ring-cp`` (FSDP2 +
+ring attention) and ``flexsp`` on the same GPUs, each tuned per batch over its knobs (chosen knobs
+shown).  Single batches; the 32-GPU, 20-batch comparison is the paper table.
+"""
+from __future__ import annotations
+
+import random
+import sys
+
+from infinipipe_hf.data import synthetic
+from infinipipe_hf.planner.alternatives import ALTERNATIVES
+
+from .common import plan_schedules
+from .runs import fmt_k
+
+NAME = "users_alternatives"
+DESCRIPTION = "EPP vs DeepSpeed-Ulysses+ZeRO-3, FSDP2 ring CP and FlexSP on the planner benchmark's batches"
+SETUPS = (("llama2-7b", 4), ("llama2-13b", 8))
+PIPELINES = ("epp", "packed-1f1b", "seq1f1b")
+
+
+def _real(corpora: tuple[str, ...], n: int) -> list[int]:
+    from infinipipe_hf.data.corpus import document_lengths
+
+    pool = [x for c in corpora for x in document_lengths(c) if x > 0]
+    return random.Random(0).sample(pool, min(n, len(pool)))
+
+
+def batches(quick: bool) -> dict[str, list[int]]:
+    n = 128 if quick else 512
+    out = {}
+    for corpora in ((("stdlib",),) if quick else (("stdlib",), ("stdlib", "shakespeare", "kjv"))):
+        try:
+            out["real:" + "+".join(corpora)] = _real(corpora, n)
+        except Exception as exc:  # a missing optional corpus is reported, not fatal
+            print(f"skipping real:{'+'.join(corpora)}: {exc}", file=sys.stderr)
+    out["synthetic:slimpajama-like"] = synthetic.slimpajama_like(n=n, max_len=131072, seed=0)
+    out["synthetic:prolong-like"] = synthetic.prolong_like(n=n, max_len=131072, seed=0)
+    out["synthetic:short-only"] = synthetic.short_only(n=n, max_len=2048, seed=0)
+    return out
+
+
+def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:
+    rows = []
+    for model, pp in (SETUPS[:1] if quick else SETUPS):
+        for name, lengths in batches(quick).items():
+            plans = plan_schedules(lengths, model, (*PIPELINES, *ALTERNATIVES), pp=pp, memory_gib=memory_gib,
+                                   profile=profile)
+            rows.append({"model": model, "gpus": pp, "batch": name, "num_tokens": sum(lengths),
+                         "longest": max(lengths), "schedules": plans})
+            print(f"  {model} {pp} GPUs {name:<26} " + "  ".join(f"{k}={fmt_k(v['tokens_per_s'])}"
+                                                                  for k, v in plans.items()), flush=True)
+    return {"memory_budget_gib": memory_gib, "rows": rows}
+
+
+LABELS = {"sp_degree": "sp", "cp_degree": "cp", "pack_tokens": "pack", "num_rounds": "rounds",
+          "checkpoint_layers": "ckpt"}
+
+
+def _knobs(s: dict) -> str:
+    return ", ".join(f"{label} {s[k]}" for k, label in LABELS.items() if k in s)
+
+
+def markdown(report: dict) -> str:
+    lines = ["| model, GPUs | batch | EPP | best pipeline baseline | DeepSpeed-Ulysses + ZeRO-3 | FSDP2 ring CP | "
+             "FlexSP | EPP / best alternative |", "|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        s = row["schedules"]
+        base = max(("packed-1f1b", "seq1f1b"), key=lambda k: s[k]["tokens_per_s"])
+        alts = {k: s[k]["tokens_per_s"] for k in ALTERNATIVES}
+        best_alt = max(alts.values())
+        epp = s["epp"]["tokens_per_s"]
+        ratio = f"{epp / best_alt:.2f}x" if epp and best_alt else ("only EPP fits" if epp else "n/a")
+        cells = [f"{fmt_k(s[k]['tokens_per_s'])}" + (f" ({_knobs(s[k])})" if s[k]["feasible"] else "")
+                 for k in ALTERNATIVES]
+        lines.append(f"| {row['model']}, {row['gpus']} | {row['batch']} | {fmt_k(epp)} | "
+                     f"{fmt_k(s[base]['tokens_per_s'])} ({base}) | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
