@@ -280,6 +280,8 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> Sta
         idx = np.searchsorted(np.asarray(change_at), np.arange(n), side="right") - 1
         kv = np.where(idx >= 0, np.asarray(values)[np.maximum(idx, 0)], 0.0)
     base = cost.static_bytes(stage) + kv + np.where(fwd, work_f[slot], work_b[slot])
+    if _phases(cost) is not None and n:
+        base = base + cost.working.pipeline_buffers(stage, fwd, tokens[slot])
 
     fpos = bpos = None
     regular = False

@@ -36,7 +36,9 @@ unit keeps is :meth:`WorkingMemory.excess`; :meth:`WorkingMemory.bound` is a che
 bound of it (every phase's worst case), which the memory timeline keeps as its base so the
 checkpoint solver's constraints stay linear and safe, while the simulator and the validator
 evaluate the exact phases of the plan's own levels (``memory.StageTimeline.point_values``).
-Trade-off: the per-token figures are measured on one layer shape and scaled with the activation
+With the phase model the executor's buffers are counted too (:meth:`WorkingMemory.pipeline_buffers`:
+receives posted ahead, outputs held until their unit's backward); they do not depend on
+checkpointing, so they are part of every point's base.  Trade-off: the per-token figures are measured on one layer shape and scaled with the activation
 bytes; the phases ignore allocator fragmentation (none on CPU; the CUDA caching allocator's
 reserved-but-free blocks are outside the model on GPUs too).
 """
@@ -44,11 +46,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from .checkpoint_levels import FULL, MLP, MLP_ACT, CheckpointMix, norm_elements
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
     from .units import Segment
+
+RECEIVE_LOOKAHEAD = 2
+"""Receives the executor posts ahead of the running action (``PipelineExecutor(lookahead=2)``)."""
 
 KEYS = ("backward", "forward_full", "forward_mlp", "forward_mlp_act")
 """The keys of ``HardwareProfile.working_bytes_per_token`` (bytes per token, reference shape)."""
@@ -145,3 +152,26 @@ class WorkingMemory:
         else:
             worst = max(self._logits(stage, t), t * max(self.forward.values()) + ctx)
         return worst + self._unit_extra(t)
+
+    def pipeline_buffers(self, stage: int, forward: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Per action of a stage, the executor's hidden-state buffers beside the running one's input
+        and output: the receive buffers posted for the next :data:`RECEIVE_LOOKAHEAD` actions, and
+        on a non-last stage the output of every unit forwarded and not yet backward (the runner
+        keeps it, with its graph, until the unit's backward).  ``forward`` and ``tokens`` are per
+        action (tokens of its unit)."""
+        c = self.cost
+        n = len(forward)
+        per = -(-tokens.astype(np.int64) // c.sp_degree) * c.hidden_bytes_per_token
+        first, last = stage == 0, stage == c.pp_degree - 1
+        recv = np.where(forward, 0.0 if first else 1.0, 0.0 if last else 1.0) * per
+        ahead = np.zeros(n)
+        for d in range(1, RECEIVE_LOOKAHEAD + 1):
+            ahead[:-d] += recv[d:]
+        if last:
+            return ahead
+        # Outputs held from after a unit's forward (its own 2 * hidden covers the forward's point)
+        # through its backward: +per after each forward, -per after each backward.
+        delta = np.zeros(n + 1)
+        delta[1:] = np.where(forward, per, -per)
+        held = np.cumsum(delta)[:n]
+        return ahead + np.maximum(held, 0.0)

@@ -108,3 +108,21 @@ def test_timeline_applies_the_phases_everywhere(schedule):
     sim = simulate(plan, cost)
     for s in range(2):
         assert sim.peak_memory_bytes[s] == stage_peak_bytes(plan, cost, 0, s)
+
+
+def test_pipeline_buffers_by_hand():
+    """Stage 0 of pp 2 (sends outputs, receives gradients): F0 F1 B0 B1 with 100 / 50 tokens."""
+    import numpy as np
+
+    cost = _cost()
+    h = cost.hidden_bytes_per_token
+    fwd = np.array([True, True, False, False])
+    tokens = np.array([100, 50, 100, 50])
+    got = cost.working.pipeline_buffers(0, fwd, tokens)
+    # Receives posted ahead: gradients of B0 and B1 (the two actions after F1; one after B0).
+    ahead = [100 * h, 150 * h, 50 * h, 0]
+    # Outputs held: F0's from F1 on through B0; F1's from B0 through B1.
+    held = [0, 100 * h, 150 * h, 50 * h]
+    assert got.tolist() == pytest.approx([a + b for a, b in zip(ahead, held)])
+    # The last stage receives hidden states for forwards and keeps no outputs.
+    assert cost.working.pipeline_buffers(1, fwd, tokens).tolist() == pytest.approx([50 * h, 0, 0, 0])
