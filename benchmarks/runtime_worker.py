@@ -68,11 +68,14 @@ def memory_probe_step(engine, batch, plan) -> list[dict]:
     resident = _resident_bytes(engine.stage)
     dist.barrier()
     with MemoryProbe() as probe:
-        engine.train_step(batch, plan=plan)
+        out = engine.train_step(batch, plan=plan)
     lay = engine.layout
+    # The allocator's clock and the timeline's are both wall clocks: name the action at the peak.
+    at = [e.action for e in out.timeline.events if e.start_s <= probe.trace.peak_time <= e.end_s]
     mine = {"rank": lay.rank, "stage": lay.stage_index, "sp_rank": getattr(lay, "sp_rank", 0),
             "resident_bytes": resident, "step_peak_above_resident_bytes": probe.trace.peak_bytes,
-            "peak_bytes": resident + probe.trace.peak_bytes, "allocator_events": probe.trace.num_events}
+            "peak_bytes": resident + probe.trace.peak_bytes, "allocator_events": probe.trace.num_events,
+            "peak_action": at[0] if at else None}
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     return parts

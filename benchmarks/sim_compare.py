@@ -125,13 +125,23 @@ def compare_run(run: dict, cost, *, tol: float) -> dict:
                             x.rank for x in last.events if x.stage == s and x.dp_rank == r)]
             orders_equal &= executed == [str(a) for a in acts]
     replayed = statistics.median(measured_work_replay(plan, cost, tl) for tl in timelines)
+    from infinipipe_hf.planner.memory import stage_timeline
+
     mem = {}
     for stage in range(plan.pp_degree):
-        got = max((p["peak_bytes"] for p in run.get("measured_peak_memory") or [] if p["stage"] == stage),
-                  default=None)
+        ranks = [p for p in run.get("measured_peak_memory") or [] if p["stage"] == stage]
+        top = max(ranks, key=lambda p: p["peak_bytes"], default=None)
+        got = top["peak_bytes"] if top else None
         want = sim.peak_memory_bytes[stage]
+        acts = [str(a) for a in plan.stage_actions(0, stage)]
+        values = stage_timeline(plan, cost, 0, stage).point_values(
+            cost, stage, plan.checkpoint_layers.get(stage, {}), plan.checkpoint_levels.get(stage, {})).tolist()
+        where = top.get("peak_action") if top else None
         mem[str(stage)] = {"simulated_peak_bytes": want, "measured_peak_bytes": got,
-                           "relative_difference": (want - got) / got if got else None}
+                           "relative_difference": (want - got) / got if got else None,
+                           "simulated_peak_action": acts[values.index(max(values))] if values else None,
+                           "measured_peak_action": where,
+                           "simulated_bytes_at_measured_peak_action": values[acts.index(where)] if where in acts else None}
     mem_worst = max((abs(v["relative_difference"]) for v in mem.values() if v["relative_difference"] is not None),
                     default=None)
     rel = (sim.step_time_s - measured) / measured
