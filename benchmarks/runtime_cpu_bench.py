@@ -9,7 +9,7 @@ small float32 model trains it on CPU in seconds while keeping the corpus' shape 
 document carries about half the tokens).  Every schedule (``epp``, ``packed-1f1b``, ``seq1f1b``,
 ``gpipe``) runs the same batch on the same weights through ``PipelineEngine`` on gloo
 (``benchmarks/runtime_worker.py``, one thread per rank), planned by the engine's own planner with
-a CPU profile fitted on this machine (``sim_vs_real.fit_cpu_profile``) and a memory budget small
+a CPU profile fitted on this machine (``cpu_profile.fit_cpu_profile``) and a memory budget small
 enough that one unsliced, uncheckpointed unit of the longest document does not fit, so the
 planners must slice, pack and checkpoint as they would on a GPU at scale.
 
@@ -30,7 +30,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from sim_vs_real import MODEL, fit_cpu_profile, launch  # noqa: E402
+from cpu_profile import MODEL, fit_cpu_profile  # noqa: E402
+from sim_vs_real import launch  # noqa: E402
 
 SCHEDULES = ["epp", "packed-1f1b", "seq1f1b", "gpipe"]
 

@@ -3,18 +3,26 @@
     torchrun --standalone --nproc_per_node 2 benchmarks/runtime_worker.py SPEC.json
 
 ``SPEC.json``: ``{"model": {LlamaConfig kwargs}, "lengths": [...], "schedules": [...],
-"pp_degree": 2, "profile": PATH | null, "memory_budget_gib": x | null, "warmup": 1, "steps": 2,
-"seed": 0, "out": PATH}`` (optional ``max_tokens_per_unit``, ``num_slices``).  For each schedule the worker builds the same random model (same seed,
-so the same weights), runs ``warmup`` untimed steps and ``steps`` timed steps on the same batch
-(gradients zeroed between steps, no optimizer: weights never change, so every step's loss is the
-same number), gathers the merged timeline of the last timed step, and rank 0 writes one JSON with
-per-schedule losses, wall times, timeline and plan.  Design: one launch for all schedules because
+"pp_degree": 2, "profile": PATH | null, "memory_budget_gib": x | {schedule: x} | null, "warmup": 1, "steps": 2,
+"seed": 0, "out": PATH}`` (optional ``max_tokens_per_unit``, ``num_slices``, ``sp_degree``,
+``loss_chunk_tokens``, ``memory_probe``).  For each schedule the worker builds the same random
+model (same seed, so the same weights), runs ``warmup`` untimed steps and ``steps`` timed steps on
+the same batch (gradients zeroed between steps, no optimizer: weights never change, so every
+step's loss is the same number).  The plan of the first step is reused by the later ones (a
+solver time limit could otherwise plan a timed step differently from the simulated one, and
+planning is not pipeline time).  Every timed step's merged timeline is gathered (its span is the
+executed pipeline's step time), and the cores other processes used meanwhile (``/proc/stat``'s
+busy time less this run's processes' CPU time, over the step's wall time).  With ``memory_probe`` one more step runs under the CPU
+allocator's event probe (``profiling/memory_events.py``): each rank's peak is the bytes of its
+stage's weights and buffers (alive before the step) plus the probe's peak above them.  Rank 0
+writes one JSON with per-schedule losses, wall times, timelines, plan and peaks.  Design: one launch for all schedules because
 process start-up and gloo rendezvous cost more than a small step; each rank pins one thread so the
 two ranks do not fight over the cores and timings mean what the cost model assumes.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +31,54 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all processes of the machine have used (``/proc/stat``), 0 where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def budget_gib(spec: dict, schedule: str) -> float | None:
+    """``memory_budget_gib``: one number for every schedule, or a dict schedule -> GiB."""
+    b = spec.get("memory_budget_gib")
+    return b.get(schedule) if isinstance(b, dict) else b
+
+
+def _resident_bytes(module) -> int:
+    """Bytes of the distinct storages of a module's parameters and buffers."""
+    seen = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return int(sum(seen.values()))
+
+
+def memory_probe_step(engine, batch, plan) -> list[dict]:
+    """One more step under the allocator-event probe; every rank's peak, gathered on all ranks."""
+    from infinipipe_hf.profiling.memory_events import MemoryProbe
+
+    for p in engine.parameters():
+        p.grad = None
+    resident = _resident_bytes(engine.stage)
+    dist.barrier()
+    with MemoryProbe() as probe:
+        out = engine.train_step(batch, plan=plan)
+    lay = engine.layout
+    # The allocator's clock and the timeline's are both wall clocks: name the action at the peak.
+    at = [e.action for e in out.timeline.events if e.start_s <= probe.trace.peak_time <= e.end_s]
+    mine = {"rank": lay.rank, "stage": lay.stage_index, "sp_rank": getattr(lay, "sp_rank", 0),
+            "resident_bytes": resident, "step_peak_above_resident_bytes": probe.trace.peak_bytes,
+            "peak_bytes": resident + probe.trace.peak_bytes, "allocator_events": probe.trace.num_events,
+            "peak_action": at[0] if at else None}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return parts
 
 
 def main(spec_path: str) -> None:
@@ -45,43 +101,55 @@ def main(spec_path: str) -> None:
         cfg._attn_implementation = "sdpa"
         model = transformers.LlamaForCausalLM(cfg).float()
         engine = PipelineEngine(model, InfiniPipeConfig(
-            pp_degree=spec["pp_degree"], schedule=schedule, profile=spec.get("profile"),
-            memory_budget_gib=spec.get("memory_budget_gib"), p2p_timeout_s=600,
-            loss_chunk_tokens=spec.get("loss_chunk_tokens", 4096),
+            pp_degree=spec["pp_degree"], sp_degree=spec.get("sp_degree", 1), schedule=schedule,
+            profile=spec.get("profile"), memory_budget_gib=budget_gib(spec, schedule), p2p_timeout_s=600,
+            loss_chunk_tokens=spec.get("loss_chunk_tokens", 4096), seed_plan_on_rank0=True,
             max_tokens_per_unit=spec.get("max_tokens_per_unit"), num_slices=spec.get("num_slices")))
-        times, losses, out = [], [], None
-        for i in range(spec.get("warmup", 1) + spec.get("steps", 2)):
+        times, spans, timelines, losses, background, out, plan, sim = [], [], [], [], [], None, None, None
+        warmup = spec.get("warmup", 1)
+        for i in range(warmup + spec.get("steps", 2)):
             for p in engine.parameters():
                 p.grad = None
             dist.barrier()
+            busy0, cpu0 = machine_busy_s(), time.process_time()
             t0 = time.perf_counter()
             try:
-                out = engine.train_step(batch)
+                out = engine.train_step(batch, plan=plan)
             except ValueError as exc:  # no feasible plan: the planner is deterministic, every rank agrees
                 if rank == 0:
                     results[schedule] = {"error": str(exc)}
                     print(f"[rank 0] {schedule}: {exc}", flush=True)
+                out = None
                 break
             dist.barrier()
             dt = time.perf_counter() - t0
-            if i >= spec.get("warmup", 1):
+            busy = machine_busy_s() - busy0
+            ours = [None] * dist.get_world_size()
+            dist.all_gather_object(ours, time.process_time() - cpu0)
+            if plan is None:
+                plan, sim = out.plan, out.simulation
+            if i >= warmup:
                 times.append(dt)
                 losses.append(out.loss)
+                # Cores other processes used meanwhile: the machine's busy time less this run's.
+                background.append(max(busy - sum(ours), 0.0) / dt)
+                merged = engine.gather_timeline(out.timeline)
+                spans.append(merged.span_s)
+                timelines.append(merged.relative().to_dict())
         if out is None:
             continue
-        timeline = engine.gather_timeline(out.timeline)
-        sim = out.simulation
+        peaks = memory_probe_step(engine, batch, plan) if spec.get("memory_probe") else None
         if rank == 0:
             results[schedule] = {
-                "losses": losses, "step_wall_s": times,
-                "timeline": timeline.relative().to_dict(),
-                "timeline_span_s": timeline.span_s,
-                "plan": out.plan.to_dict(), "plan_info": dict(out.plan.info),
+                "losses": losses, "step_wall_s": times, "step_span_s": spans, "background_cores": background,
+                "timeline": timelines[-1], "timelines": timelines, "timeline_span_s": spans[-1],
+                "plan": plan.to_dict(), "plan_info": dict(plan.info),
                 "simulated_step_s": sim.step_time_s if sim is not None else None,
                 "simulated_peak_memory_bytes": list(sim.peak_memory_bytes) if sim is not None else None,
-                "num_units": len(out.plan.units), "num_pipelines": out.plan.num_pipelines,
+                "num_units": len(plan.units), "num_pipelines": plan.num_pipelines,
+                **({"measured_peak_memory": peaks} if peaks is not None else {}),
             }
-            print(f"[rank 0] {schedule}: {len(out.plan.units)} units, loss {losses[-1]:.10f}, "
+            print(f"[rank 0] {schedule}: {len(plan.units)} units, loss {losses[-1]:.10f}, "
                   f"steps {['%.3f' % t for t in times]} s", flush=True)
         del engine, model
     if rank == 0:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from .checkpoint_levels import FULL, LevelCosts, act_elements, norm_elements
 from .hardware import HardwareProfile, TimeCoefficients, default_profile, reference_spec
@@ -33,6 +33,9 @@ from .model_spec import ModelSpec
 from .model_states import ShardedStates, StatePrecision
 from .ulysses_cost import UlyssesCost, tokens_per_gpu
 from .units import Segment
+
+if TYPE_CHECKING:
+    from .working_memory import WorkingMemory
 
 GIB = 1024**3
 
@@ -322,6 +325,14 @@ class CostModel:
         tokens = sum(seg.end - seg.start for seg in segments)
         return (self.activation_bytes_per_checkpointed_layer(stage_index, tokens)
                 + self.context_bytes_per_layer(segments))
+
+    @cached_property
+    def working(self) -> "WorkingMemory | None":
+        """Phase model of a running action's working memory, when the profile measured it
+        (``working_memory.py``); None: :meth:`working_bytes` is the model."""
+        from .working_memory import WorkingMemory
+
+        return WorkingMemory(self) if self.profile.working_bytes_per_token else None
 
     @cached_property
     def levels(self) -> LevelCosts:

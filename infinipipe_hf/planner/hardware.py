@@ -99,6 +99,17 @@ class HardwareProfile:
     """GPUs per node (8 on DGX/HGX H100): decides which groups of the rank layout cross nodes."""
     memory_gib: float = 80.0
     """Device memory the profile was taken on; the default per-stage budget derives from it."""
+    working_bytes_per_token: dict[str, float] = field(default_factory=dict)
+    """Measured working memory of a running action, bytes per token on the reference shape:
+    ``backward`` (one layer's gradient temporaries), ``forward_full`` / ``forward_mlp`` /
+    ``forward_mlp_act`` (what a layer at that checkpoint level holds while it runs beyond what it
+    keeps).  Set: the memory model takes a running action's peak phase by phase
+    (``planner/working_memory.py``); empty (default): the linear bound of ``CostModel.working_bytes``."""
+    shared_cores: float = 0.0
+    """Cores that all ranks of a run share (CPU runs of several single-threaded ranks on one
+    machine); the simulator then runs at most this many ranks at full speed and shares the cores
+    equally among the busy ones (``planner/shared_replay.py``).  0 (default): every rank has a
+    device of its own, as on GPUs."""
     device: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     """Versions and notes recorded by the profiler (torch, transformers, GPU...)."""
@@ -109,6 +120,12 @@ class HardwareProfile:
                 raise ValueError(f"profile field {name} must be > 0 (bytes per second), got {getattr(self, name)!r}")
         if not self.collective_latency_s >= 0:
             raise ValueError(f"profile field collective_latency_s must be >= 0, got {self.collective_latency_s!r}")
+        from .working_memory import check_working_fields
+
+        check_working_fields(self.working_bytes_per_token)
+        if not self.shared_cores >= 0:
+            raise ValueError(f"profile field shared_cores must be >= 0 (0: a device per rank), got "
+                             f"{self.shared_cores!r}")
         if int(self.gpus_per_node) != self.gpus_per_node or self.gpus_per_node < 1:
             raise ValueError(f"profile field gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
 

@@ -51,6 +51,22 @@ def _finer_bytes(cost: CostModel, tokens: int, counts: Mapping[str, int] | None)
     return cost.levels.finer_saved_bytes(tokens, CheckpointMix.of(0, counts))
 
 
+def _phases(cost: CostModel):
+    """The cost model's phase model of working memory, or None (duck-typed test costs have none)."""
+    return getattr(cost, "working", None)
+
+
+def _working_correction(cost: CostModel, stage: int, segments, full: int,
+                        finer: Mapping[str, int] | None) -> tuple[float, float]:
+    """(forward, backward): the phase model's working bytes of a unit at this mix minus its bound."""
+    w = cost.working
+    tokens = sum(s.end - s.start for s in segments)
+    ctx = cost.context_bytes_per_layer(segments)
+    mix = CheckpointMix.of(full, finer)
+    return (w.excess(stage, segments, mix, False) - w.bound(stage, tokens, ctx, False),
+            w.excess(stage, segments, mix, True) - w.bound(stage, tokens, ctx, True))
+
+
 @dataclass(frozen=True)
 class MemoryPoint:
     """Memory of one stage at the peak of one of its actions."""
@@ -62,6 +78,10 @@ class MemoryPoint:
     live_units: tuple[int, ...]
     """Units whose activations are held at that point (forward done or running, backward not
     finished), the running one included, in the order of their forwards."""
+    running_unit: int | None = None
+    """The unit of the action at this point (its working memory is part of ``base_bytes``)."""
+    forward: bool = True
+    """Whether that action is a forward."""
 
 
 @dataclass(eq=False)
@@ -84,6 +104,8 @@ class StageTimeline:
     """Every unit has exactly one forward, then one backward, on the stage."""
     context_bytes: dict[int, float] = field(default_factory=dict)
     """Per unit slot with context: :meth:`CostModel.context_bytes_per_layer` (others are 0)."""
+    segments: list = field(default_factory=list)
+    """Per unit slot: the unit's segments."""
     fpos: np.ndarray | None = None
     """``regular`` only: action index of each unit's forward (increasing)."""
     bpos: np.ndarray | None = None
@@ -114,13 +136,16 @@ class StageTimeline:
         if n == 0:
             return np.zeros(0)
         act = self.activations(cost, stage, checkpoint_layers, checkpoint_levels)
+        base = self.base
+        if _phases(cost) is not None:
+            base = base + self.working_corrections(cost, stage, checkpoint_layers, checkpoint_levels)
         if self.regular:
             # Interleave "+act at the forward" and "-act after the backward" in action order, so
             # the cumulative sum performs the same float operations as the per-action loop.
             delta = np.zeros(2 * n)
             delta[2 * self.fpos] = act
             delta[2 * self.bpos + 1] = -act
-            return self.base + np.cumsum(delta)[0::2]
+            return base + np.cumsum(delta)[0::2]
         values = np.empty(n)
         held: dict[int, float] = {}
         live_sum = 0.0
@@ -128,10 +153,20 @@ class StageTimeline:
             if k not in held:
                 held[k] = float(act[k])
                 live_sum += held[k]
-            values[j] = float(self.base[j]) + live_sum
+            values[j] = float(base[j]) + live_sum
             if not fw:
                 live_sum -= held.pop(k)
         return values
+
+    def working_corrections(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
+                            checkpoint_levels: LevelCounts | None = None) -> np.ndarray:
+        """Per action: the exact working memory of its unit's levels minus the bound in ``base``
+        (<= 0; only with a measured phase model, ``cost.working``)."""
+        levels = checkpoint_levels or {}
+        corr = np.zeros((len(self.units), 2))
+        for k, u in enumerate(self.units.tolist()):
+            corr[k] = _working_correction(cost, stage, self.segments[k], checkpoint_layers.get(u, 0), levels.get(u))
+        return np.where(self.forward, corr[self.slot, 0], corr[self.slot, 1])
 
     def peak(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
              checkpoint_levels: LevelCounts | None = None) -> float:
@@ -188,6 +223,7 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> Sta
     work_f = np.empty(nu)
     work_b = np.empty(nu)
     context_bytes: dict[int, float] = {}
+    segments: list = []
     for k, u in enumerate(units.tolist()):
         unit = by_id.get(u)
         if unit is None:
@@ -205,8 +241,13 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> Sta
             if seg.start == 0:
                 frees[k].append(seg.seq)  # the first slice's backward is the sequence's last
         tokens[k] = t
-        work_f[k] = cost.working_bytes(stage, t, 0, backward=False)
-        work_b[k] = cost.working_bytes(stage, t, 1, backward=True)
+        segments.append(unit.segments)
+        if _phases(cost) is None:
+            work_f[k] = cost.working_bytes(stage, t, 0, backward=False)
+            work_b[k] = cost.working_bytes(stage, t, 1, backward=True)
+        else:  # the phase model's bound over every checkpoint mix (exact values: point_values)
+            work_f[k] = cost.working.bound(stage, t, extra, backward=False)
+            work_b[k] = cost.working.bound(stage, t, extra, backward=True)
 
     # KV store: the same float operations as a per-action loop, but only at the actions that
     # change it (forwards adding K/V, backwards freeing a sequence that has some).
@@ -239,6 +280,8 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> Sta
         idx = np.searchsorted(np.asarray(change_at), np.arange(n), side="right") - 1
         kv = np.where(idx >= 0, np.asarray(values)[np.maximum(idx, 0)], 0.0)
     base = cost.static_bytes(stage) + kv + np.where(fwd, work_f[slot], work_b[slot])
+    if _phases(cost) is not None and n:
+        base = base + cost.working.pipeline_buffers(stage, fwd, tokens[slot])
 
     fpos = bpos = None
     regular = False
@@ -252,7 +295,7 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> Sta
             regular = bool((fpos >= 0).all() and (bpos >= 0).all() and (fpos < bpos).all())
         if not regular:
             fpos = bpos = None
-    return StageTimeline(actions, units, tokens, slot, fwd, base, regular, context_bytes, fpos, bpos)
+    return StageTimeline(actions, units, tokens, slot, fwd, base, regular, context_bytes, segments, fpos, bpos)
 
 
 def memory_points(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list[MemoryPoint]:
@@ -269,12 +312,12 @@ def timeline_points(tl: StageTimeline) -> list[MemoryPoint]:
         u = units[k]
         if fw:
             live[u] = None
-            points.append(MemoryPoint(i, base, tuple(live)))
+            points.append(MemoryPoint(i, base, tuple(live), u, True))
         else:
             # A backward without its forward is the validator's to report; count the unit live
             # while it runs so the point is still conservative.
             live.setdefault(u, None)
-            points.append(MemoryPoint(i, base, tuple(live)))
+            points.append(MemoryPoint(i, base, tuple(live), u, False))
             del live[u]
     return points
 
@@ -286,6 +329,10 @@ def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
     by_id = plan.unit_by_id
     levels = checkpoint_levels or {}
     total = point.base_bytes
+    if _phases(cost) is not None and point.running_unit is not None:
+        u = point.running_unit
+        total += _working_correction(cost, stage, by_id[u].segments, checkpoint_layers.get(u, 0),
+                                     levels.get(u))[0 if point.forward else 1]
     for uid in point.live_units:
         segs = by_id[uid].segments
         total += (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(uid, 0))
@@ -332,7 +379,11 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
             act[a.unit] = (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(a.unit, 0))
                            - _finer_bytes(cost, sum(s.end - s.start for s in segs), levels.get(a.unit)))
             live_sum += act[a.unit]
-        peak = max(peak, p.base_bytes + live_sum)
+        base = p.base_bytes
+        if _phases(cost) is not None:
+            base += _working_correction(cost, stage, by_id[a.unit].segments, checkpoint_layers.get(a.unit, 0),
+                                        levels.get(a.unit))[0 if a.is_forward else 1]
+        peak = max(peak, base + live_sum)
         if not a.is_forward:
             live_sum -= act.pop(a.unit)
     return peak

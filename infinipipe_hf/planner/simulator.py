@@ -13,6 +13,10 @@ a group of GPUs working on each unit in lockstep.
 Memory per action comes from :mod:`memory` (the same points the checkpoint solver constrains), so
 simulator, solver and validator agree on what "fits" means.
 
+When the profile says the ranks share a few cores (``HardwareProfile.shared_cores``, CPU runs)
+the replicas are replayed together with processor sharing (:mod:`shared_replay`): durations are
+then work at full speed, stretched while more ranks compute than there are cores.
+
 Trade-off: the memory timeline records each action's *peak* from its start until the next
 action starts; idle gaps therefore show the previous peak rather than the lower resident level.
 That is conservative and is what decides feasibility; the exact shape between peaks is not
@@ -29,6 +33,7 @@ from .cost_model import CostModel, UnitShape
 from .memory import stage_timeline
 from .plan import Plan
 from .replay import replay
+from .shared_replay import shared_replay
 
 
 @dataclass
@@ -130,9 +135,14 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
             raise missing(a.unit)
         return cost.transfer_time(by_id[a.unit].num_tokens)
 
-    for r in sorted(plan.actions):
+    replicas = sorted(plan.actions)
+    cores = float(getattr(getattr(cost, "profile", None), "shared_cores", 0.0) or 0.0)
+    shared = (dict(zip(replicas, shared_replay([plan.actions[r] for r in replicas], duration, transfer,
+                                               cores=cores, ranks_per_stage=plan.sp_degree)))
+              if cores else None)
+    for r in replicas:
         stage_actions = plan.actions[r]
-        rep = replay(stage_actions, duration, transfer)
+        rep = shared[r] if shared is not None else replay(stage_actions, duration, transfer)
         if not rep.complete:
             stuck = ", ".join(f"stage {s} at {stage_actions[s][i]} (#{i})" for s, i in rep.stuck(stage_actions))
             raise PlanDeadlockError(f"dp replica {r} deadlocks: {stuck} wait forever; run "

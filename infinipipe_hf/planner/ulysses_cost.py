@@ -131,12 +131,16 @@ class UlyssesCost:
         ``act_elements`` is the per-token element count the layer saves; its head-shaped part
         (q, attention output: ``q_dim`` each; k, v: ``kv_dim`` each) is held head-sharded over all
         tokens, i.e. ``ceil(heads / sp) * sp / heads`` times its share per GPU token (1 when the
-        heads divide evenly).
+        heads divide evenly).  The attention output is also held token-sharded: unsplit, SDPA's
+        output is ``o_proj``'s input (one buffer), but under SP the all-to-all between them makes a
+        second copy, which ``o_proj`` keeps: ``q_dim`` more elements per GPU token (measured with
+        ``saved_tensors_hooks`` at sp 2, tests/distributed/workers/sp_memory_model.py).
         """
         spec, sp = self.spec, self.sp_degree
         head_part = 2 * spec.q_dim + 2 * spec.kv_dim
         sharded = (2 * self.q_heads + 2 * self.kv_heads) * spec.head_dim * sp
-        return (act_elements - head_part + sharded) / act_elements
+        token_sharded_output = spec.q_dim if sp > 1 else 0
+        return (act_elements - head_part + sharded + token_sharded_output) / act_elements
 
     # --- time ------------------------------------------------------------------------------
     def layer_coefficients(self, single_gpu: TimeCoefficients) -> TimeCoefficients:

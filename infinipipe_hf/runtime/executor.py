@@ -76,6 +76,7 @@ class PipelineExecutor:
                 next_post += 1
 
             start = time.time()
+            cpu0 = time.thread_time()
             waited0 = self.comm.wait_time_s if self.comm else 0.0
             label = str(action)
             data = self.comm.wait(pending.pop(i), step=step, action=label) if i in pending else None
@@ -93,7 +94,7 @@ class PipelineExecutor:
                     sends.append(self.comm.post_send(grad_in, GRAD, action.unit))
             waited = (self.comm.wait_time_s if self.comm else 0.0) - waited0
             timeline.add(TimelineEvent(lay.rank, lay.stage_index, lay.dp_rank, label, start,
-                                       time.time(), waited))
+                                       time.time(), waited, time.thread_time() - cpu0))
             # Drop references to sends that already went out so their buffers can be freed.
             sends = [s for s in sends if not s.work.is_completed()]
 

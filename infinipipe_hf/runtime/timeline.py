@@ -24,6 +24,10 @@ class TimelineEvent:
     end_s: float
     wait_s: float = 0.0
     """Time inside [start_s, end_s] spent blocked on a receive from a peer."""
+    cpu_s: float = 0.0
+    """CPU seconds the rank's thread used inside [start_s, end_s] (``time.thread_time``): the
+    action's work.  Wall time beyond ``cpu_s + wait_s`` is time the scheduler gave the core to
+    another process (ranks sharing cores, or other jobs)."""
 
     @property
     def duration_s(self) -> float:
@@ -68,7 +72,7 @@ class Timeline:
     def relative(self) -> "Timeline":
         t0 = self.start_s
         return Timeline(self.step, [TimelineEvent(e.rank, e.stage, e.dp_rank, e.action,
-                                                  e.start_s - t0, e.end_s - t0, e.wait_s)
+                                                  e.start_s - t0, e.end_s - t0, e.wait_s, e.cpu_s)
                                     for e in self.events])
 
     @staticmethod

@@ -6,7 +6,7 @@ import pytest
 
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.collectives import all_gather_time, all_reduce_time
-from infinipipe_hf.planner.cost_model import GIB, CostModel, UnitShape
+from infinipipe_hf.planner.cost_model import _act_elements, GIB, CostModel, UnitShape
 from infinipipe_hf.planner.hardware import default_profile
 from infinipipe_hf.planner.model_spec import ModelSpec
 from infinipipe_hf.planner.units import Segment
@@ -89,10 +89,14 @@ def test_sp_above_head_count_is_a_clear_error():
 def test_memory_per_gpu_divides_by_sp_with_ceil():
     one = CostModel(LLAMA2_7B, pp_degree=4)
     four = CostModel(LLAMA2_7B, pp_degree=4, sp_degree=4)
-    # 1001 tokens over 4 GPUs: the busiest holds 251.
-    assert four.activation_bytes(1, 1001, 2) == pytest.approx(one.activation_bytes(1, 251, 2), rel=1e-12)
+    # 1001 tokens over 4 GPUs: the busiest holds 251, and each non-checkpointed layer keeps the
+    # attention output twice (head-sharded for SDPA, token-sharded for o_proj): q_dim more per token.
+    # (q_dim elements' share of the profile's measured per-token bytes).
+    dup = 251 * one.act_bytes_per_token * LLAMA2_7B.q_dim / _act_elements(LLAMA2_7B, PROFILE.bytes_per_element)
+    kept = four.layers_per_stage[1] - 2
+    assert four.activation_bytes(1, 1001, 2) == pytest.approx(one.activation_bytes(1, 251, 2) + kept * dup, rel=1e-12)
     assert four.activation_bytes_per_checkpointed_layer(1, 1001) == pytest.approx(
-        one.activation_bytes_per_checkpointed_layer(1, 251), rel=1e-12)
+        one.activation_bytes_per_checkpointed_layer(1, 251) + dup, rel=1e-12)
     assert four.kv_bytes(1, 5000) == one.kv_bytes(1, 5000) / 4  # K/V of 8 of the 32 heads
     seg = [Segment(0, 3000, 4000)]
     assert four.context_bytes_per_layer(seg) == one.context_bytes_per_layer(seg) / 4

@@ -1,0 +1,177 @@
+"""Fit the CPU cost profile of the benchmark model on this machine, from separate measurements.
+
+    python benchmarks/cpu_profile.py [--out benchmarks/results/cpu_profile.json] [--quick]
+
+Every piece of a pipeline action is timed on its own, through the runtime's code
+(``infinipipe_hf/profiling/runtime_rows.py``, one thread, per-thread CPU seconds, medians of
+interleaved repeats): a decoder layer's forward and backward on whole sequences, on slices that
+carry K/V context and on packs of several sequences; the same with each checkpoint level (whole
+layer, ``mlp``, ``mlp_act``); the chunked loss; the embedding; the elementwise product the
+``mlp_act`` level redoes; gloo point-to-point messages between two processes
+(``benchmarks/p2p_worker.py``); the allocator peaks of a one-layer unit at each level (the
+working memory of ``planner/working_memory.py``).  ``planner/runtime_fit.py`` fits the cost model's coefficients to
+the *fit* shapes, and the profile is then checked on *held-out* shapes it never saw (other
+lengths, contexts and packs, every checkpoint level: recompute is derived, never fitted), giving
+measured / predicted per row.  Memory fields come from the cost model's formulas in float32
+(checked against ``saved_tensors_hooks`` in ``tests/unit/test_memory_model_vs_runtime.py``) and
+``state_bytes_per_param = 8`` (float32 weights and gradients; the benchmarks run no optimizer).
+``shared_cores`` is this machine's core count: the ranks of a run share them.
+
+Imported by ``sim_vs_real.py`` and ``runtime_cpu_bench.py`` (``fit_cpu_profile``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=8192,
+             tie_word_embeddings=False)
+LOSS_CHUNK_TOKENS = 1024
+P2P_BYTES = [65536, 262144, 1048576, 2097152, 4194304]
+
+# (segments, level): whole sequences, slices with context, packs; level None.
+FIT_SHAPES = ([((0, n),) for n in (64, 128, 256, 512, 768, 1024, 1536, 2048)]
+              + [((c, c + s),) for s, c in ((256, 256), (512, 512), (256, 768), (512, 1024), (128, 1024),
+                                            (1024, 1024), (384, 1664))]
+              + [tuple((0, n) for n in p) for p in ((64,) * 8, (128,) * 4, (256, 128, 128), (300, 100, 60, 40),
+                                                     (512, 256, 128, 64))])
+HELD_OUT_SHAPES = ([((0, n),) for n in (384, 1280)]
+                   + [((c, c + s),) for s, c in ((640, 640), (192, 1344), (768, 1280))]
+                   + [tuple((0, n) for n in p) for p in ((32,) * 16, (200, 150, 100, 62), (700, 300))])
+LEVEL_SHAPES = [((0, 512),), ((0, 1024),), ((512, 1024),), ((1024, 1536),)]
+FIT_LOSS, HELD_OUT_LOSS = (128, 512, 1024, 2048), (768, 1536)
+FIT_EMB, HELD_OUT_EMB = (128, 512, 2048), (1024,)
+
+
+def spec_of(model_cfg: dict):
+    from infinipipe_hf.planner.model_spec import ModelSpec
+
+    return ModelSpec.from_config_dict({"model_type": "llama", **model_cfg})
+
+
+def measure_p2p(timeout_s: float = 300) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "p2p.json"
+        torchrun = Path(sys.executable).parent / "torchrun"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        p = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", str(HERE / "p2p_worker.py"),
+                            str(out), *map(str, P2P_BYTES)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
+        if p.returncode != 0:
+            raise RuntimeError(f"p2p_worker failed (exit {p.returncode}):\n{p.stdout[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def measure_rows(model_cfg: dict, *, repeat: int, held_out: bool, log=print) -> list[dict]:
+    """Rows of the fit shapes (``held_out=False``) or of the held-out ones (module docstring)."""
+    import torch
+    import transformers
+
+    from infinipipe_hf.profiling.runtime_rows import (UnitCase, measure_elementwise_rows, measure_embedding_rows,
+                                                      measure_loss_rows, measure_memory_rows, measure_unit_rows)
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**model_cfg)).float()
+    if held_out:
+        cases = [UnitCase(s) for s in HELD_OUT_SHAPES] + [
+            UnitCase(s, lv) for s in LEVEL_SHAPES for lv in ("full", "mlp", "mlp_act")]
+        loss, emb = HELD_OUT_LOSS, HELD_OUT_EMB
+    else:
+        cases, loss, emb = [UnitCase(s) for s in FIT_SHAPES], FIT_LOSS, FIT_EMB
+    t0 = time.time()
+    rows = measure_unit_rows(copy.deepcopy(model), cases, repeat=repeat)
+    rows += measure_loss_rows(copy.deepcopy(model), loss, loss_chunk_tokens=LOSS_CHUNK_TOKENS, repeat=repeat)
+    rows += measure_embedding_rows(copy.deepcopy(model), emb, repeat=repeat)
+    if not held_out:
+        rows += measure_elementwise_rows(copy.deepcopy(model), (512, 2048), repeat=repeat)
+        rows += measure_memory_rows(copy.deepcopy(model), 512)
+    log(f"  {'held-out' if held_out else 'fit'} rows: {len(rows)} in {time.time() - t0:.0f} s")
+    return rows
+
+
+def fit_cpu_profile(quick: bool = False, log=print, model_cfg: dict | None = None):
+    """``(profile, report)``: the fitted profile and a JSON-able report (rows, held-out errors, load)."""
+    from infinipipe_hf.planner.checkpoint_levels import act_elements
+    from infinipipe_hf.planner.runtime_fit import fit_runtime_profile, row_errors, worst_error
+
+    model_cfg = model_cfg or MODEL
+    spec = spec_of(model_cfg)
+    repeat = 3 if quick else 9
+    load_before = os.getloadavg()
+    t0 = time.time()
+    fit_rows = measure_rows(model_cfg, repeat=repeat, held_out=False, log=log)
+    p2p = measure_p2p()
+    held = measure_rows(model_cfg, repeat=repeat, held_out=True, log=log)
+    profile = fit_runtime_profile(
+        fit_rows + p2p, spec, name="cpu-fp32-1thread-runtime-rows", bytes_per_element=4,
+        activation_bytes_per_token_per_layer=act_elements(spec.hidden_size, spec.intermediate_size,
+                                                          spec.kv_dim, 4) * 4.0,
+        attention_mask_bytes_per_element=4.0, state_bytes_per_param=8.0, shared_cores=float(os.cpu_count()),
+        memory_gib=64.0, device="cpu", gpus_per_node=64,
+        meta={"note": "per-thread CPU seconds through the runtime; benchmarks/cpu_profile.py"})
+    # SP all-to-alls go over the same gloo loopback as the pipeline's messages; every rank is on
+    # this one machine (gpus_per_node = 64: no group crosses "nodes").
+    profile = dataclasses.replace(profile, intra_node_bandwidth_bytes_per_s=profile.p2p_bandwidth_bytes_per_s,
+                                  inter_node_bandwidth_bytes_per_s=profile.p2p_bandwidth_bytes_per_s,
+                                  collective_latency_s=profile.p2p_latency_s)
+    fit_err, held_err = row_errors(profile, spec, fit_rows), row_errors(profile, spec, held)
+    report = {
+        "machine": machine(), "load_before": load_before, "load_after": os.getloadavg(),
+        "elapsed_s": time.time() - t0, "repeat": repeat, "model": model_cfg,
+        "loss_chunk_tokens": LOSS_CHUNK_TOKENS, "p2p_rows": p2p,
+        "fit_rows": fit_rows, "held_out_rows": held,
+        "fit_errors": fit_err, "held_out_errors": held_err,
+        "fit_worst_relative_error": worst_error(fit_err),
+        "held_out_worst_relative_error": worst_error(held_err),
+        "profile": profile.to_dict(),
+    }
+    log(f"  profile fitted in {report['elapsed_s']:.0f} s: worst |measured/predicted - 1| "
+        f"{report['fit_worst_relative_error']:.3f} on fit rows, {report['held_out_worst_relative_error']:.3f} held out")
+    return profile, report
+
+
+def machine() -> dict:
+    import platform
+
+    import torch
+    import transformers
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "threads_per_rank": 1, "backend": "gloo",
+            "note": "cores shared with other jobs (other sessions' tests); load averages recorded"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(HERE / "results" / "cpu_profile.json"))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    profile, report = fit_cpu_profile(args.quick, log=lambda s: print(s, file=sys.stderr))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    for e in report["held_out_errors"]:
+        what = e.get("segments", e.get("tokens"))
+        print(f"{e['kind']:>10} {str(what)[:40]:<40} {str(e.get('level') or ''):>8}  "
+              f"measured/predicted fwd {e['fwd_ratio']:.3f} bwd {e['bwd_ratio']:.3f}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

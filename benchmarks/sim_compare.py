@@ -1,0 +1,180 @@
+"""Compare one executed step with the simulator: order, step time, per-action breakdown, memory.
+
+Used by ``sim_vs_real.py``.  Given the executed plan, the merged timelines of the timed steps
+(per action: wall start/end, time blocked on a peer, the thread's CPU seconds) and every rank's
+peak memory (``runtime_worker.memory_probe_step``), and the cost model the engine planned with:
+
+- step time: the simulated step (``planner.simulator.simulate``, processor sharing when the
+  profile sets ``shared_cores``) against the median span of the executed pipelines;
+- where the difference goes, per (stage, F/B): the cost model's work against the measured CPU
+  seconds (the *cost model's* error), and the wall seconds the actions took beyond their CPU
+  seconds and waits (time the rank was descheduled: sharing the cores with the other ranks,
+  which the simulator models, or with other jobs, which it does not);
+- a *measured-work replay*: the same replay with every action's work set to its measured CPU
+  seconds.  Its step against the measured span is the error of the machine model alone
+  (sharing, transfers, the executor's glue between actions), the simulated step against it the
+  error of the per-action costs alone;
+- background: the cores other processes used while the steps ran, and as a diagnostic the
+  simulated step on the cores they left free (the simulator's own figure assumes none used);
+- memory: per stage, the simulator's peak (``SimulationResult.peak_memory_bytes``) against the
+  largest measured peak of the stage's ranks.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+
+def _actions_work(plan, cost):
+    """``duration(stage, action)`` and ``transfer(action)`` exactly as the simulator prices them."""
+    from infinipipe_hf.planner.checkpoint_levels import CheckpointMix
+    from infinipipe_hf.planner.cost_model import UnitShape
+
+    shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
+    by_id = plan.unit_by_id
+
+    def duration(stage, a):
+        if a.is_forward:
+            return cost.forward_time(stage, shapes[a.unit])
+        t = cost.backward_time(stage, shapes[a.unit], plan.checkpointed(stage, a.unit))
+        finer = plan.checkpoint_levels.get(stage, {}).get(a.unit)
+        return t + (cost.levels.finer_recompute_s(shapes[a.unit], CheckpointMix.of(0, finer)) if finer else 0.0)
+
+    def transfer(a):
+        return cost.transfer_time(by_id[a.unit].num_tokens)
+
+    return duration, transfer
+
+
+def measured_work_replay(plan, cost, timeline) -> float:
+    """Step time of the simulator's replay with each action's work = its measured CPU seconds (the
+    busiest SP rank of the stage); one DP replica (the benchmark's layouts)."""
+    from infinipipe_hf.planner.replay import replay
+    from infinipipe_hf.planner.shared_replay import shared_replay
+
+    if plan.dp_degree != 1:
+        raise ValueError(f"measured_work_replay handles one DP replica, the plan has {plan.dp_degree}")
+    cpu: dict[tuple[int, str], float] = defaultdict(float)
+    for e in timeline.events:
+        cpu[(e.stage, e.action)] = max(cpu[(e.stage, e.action)], e.cpu_s)
+    _, transfer = _actions_work(plan, cost)
+    stages = plan.actions[0]
+
+    def dur(s, a):
+        return cpu[(s, str(a))]
+
+    if cost.profile.shared_cores:
+        (rep,) = shared_replay([stages], dur, transfer, cores=cost.profile.shared_cores,
+                               ranks_per_stage=plan.sp_degree)
+    else:
+        rep = replay(stages, dur, transfer)
+    return max((e[-1] for e in rep.end if e), default=0.0)
+
+
+def breakdown(plan, cost, sim, timelines) -> dict:
+    """Per (stage, F/B) sums over the timed steps' medians (module docstring)."""
+    duration, _ = _actions_work(plan, cost)
+    sim_work = defaultdict(float)
+    for r, stages in plan.actions.items():
+        for s, acts in enumerate(stages):
+            for a in acts:
+                sim_work[(s, a.kind)] += duration(s, a)
+    sim_wall = defaultdict(float)
+    for e in sim.events:
+        sim_wall[(e.stage, e.action[0])] += e.end_s - e.start_s
+    per_step = []
+    for tl in timelines:
+        m = defaultdict(lambda: defaultdict(float))
+        ranks_of = defaultdict(set)
+        for e in tl.events:
+            k = (e.stage, e.action[0])
+            ranks_of[k].add(e.rank)
+            m[k]["cpu_s"] += e.cpu_s
+            m[k]["wall_s"] += e.duration_s - e.wait_s
+            m[k]["wait_s"] += e.wait_s
+        # SP ranks of a stage run the same actions: average them, as the simulator prices one.
+        per_step.append({k: {q: v / len(ranks_of[k]) for q, v in d.items()} for k, d in m.items()})
+    rows = []
+    for k in sorted(sim_work):
+        med = {q: statistics.median(st[k][q] for st in per_step if k in st) for q in ("cpu_s", "wall_s", "wait_s")}
+        rows.append({"stage": k[0], "kind": k[1], "simulated_work_s": sim_work[k],
+                     "simulated_wall_s": sim_wall[k], "measured_cpu_s": med["cpu_s"],
+                     "measured_wall_busy_s": med["wall_s"], "measured_wait_s": med["wait_s"],
+                     "cpu_over_simulated_work": med["cpu_s"] / sim_work[k] if sim_work[k] else None,
+                     "wall_busy_over_simulated_wall": med["wall_s"] / sim_wall[k] if sim_wall[k] else None})
+    return {"rows": rows}
+
+
+def compare_run(run: dict, cost, *, tol: float) -> dict:
+    """Everything ``sim_vs_real`` reports for one schedule's run."""
+    from infinipipe_hf.planner.plan import Plan
+    from infinipipe_hf.planner.simulator import simulate
+    from infinipipe_hf.runtime.timeline import Timeline
+
+    plan = Plan.from_dict(run["plan"])
+    sim = simulate(plan, cost)
+    timelines = [Timeline.from_dict(t) for t in run["timelines"]]
+    spans = run["step_span_s"]
+    measured = statistics.median(spans)
+    last = timelines[-1]
+    orders_equal = True
+    for r, stages in plan.actions.items():
+        for s, acts in enumerate(stages):
+            executed = [e.action for e in sorted(last.events, key=lambda e: e.start_s)
+                        if e.stage == s and e.dp_rank == r and e.rank == min(
+                            x.rank for x in last.events if x.stage == s and x.dp_rank == r)]
+            orders_equal &= executed == [str(a) for a in acts]
+    replayed = statistics.median(measured_work_replay(plan, cost, tl) for tl in timelines)
+    from infinipipe_hf.planner.memory import stage_timeline
+
+    mem = {}
+    for stage in range(plan.pp_degree):
+        ranks = [p for p in run.get("measured_peak_memory") or [] if p["stage"] == stage]
+        top = max(ranks, key=lambda p: p["peak_bytes"], default=None)
+        got = top["peak_bytes"] if top else None
+        want = sim.peak_memory_bytes[stage]
+        acts = [str(a) for a in plan.stage_actions(0, stage)]
+        values = stage_timeline(plan, cost, 0, stage).point_values(
+            cost, stage, plan.checkpoint_layers.get(stage, {}), plan.checkpoint_levels.get(stage, {})).tolist()
+        where = top.get("peak_action") if top else None
+        mem[str(stage)] = {"simulated_peak_bytes": want, "measured_peak_bytes": got,
+                           "relative_difference": (want - got) / got if got else None,
+                           "simulated_peak_action": acts[values.index(max(values))] if values else None,
+                           "measured_peak_action": where,
+                           "simulated_bytes_at_measured_peak_action": values[acts.index(where)] if where in acts else None}
+    mem_worst = max((abs(v["relative_difference"]) for v in mem.values() if v["relative_difference"] is not None),
+                    default=None)
+    rel = (sim.step_time_s - measured) / measured
+    background = statistics.median(run["background_cores"]) if run.get("background_cores") else None
+    with_background = None
+    if background is not None and cost.profile.shared_cores:
+        # Diagnostic only: the same replay on the cores other jobs left free on average.
+        import dataclasses
+
+        from infinipipe_hf.planner.cost_model import CostModel
+
+        free = max(cost.profile.shared_cores - background, 0.5)
+        busy_cost = CostModel(cost.spec, dataclasses.replace(cost.profile, shared_cores=free),
+                              pp_degree=cost.pp_degree, layers_per_stage=cost.layers_per_stage,
+                              memory_budget_bytes=cost.memory_budget_bytes, loss_chunk_tokens=cost.loss_chunk_tokens,
+                              sp_degree=cost.sp_degree)
+        with_background = simulate(plan, busy_cost).step_time_s
+    return {
+        "orders_equal": orders_equal, "num_units": len(plan.units), "num_pipelines": plan.num_pipelines,
+        "sliced_sequences": sum(1 for q, n in enumerate(plan.sequences)
+                                if any(seg.seq == q and seg.end - seg.start < n for u in plan.units for seg in u.segments)),
+        "units_with_context": sum(1 for u in plan.units if any(seg.start > 0 for seg in u.segments)),
+        "packed_units": sum(1 for u in plan.units if len(u.segments) > 1),
+        "checkpointed_layers": sum(sum(v.values()) for v in plan.checkpoint_layers.values()),
+        "finer_levels": sum(sum(sum(lv.values()) for lv in v.values()) for v in plan.checkpoint_levels.values()),
+        "simulated_step_s": sim.step_time_s, "measured_step_s": measured, "measured_spans_s": spans,
+        "measured_step_wall_s": run["step_wall_s"], "relative_difference": rel, "within_tolerance": abs(rel) <= tol,
+        "measured_work_replay_s": replayed,
+        "background_cores": background, "simulated_on_free_cores_s": with_background,
+        "machine_model_error": (replayed - measured) / measured,
+        "cost_model_error": (sim.step_time_s - replayed) / replayed if replayed else None,
+        "simulated_bubble_fraction": sim.bubble_fraction, "measured_bubble_fraction": last.bubble_fraction(),
+        "breakdown": breakdown(plan, cost, sim, timelines),
+        "memory": mem, "memory_worst_relative_difference": mem_worst,
+        "loss": run["losses"][-1],
+    }

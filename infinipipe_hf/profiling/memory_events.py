@@ -1,0 +1,74 @@
+"""Peak memory of a block of CPU work, rebuilt from the allocator's events.
+
+CUDA has ``max_memory_allocated``; the CPU allocator keeps no such counter.  With
+``torch.profiler.profile(profile_memory=True)`` every allocation and free of the CPU allocator
+while the profiler runs is recorded as a ``[memory]`` event (time, signed bytes).  Replaying the
+events in time order gives the bytes allocated since the block started at every instant; its
+maximum is the block's peak *above* what was alive when it started.  That includes everything a
+step allocates, not only what autograd saves: receive buffers, the KV store, gradients, each op's
+temporaries (an SDPA mask converted to float, a chunk's logits, the MLP's intermediates in
+backward) for as long as they live.
+
+:func:`peak_from_events` is the pure replay (tested on a known sequence of allocations);
+:class:`MemoryProbe` runs a block under the profiler and applies it.  Trade-offs: frees of blocks
+allocated *before* the probe started are not reported by the profiler (it does not know their
+size), so memory released during the block that predates it does not lower the curve (the
+probe's figure is an upper bound when such frees happen; a training step that sets gradients to
+``None`` before it starts has none of consequence).  The profiler slows the block down, so a
+probed step is not a timed one.  Allocations made by gloo or other libraries outside torch's
+allocator are not counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class MemoryTrace:
+    """What a replay of allocation events found."""
+
+    peak_bytes: int
+    """Highest bytes allocated since the start (0 if nothing was ever allocated)."""
+    peak_time: float
+    """Time of the event that reached the peak (the first such; the start time if none)."""
+    final_bytes: int
+    """Bytes still allocated after the last event (net of the block)."""
+    num_events: int
+
+
+def peak_from_events(events: Iterable[tuple[float, int]]) -> MemoryTrace:
+    """Replay ``(time, signed bytes)`` events in time order (ties keep the given order)."""
+    ordered = sorted(enumerate(events), key=lambda e: (e[1][0], e[0]))
+    level = peak = 0
+    peak_time = ordered[0][1][0] if ordered else 0.0
+    for _, (t, nbytes) in ordered:
+        level += int(nbytes)
+        if level > peak:
+            peak, peak_time = level, t
+    return MemoryTrace(peak, peak_time, level, len(ordered))
+
+
+class MemoryProbe:
+    """``with MemoryProbe() as probe: ...`` then ``probe.trace`` (a :class:`MemoryTrace` of the CPU
+    allocator's events inside the block)."""
+
+    def __init__(self) -> None:
+        self.trace: MemoryTrace | None = None
+        self._prof = None
+
+    def __enter__(self) -> "MemoryProbe":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch._C._autograd import DeviceType
+
+        self._prof.__exit__(*exc)
+        events = [(e.start_ns() * 1e-9, e.nbytes()) for e in self._prof.profiler.kineto_results.events()
+                  if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
+        self.trace = peak_from_events(events)
+        self._prof = None

@@ -1,0 +1,40 @@
+"""Peak memory rebuilt from allocator events: a known sequence by hand, then the profiler on CPU."""
+import torch
+
+from infinipipe_hf.profiling.memory_events import MemoryProbe, peak_from_events
+
+
+def test_peak_of_a_known_sequence_of_allocations():
+    # t: +1 MB, +2 MB (3), -1 MB (2), +4 MB (6: the peak), -2 MB (4), -4 MB (0)
+    events = [(0.0, 1_000_000), (1.0, 2_000_000), (2.0, -1_000_000), (3.0, 4_000_000),
+              (4.0, -2_000_000), (5.0, -4_000_000)]
+    trace = peak_from_events(events)
+    assert (trace.peak_bytes, trace.peak_time, trace.final_bytes, trace.num_events) == (6_000_000, 3.0, 0, 6)
+    # Order comes from the times, not the list: shuffled input, same answer.
+    assert peak_from_events(events[::-1]) == trace
+
+
+def test_a_free_at_the_same_instant_as_an_allocation_keeps_the_given_order():
+    assert peak_from_events([(1.0, 5), (1.0, -5), (1.0, 3)]).peak_bytes == 5
+    assert peak_from_events([]).peak_bytes == 0
+
+
+def test_probe_sees_transient_allocations_of_real_tensors():
+    before = torch.empty(1_000_000)  # allocated before the probe: its free is not reported
+    with MemoryProbe() as probe:
+        a = torch.empty(250_000)  # 1 MB
+        b = torch.empty(500_000)  # 2 MB -> 3 MB
+        del a  # 2 MB
+        c = torch.empty(1_000_000)  # 4 MB -> 6 MB: the peak
+        del before, b, c
+    assert probe.trace.peak_bytes == 6_000_000
+    assert probe.trace.final_bytes == 0
+
+
+def test_probe_counts_what_an_op_frees_inside_itself():
+    x = torch.randn(512, 512)
+    with MemoryProbe() as probe:
+        y = (x @ x).sum()  # the 1 MB product lives only inside this line
+    assert probe.trace.peak_bytes >= 512 * 512 * 4
+    assert probe.trace.final_bytes < 1024
+    del y
