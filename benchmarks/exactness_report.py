@@ -1,8 +1,11 @@
 """Exactness of the pipelined model against the unsplit float64 HF model, recorded to a file.
 
-Runs the same multi-process worker as tests/distributed/test_exact_gradients.py (pp 2, pp 4 and
-dp 2 x pp 2 cases: Llama, Mistral, Qwen2; tied and untied embeddings; slices, packed and hybrid
-units; checkpointing none, some and all; accumulation; the default planner) and collects, per case
+Runs the same multi-process workers as the distributed exactness tests: ``exact_grads.py``
+(test_exact_gradients.py: pp 2, pp 4 and dp 2 x pp 2; Llama, Mistral, Qwen2; tied and untied
+embeddings; slices, packed and hybrid units; checkpointing none, some and all; accumulation; the
+default planner), ``sp_exact.py`` (test_sequence_parallel.py: sp 2, pp 2 x sp 2, pp 1 x sp 4,
+dp 2 x sp 2, GQA, uneven heads, levels) and ``sharded_grads.py`` (test_sharded_stages.py: FSDP2
+shard over dp, sp, sp+dp, hybrid; LoRA; accumulation, clipping and AdamW), and collects, per case
 and rank, the relative error of the loss and the worst relative error over every gradient tensor
 (max |got - want| / max |want|).  The tests assert 1e-10; this script records what is observed, so
 a figure quoted anywhere can be checked against benchmarks/results/exactness.json.
@@ -51,13 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "exactness.json"))
     args = p.parse_args(argv)
     cases: dict[str, dict] = {}
-    for suite, nproc in (("pp2", 2), ("world4", 4)):
-        r = run_torchrun("exact_grads.py", nproc, [suite], timeout_s=900)
+    for worker, suite, nproc in (("exact_grads.py", "pp2", 2), ("exact_grads.py", "world4", 4),
+                                 ("sp_exact.py", "sp2", 2), ("sp_exact.py", "world4", 4),
+                                 ("sharded_grads.py", "dp", 4), ("sharded_grads.py", "sp", 4)):
+        r = run_torchrun(worker, nproc, [suite], timeout_s=900)
         if r.timed_out or r.returncode != 0:
             print(r.output[-6000:], file=sys.stderr)
             print(f"exactness_report: the {suite} launch failed (exit {r.returncode})", file=sys.stderr)
             return 1
-        cases.update({f"{suite}/{k}": v for k, v in parse(r.output).items()})
+        cases.update({f"{worker[:-3]}:{suite}/{k}": v for k, v in parse(r.output).items()})
     record = {
         "asserted_relative_bound": ASSERTED,
         "worst_gradient_relative_error": max(v["grad_rel"] for v in cases.values()),

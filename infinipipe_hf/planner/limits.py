@@ -24,19 +24,19 @@ SEARCH_CAP = 1 << 24
 
 
 def _leanest_plan(cost: CostModel, schedule: str, n: int, max_slices: int):
-    from . import api  # lazy: api imports this module for its error messages
+    from . import candidates  # lazy: candidates -> api -> this module for its error messages
     from .baselines import SLICE_COUNTS
 
-    min_tokens = api.MIN_SLICE_TOKENS * cost.sp_degree
+    min_tokens = candidates.MIN_SLICE_TOKENS * cost.sp_degree
     if schedule == "epp":
         k = min(max_slices, max(1, n // min_tokens))
-        staged = api._epp_units([n], [[0]], cost, k, None, None)
-        return api._epp_plan([n], [[0]], cost, k, None, staged, "full", 1.0)
+        staged = candidates.epp_units([n], [[0]], cost, k, None, None)
+        return candidates.epp_plan([n], [[0]], cost, k, None, staged, "full", 1.0)
     if schedule == "seq1f1b":
         k = max(k for k in SLICE_COUNTS if k <= max_slices and (k == 1 or n // k >= min_tokens))
-        return api._baseline_plan([n], [[0]], cost, schedule, n, k, "full")
+        return candidates.baseline_plan([n], [[0]], cost, schedule, n, k, "full")
     if schedule in ("packed-1f1b", "gpipe"):
-        return api._baseline_plan([n], [[0]], cost, schedule, n, 1, "full")
+        return candidates.baseline_plan([n], [[0]], cost, schedule, n, 1, "full")
     raise AssertionError(schedule)
 
 

@@ -19,6 +19,7 @@ scheduled yet: the schedule is deadlock-free by construction (tested by replayin
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 from typing import Sequence
 
 from .actions import Action, B, F
@@ -145,3 +146,25 @@ def concat_pipelines(per_pipeline: Sequence[list[list[Action]]]) -> list[list[Ac
         raise ValueError(f"pipelines have different stage counts {[len(p) for p in per_pipeline]}; "
                          f"build every pipeline for the same pp_degree")
     return [[a for p in per_pipeline for a in p[s]] for s in range(num_stages)]
+
+
+def replica_actions(lengths, cost, pipelines: Sequence[Sequence[Unit]], dp_rank: int, schedule: str,
+                     uniform_slices: int = 1) -> tuple[list[Unit], list[list]]:
+    """Units (tagged with pipeline and replica) and per-stage actions of one DP replica."""
+    pp = cost.pp_degree
+    units: list[Unit] = []
+    per_pipeline = []
+    for p_index, punits in enumerate(pipelines):
+        tagged = [replace(u, pipeline=p_index, dp_rank=dp_rank) for u in punits]
+        units.extend(tagged)
+        if schedule == "gpipe":
+            warm = gpipe_warmup(pp, len(tagged))
+        elif schedule == "epp":
+            first_seq = tagged[0].segments[0].seq
+            warm = epp_warmup(pp, sum(1 for u in tagged if first_seq in u.seqs))
+        elif schedule == "seq1f1b":
+            warm = epp_warmup(pp, uniform_slices)
+        else:
+            warm = one_f_one_b_warmup(pp)
+        per_pipeline.append(build_pipeline_actions([u.id for u in tagged], backward_order(tagged, lengths), pp, warm))
+    return units, concat_pipelines(per_pipeline)

@@ -86,7 +86,7 @@ def static_pipeline_baseline(schedule: str, batches: Sequence[Sequence[int]], tu
     """Best static ``(packing length, slice count, checkpoint count)`` of ``seq1f1b`` or
     ``packed-1f1b``, from the per-batch tuned ``PlanResult`` s of the same ``cost`` (module docstring).
     ``num_slices`` fixes seq1f1b's slice count (the setting Seq1F1B is usually run with)."""
-    from . import api  # the pipeline planner's builders; lazy, api is heavy
+    from .candidates import baseline_plan  # lazy: the pipeline planner is heavy
     from .dp_assign import assign_sequences
     from .simulator import simulate
 
@@ -128,7 +128,7 @@ def static_pipeline_baseline(schedule: str, batches: Sequence[Sequence[int]], tu
                 continue
             lengths = [int(n) for n in lengths]
             replicas = assign_sequences(lengths, cost.dp_degree, cost)
-            plan = api._baseline_plan(lengths, replicas, cost, schedule, int(r["pack_tokens"]), k, "uniform")
+            plan = baseline_plan(lengths, replicas, cost, schedule, int(r["pack_tokens"]), k, "uniform")
             plan.checkpoint_layers = {s: {u: min(run_c, cost.layers_per_stage[s]) for u in per}
                                       for s, per in plan.checkpoint_layers.items()}
             sim = simulate(plan, cost)

@@ -11,7 +11,6 @@ import random
 import numpy as np
 import pytest
 
-from infinipipe_hf.planner import checkpoint_solver as cs
 from infinipipe_hf.planner.api import plan_step
 from infinipipe_hf.planner.checkpoint_levels import (FINER_LEVELS, CheckpointMix, LevelCosts, act_elements,
                                                      check_levels)

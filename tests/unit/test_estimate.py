@@ -17,7 +17,7 @@ import pytest
 
 from infinipipe_hf.data.synthetic import prolong_like, short_only, slimpajama_like
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.api import EXACT_CANDIDATES
+from infinipipe_hf.planner.candidates import EXACT_CANDIDATES
 from infinipipe_hf.planner.cost_model import GIB, CostModel
 from infinipipe_hf.planner.estimate import PipelineEstimator, pipeline_time_estimate
 from infinipipe_hf.planner.model_spec import ModelSpec

@@ -1,5 +1,4 @@
 """plan_step end to end: every schedule gives a valid plan; bad input gives clear errors."""
-import math
 
 import pytest
 

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.api import _slice_count_candidates, _token_floor_candidates, plan_step
+from infinipipe_hf.planner.api import plan_step
+from infinipipe_hf.planner.candidates import slice_count_candidates, token_floor_candidates
 from infinipipe_hf.planner.baselines import packing_candidates, slicing_candidates
 from infinipipe_hf.planner.cost_model import GIB, CostModel
 from infinipipe_hf.planner.limits import largest_trainable_length
@@ -73,10 +74,10 @@ def test_layout_mismatches_are_errors():
 
 def test_search_grids_count_tokens_per_gpu():
     lengths = [65536, 1000]
-    assert _slice_count_candidates(lengths, None, 1)[-1] == 64
-    assert _slice_count_candidates(lengths, None, 8)[-1] == 32  # 65536 / 32 = 2048 = 256 per GPU
-    assert _token_floor_candidates([3000] * 100, 8) == [None, 32768, 65536, 131072]
-    assert _token_floor_candidates([3000] * 100, 1) == [None, 4096, 8192, 16384]
+    assert slice_count_candidates(lengths, None, 1)[-1] == 64
+    assert slice_count_candidates(lengths, None, 8)[-1] == 32  # 65536 / 32 = 2048 = 256 per GPU
+    assert token_floor_candidates([3000] * 100, 8) == [None, 32768, 65536, 131072]
+    assert token_floor_candidates([3000] * 100, 1) == [None, 4096, 8192, 16384]
     assert packing_candidates(lengths, 8)[0] == 65536 and min(packing_candidates([10] * 5000, 8)) == 8192
     assert min(packing_candidates([10] * 5000, 1)) == 1024
     assert slicing_candidates(lengths, sp_degree=8) == [1, 2, 4, 8, 16, 32]

@@ -1,5 +1,4 @@
 """Validator: a good plan passes; every kind of corrupted plan is rejected with the marked grid."""
-import copy
 import re
 
 import pytest
