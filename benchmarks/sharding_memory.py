@@ -62,7 +62,7 @@ def worker(model_path: str, out: str) -> None:
                 "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
                 "optimizer": sum(nbytes(v) for st in opt.state.values() for v in st.values()
                                  if torch.is_tensor(v)),
-                "loss": out_step.loss}
+                "loss": out_step.loss, "layers_per_stage": list(engine.layers_per_stage)}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         rows[shard] = gathered
@@ -85,13 +85,26 @@ def main(argv=None) -> int:
                     args.model, str(raw)], cwd=REPO, env=env, check=True, timeout=1800)
     rows = json.loads(raw.read_text())
     raw.unlink()
+    from infinipipe_hf.planner.model_spec import ModelSpec
+    from infinipipe_hf.planner.model_states import FP32_ADAM, stage_state_bytes_per_rank
+
+    spec = ModelSpec.from_json_file(args.model)
     table = []
     for rank, (none, dp) in enumerate(zip(rows["none"], rows["dp"])):
         tot_none = none["params"] + none["grads"] + none["optimizer"]
         tot_dp = dp["params"] + dp["grads"] + dp["optimizer"]
-        table.append({"rank": rank, "stage": rank % 2, "dp_rank": rank // 2,
+        stage = rank % 2
+        # The planner's model of the same states (planner/model_states.py): fp32 weights,
+        # gradients and AdamW moments, FSDP2's dim-0 shards; the last stage holds its own copy of
+        # a tied head (the pipeline's tied pair).
+        predicted = {d: stage_state_bytes_per_rank(spec, none["layers_per_stage"][stage], embedding=stage == 0,
+                                                   head=stage == 1, shard_degree=d, precision=FP32_ADAM)
+                     for d in (1, 2)}
+        table.append({"rank": rank, "stage": stage, "dp_rank": rank // 2,
                       "unsharded_bytes": tot_none, "sharded_bytes": tot_dp,
                       "ratio": tot_dp / tot_none,
+                      "planner_unsharded_bytes": predicted[1], "planner_sharded_bytes": predicted[2],
+                      "planner_over_measured": {"unsharded": predicted[1] / tot_none, "sharded": predicted[2] / tot_dp},
                       "sharded_detail": {k: dp[k] for k in ("params", "grads", "optimizer")},
                       "unsharded_detail": {k: none[k] for k in ("params", "grads", "optimizer")}})
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), no GPU; "
@@ -101,11 +114,13 @@ def main(argv=None) -> int:
               "model": Path(args.model).name, "lengths": LENGTHS,
               "loss_difference_none_vs_dp": abs(rows["none"][1]["loss"] - rows["dp"][1]["loss"]),
               "rows": table, "max_ratio_deviation_from_half": max(abs(r["ratio"] - 0.5) for r in table),
+              "planner_worst_relative_error": max(abs(v - 1) for r in table for v in r["planner_over_measured"].values()),
               "elapsed_s": round(time.time() - t0, 1)}
     Path(args.out).write_text(json.dumps(result, indent=2))
     for r in table:
         print(f"rank {r['rank']}: unsharded {r['unsharded_bytes'] / 2**20:.1f} MiB, sharded "
-              f"{r['sharded_bytes'] / 2**20:.1f} MiB, ratio {r['ratio']:.4f}")
+              f"{r['sharded_bytes'] / 2**20:.1f} MiB, ratio {r['ratio']:.4f}; planner/measured "
+              f"{r['planner_over_measured']['unsharded']:.4f} unsharded, {r['planner_over_measured']['sharded']:.4f} sharded")
     return 0
 
 

@@ -159,7 +159,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-wait-s", type=float, default=600)
     ap.add_argument("--profile-report", help="reuse a cpu_profile.py report (JSON) instead of fitting anew")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--render", action="store_true", help="do not run: rewrite the markdown of --out from its data")
     args = ap.parse_args(argv)
+    if args.render:
+        result = json.loads(Path(args.out).read_text())
+        result["markdown"] = markdown(result)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(result["markdown"])
+        return 0
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     t0 = time.time()
     layouts = ["pp2"] if args.quick else args.layouts.split(",")
@@ -200,6 +207,7 @@ def main(argv=None) -> int:
             "summary": summarise(runs_so_far), "repeats": runs_so_far, "elapsed_s": time.time() - t0,
             "command": "python benchmarks/sim_vs_real.py" + (" --quick" if args.quick else ""),
         }
+        result["markdown"] = markdown(result)
         out.write_text(json.dumps(result, indent=1))
         return result
 
@@ -237,6 +245,23 @@ def main(argv=None) -> int:
           f"{(s['worst_memory'] or 0):+.1%}; {s['cases_within_time_tolerance']}/{s['cases']} cases within the time "
           f"tolerance in every repeat; {time.time() - t0:.0f} s; wrote {out}")
     return 0
+
+
+def markdown(result: dict) -> str:
+    """Per layout and schedule: (simulated - measured) / measured step time in every repeat, its
+    split into machine model and cost model, and the worst memory difference."""
+    rows = ["| layout | schedule | step time: sim vs measured, each repeat | worst | machine model / cost model (worst repeat) "
+            "| peak memory: sim vs measured, worst stage |",
+            "|---|---|---|---|---|---|"]
+    for key, case in result["summary"]["per_case"].items():
+        layout, schedule = key.split("/")
+        diffs = case["relative_differences"]
+        i = max(range(len(diffs)), key=lambda j: abs(diffs[j]))
+        mem = case.get("memory_worst")
+        rows.append(f"| {layout} | {schedule} | {', '.join(f'{d:+.1%}' for d in diffs)} | {diffs[i]:+.1%} | "
+                    f"{case['machine_model_errors'][i]:+.1%} / {case['cost_model_errors'][i]:+.1%} | "
+                    f"{'-' if mem is None else f'{mem:+.1%}'} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
