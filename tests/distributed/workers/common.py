@@ -39,6 +39,40 @@ def log(msg: str) -> None:
     print(f"[rank {dist.get_rank()}] {msg}", flush=True)
 
 
+def storage_key(t):
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+def saved_bytes(fn, params) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs (parameters excluded), plus
+    the inputs every checkpoint region keeps (whole layers and the levels inside a layer)."""
+    from infinipipe_hf.runtime import checkpointing, mlp_levels
+
+    skip = {storage_key(p) for p in params}
+    seen = {}
+
+    def add(t):
+        if isinstance(t, torch.Tensor) and storage_key(t) not in skip:
+            seen[storage_key(t)] = storage_key(t)[1]
+
+    real = checkpointing.checkpoint
+
+    def counting(f, *args, **kwargs):  # a checkpoint region keeps its inputs
+        for a in list(args) + list(kwargs.values()):
+            for t in (a if isinstance(a, tuple) else (a,)):
+                add(t)
+        return real(f, *args, **kwargs)
+
+    checkpointing.checkpoint = mlp_levels.checkpoint = counting
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (add(t), t)[1], lambda t: t):
+            fn()
+    finally:
+        checkpointing.checkpoint = mlp_levels.checkpoint = real
+    return int(sum(seen.values()))
+
+
 def reference(family: str, tie: bool, batches: list[list[dict]], num_layers: int = 4, seed: int = 0):
     """Reference loss per batch and the summed gradients of all batches (names incl. tied alias)."""
     model = tiny_model(family, seed=seed, num_layers=num_layers, tie=tie)

@@ -16,12 +16,11 @@ import copy
 import json
 import sys
 
-from common import InfiniPipeConfig, PipelineEngine, dist, init, log, torch
+from common import InfiniPipeConfig, PipelineEngine, dist, init, log, saved_bytes, storage_key, torch
 
 from infinipipe_hf.planner.actions import Action
 from infinipipe_hf.planner.plan import Plan
 from infinipipe_hf.planner.units import Segment, Unit
-from infinipipe_hf.runtime import checkpointing
 from infinipipe_hf.runtime.stage import build_stage
 from infinipipe_hf.runtime.stage_runner import StageRunner
 
@@ -39,42 +38,12 @@ def model():
     return transformers.LlamaForCausalLM(cfg).float()
 
 
-def _key(t):
-    st = t.untyped_storage()
-    return st.data_ptr(), st.nbytes()
-
-
-def saved_bytes(fn, params) -> int:
-    skip = {_key(p) for p in params}
-    seen = {}
-
-    def add(t):
-        if isinstance(t, torch.Tensor) and _key(t) not in skip:
-            seen[_key(t)] = _key(t)[1]
-
-    real = checkpointing.checkpoint
-
-    def counting(f, *args, **kwargs):  # a checkpointed layer keeps its inputs
-        for a in list(args) + list(kwargs.values()):
-            for t in (a if isinstance(a, tuple) else (a,)):
-                add(t)
-        return real(f, *args, **kwargs)
-
-    checkpointing.checkpoint = counting
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: (add(t), t)[1], lambda t: t):
-            fn()
-    finally:
-        checkpointing.checkpoint = real
-    return int(sum(seen.values()))
-
-
 def kv_storage_bytes(store) -> int:
     keys = {}
     for per_seq in store._entries.values():
         for e in per_seq.values():
             for t in (e.k, e.v):
-                keys[_key(t)] = _key(t)[1]
+                keys[storage_key(t)] = storage_key(t)[1]
     return int(sum(keys.values()))
 
 

@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import json
 
-from common import InfiniPipeConfig, PipelineEngine, dist, init, log, torch
+from common import InfiniPipeConfig, PipelineEngine, dist, init, log, saved_bytes, torch
 from sp_memory import T, VOCAB, model
 
 from infinipipe_hf.planner.actions import Action
@@ -30,39 +30,8 @@ from infinipipe_hf.planner.model_spec import ModelSpec
 from infinipipe_hf.planner.plan import Plan
 from infinipipe_hf.planner.runtime_fit import reference_of
 from infinipipe_hf.planner.units import Segment, Unit
-from infinipipe_hf.runtime import checkpointing, mlp_levels
 
 MIXES = [(0, 0, 0), (2, 0, 0), (4, 0, 0), (0, 4, 0), (0, 0, 4), (1, 1, 2)]
-
-
-def _key(t):
-    st = t.untyped_storage()
-    return st.data_ptr(), st.nbytes()
-
-
-def saved_bytes(fn, params) -> int:
-    skip = {_key(p) for p in params}
-    seen = {}
-
-    def add(t):
-        if isinstance(t, torch.Tensor) and _key(t) not in skip:
-            seen[_key(t)] = _key(t)[1]
-
-    real = checkpointing.checkpoint
-
-    def counting(f, *args, **kwargs):  # a checkpoint region keeps its inputs
-        for a in list(args) + list(kwargs.values()):
-            for t in (a if isinstance(a, tuple) else (a,)):
-                add(t)
-        return real(f, *args, **kwargs)
-
-    checkpointing.checkpoint = mlp_levels.checkpoint = counting
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: (add(t), t)[1], lambda t: t):
-            fn()
-    finally:
-        checkpointing.checkpoint = mlp_levels.checkpoint = real
-    return int(sum(seen.values()))
 
 
 def cost_model(spec: ModelSpec) -> CostModel:
