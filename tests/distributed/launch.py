@@ -9,6 +9,7 @@ would hide whether they would have reported the failure themselves.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -88,3 +89,14 @@ def run_ranks(script: str, nproc: int, args: list[str] = (), timeout_s: float = 
     for t in threads:
         t.join()
     return results
+
+
+def check_cases(result: LaunchResult, nproc: int, cases, all_ok: str = "ALL OK") -> None:
+    """Assert a worker launch ended in time with exit code 0, every one of the ``nproc`` ranks
+    printed ``CASE <name> OK`` for each of ``cases``, and each printed ``all_ok`` once."""
+    assert not result.timed_out, f"launch timed out after {result.elapsed_s:.0f}s:\n{result.output[-4000:]}"
+    assert result.returncode == 0, f"exit code {result.returncode}:\n{result.output[-6000:]}"
+    for case in cases:
+        ranks = set(re.findall(rf"\[rank (\d+)\] CASE {re.escape(case)} OK", result.output))
+        assert ranks == {str(r) for r in range(nproc)}, f"case {case} passed on ranks {sorted(ranks)}"
+    assert result.output.count(all_ok) == nproc

@@ -5,11 +5,10 @@ names are listed here so a case that silently stops running fails the test.
 """
 from __future__ import annotations
 
-import re
 
 import pytest
 
-from tests.distributed.launch import run_torchrun
+from tests.distributed.launch import check_cases, run_torchrun
 
 PP2_CASES = ["pp2_llama_untied_ckpt_none", "pp2_mistral_tied_ckpt_all", "pp2_qwen2_untied_ckpt_mixed",
              "pp2_llama_tied_split13", "pp2_mistral_untied_ckpt_levels", "pp2_accumulation", "eval_and_clip", "plan_on_rank0",
@@ -22,20 +21,11 @@ WORLD4_CASES = ["pp4_llama_untied_ckpt_mixed", "pp4_qwen2_tied_ckpt_all", "pp4_m
                 "pp4_timeline"]
 
 
-def _check(result, nproc: int, cases: list[str]) -> None:
-    assert not result.timed_out, f"launch timed out after {result.elapsed_s:.0f}s:\n{result.output[-4000:]}"
-    assert result.returncode == 0, f"exit code {result.returncode}:\n{result.output[-6000:]}"
-    for case in cases:
-        ranks = set(re.findall(rf"\[rank (\d+)\] CASE {case} OK", result.output))
-        assert ranks == {str(r) for r in range(nproc)}, f"case {case} passed on ranks {sorted(ranks)}"
-    assert result.output.count("ALL OK") == nproc
-
-
 @pytest.mark.timeout(420)
 def test_pp2_exact_gradients_accumulation_eval_clip_and_errors():
-    _check(run_torchrun("exact_grads.py", 2, ["pp2"], timeout_s=400), 2, PP2_CASES)
+    check_cases(run_torchrun("exact_grads.py", 2, ["pp2"], timeout_s=400), 2, PP2_CASES)
 
 
 @pytest.mark.timeout(620)
 def test_pp4_and_dp2_pp2_exact_gradients():
-    _check(run_torchrun("exact_grads.py", 4, ["world4"], timeout_s=600), 4, WORLD4_CASES)
+    check_cases(run_torchrun("exact_grads.py", 4, ["world4"], timeout_s=600), 4, WORLD4_CASES)

@@ -20,7 +20,7 @@ import re
 
 import pytest
 
-from tests.distributed.launch import run_ranks, run_torchrun
+from tests.distributed.launch import check_cases, run_ranks, run_torchrun
 
 SP2_CASES = ["sp2_llama_untied_mixed", "sp2_qwen3_tied_all", "sp2_mistral_odd_units",
              "sp2_gqa6_3_expanded", "sp2_accumulation_clip", "sp_not_dividing_world",
@@ -36,29 +36,20 @@ WORLD4_CASES = ["pp2sp2_llama_untied_mixed", "pp2sp2_mistral_tied_all", "pp2sp2_
 pytestmark = pytest.mark.distributed
 
 
-def _check(result, nproc: int, cases: list[str]) -> None:
-    assert not result.timed_out, f"launch timed out after {result.elapsed_s:.0f}s:\n{result.output[-4000:]}"
-    assert result.returncode == 0, f"exit code {result.returncode}:\n{result.output[-6000:]}"
-    for case in cases:
-        ranks = set(re.findall(rf"\[rank (\d+)\] CASE {re.escape(case)} OK", result.output))
-        assert ranks == {str(r) for r in range(nproc)}, f"case {case} passed on ranks {sorted(ranks)}"
-    assert result.output.count("ALL OK") == nproc
-
-
 @pytest.mark.timeout(420)
 def test_sp2_exact_gradients_and_errors():
-    _check(run_torchrun("sp_exact.py", 2, ["sp2"], timeout_s=400), 2, SP2_CASES)
+    check_cases(run_torchrun("sp_exact.py", 2, ["sp2"], timeout_s=400), 2, SP2_CASES)
 
 
 @pytest.mark.timeout(620)
 def test_pp2_sp2_sp4_dp2_sp2_exact_gradients_every_schedule():
-    _check(run_torchrun("sp_exact.py", 4, ["world4"], timeout_s=600), 4, WORLD4_CASES)
+    check_cases(run_torchrun("sp_exact.py", 4, ["world4"], timeout_s=600), 4, WORLD4_CASES)
 
 
 @pytest.mark.timeout(420)
 def test_sp2_halves_saved_activations_and_kv_store_per_rank():
     result = run_torchrun("sp_memory.py", 2, timeout_s=400)
-    _check(result, 2, [])
+    check_cases(result, 2, [])
     # Ranks print to one pipe, so two ranks' lines may run together: decode each object alone.
     decoder = json.JSONDecoder()
     rows = [decoder.raw_decode(result.output, m.end())[0] for m in re.finditer(r"MEM ", result.output)]

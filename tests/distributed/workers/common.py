@@ -39,6 +39,20 @@ def log(msg: str) -> None:
     print(f"[rank {dist.get_rank()}] {msg}", flush=True)
 
 
+def expect_value_error(name: str, fragments, fn) -> None:
+    """Log ``CASE <name> OK`` if ``fn()`` raises a ValueError whose message holds every fragment
+    (one string or several); fail otherwise."""
+    fragments = [fragments] if isinstance(fragments, str) else list(fragments)
+    try:
+        fn()
+    except ValueError as exc:
+        for f in fragments:
+            assert f in str(exc), f"{name}: message {str(exc)!r} lacks {f!r}"
+        log(f"CASE {name} OK error={str(exc)[:120]!r}")
+        return
+    raise AssertionError(f"{name}: no ValueError raised")
+
+
 def storage_key(t):
     st = t.untyped_storage()
     return st.data_ptr(), st.nbytes()

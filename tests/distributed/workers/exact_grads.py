@@ -12,7 +12,8 @@ import math
 import sys
 
 from common import (LENGTHS, UNITS_DP1, UNITS_DP2, CKPT, InfiniPipeConfig, PipelineEngine, check_grads,
-                    dist, init, log, make_plan, random_batch, reference, run_case, tiny_model, torch)
+                    dist, expect_value_error, init, log, make_plan, random_batch, reference, run_case, tiny_model,
+                    torch)
 
 
 def accumulation(name: str, *, family: str, tie: bool, pp: int, units_a, units_b, lengths_b) -> None:
@@ -47,16 +48,6 @@ def eval_and_clip(pp: int) -> None:
     worst = check_grads(engine, clipped)
     log(f"CASE eval_and_clip OK eval_loss={got:.12f} loss_rel={loss_rel:.2e} norm={norm:.6e} "
         f"worst_rel={worst:.2e}")
-
-
-def expect_value_error(name: str, fragment: str, fn) -> None:
-    try:
-        fn()
-    except ValueError as exc:
-        assert fragment in str(exc), f"{name}: message {str(exc)!r} lacks {fragment!r}"
-        log(f"CASE {name} OK error={str(exc)[:90]!r}")
-        return
-    raise AssertionError(f"{name}: no ValueError raised")
 
 
 def user_errors() -> None:

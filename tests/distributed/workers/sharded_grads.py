@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from common import (CKPT, LENGTHS, UNITS_DP2, InfiniPipeConfig, PipelineEngine, dist, init, log,
+from common import (CKPT, LENGTHS, UNITS_DP2, InfiniPipeConfig, PipelineEngine, dist, expect_value_error, init, log,
                     make_plan, random_batch, reference, tiny_model, torch)
 
 from infinipipe_hf.runtime.sharding import full_tensor, is_dtensor, local_tensor
@@ -307,17 +307,6 @@ def mixed_precision() -> None:
         worst = max(worst, 1 - cos)
     log(f"CASE bf16_mixed_precision OK loss={out.loss:.6f} ref={want_loss:.6f} "
         f"worst_1-cos={worst:.1e}")
-
-
-def expect_value_error(name: str, fragments: list[str], fn) -> None:
-    try:
-        fn()
-    except ValueError as exc:
-        for f in fragments:
-            assert f in str(exc), f"{name}: message {str(exc)!r} lacks {f!r}"
-        log(f"CASE {name} OK error={str(exc)[:100]!r}")
-        return
-    raise AssertionError(f"{name}: no ValueError raised")
 
 
 def bad_input() -> None:

@@ -15,7 +15,7 @@ import sys
 import time
 
 from common import (LENGTHS, UNITS_DP1, UNITS_DP2, CKPT, InfiniPipeConfig, PipelineEngine, check_grads,
-                    dist, init, log, make_plan, random_batch, torch)
+                    dist, expect_value_error, init, log, make_plan, random_batch, torch)
 
 from tests.helpers.reference import reference_loss_and_grads, tiny_model
 
@@ -124,17 +124,6 @@ def default_planner(name, *, schedule, pp, sp, family="llama", tie=False):
         assert len(set(ckpt)) > 1, ckpt  # the solver's choice differs per (stage, unit)
     log(f"CASE {name} OK units={len(out.plan.units)} kinds={kinds} checkpointed={sum(ckpt)} "
         f"worst_rel={worst:.2e}")
-
-
-def expect_value_error(name, fragments, fn):
-    try:
-        fn()
-    except ValueError as exc:
-        for f in fragments:
-            assert f in str(exc), f"{name}: message {str(exc)!r} lacks {f!r}"
-        log(f"CASE {name} OK error={str(exc)[:120]!r}")
-        return
-    raise AssertionError(f"{name}: no ValueError raised")
 
 
 def bad_input():
