@@ -5,7 +5,8 @@
 ``SPEC.json``: ``{"model": {LlamaConfig kwargs}, "lengths": [...], "schedules": [...],
 "pp_degree": 2, "profile": PATH | null, "memory_budget_gib": x | {schedule: x} | null, "warmup": 1, "steps": 2,
 "seed": 0, "out": PATH}`` (optional ``max_tokens_per_unit``, ``num_slices``, ``sp_degree``,
-``loss_chunk_tokens``, ``memory_probe``).  For each schedule the worker builds the same random
+``loss_chunk_tokens``, ``memory_probe``, ``speed_probe``: unit shapes every rank times just before
+each schedule, see :func:`speed_probe`).  For each schedule the worker builds the same random
 model (same seed, so the same weights), runs ``warmup`` untimed steps and ``steps`` timed steps on
 the same batch (gradients zeroed between steps, no optimizer: weights never change, so every
 step's loss is the same number).  The plan of the first step is reused by the later ones (a
@@ -81,6 +82,28 @@ def memory_probe_step(engine, batch, plan) -> list[dict]:
     return parts
 
 
+def speed_probe(spec: dict) -> list[list[dict]] | None:
+    """Every rank times ``spec["speed_probe"]`` (``[[segments, level], ...]``, fit shapes of the
+    profile) through ``profiling.runtime_rows`` at once, as the ranks of a step share the cores;
+    the rows of all ranks.  ``sim_vs_real`` turns them into the machine's speed relative to the
+    profile just before the schedule runs (``planner.runtime_fit.speed_factor``)."""
+    import transformers
+
+    from infinipipe_hf.profiling.runtime_rows import UnitCase, measure_unit_rows
+
+    shapes = spec.get("speed_probe")
+    if not shapes:
+        return None
+    torch.manual_seed(spec.get("seed", 0))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**spec["model"])).float()
+    cases = [UnitCase(tuple(tuple(seg) for seg in segments), level) for segments, level in shapes]
+    dist.barrier()
+    rows = measure_unit_rows(model, cases, repeat=spec.get("speed_probe_repeat", 5))
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, rows)
+    return parts
+
+
 def main(spec_path: str) -> None:
     import transformers
 
@@ -106,6 +129,7 @@ def main(spec_path: str) -> None:
             loss_chunk_tokens=spec.get("loss_chunk_tokens", 4096), seed_plan_on_rank0=True,
             max_tokens_per_unit=spec.get("max_tokens_per_unit"), num_slices=spec.get("num_slices")))
         times, spans, timelines, losses, background, out, plan, sim = [], [], [], [], [], None, None, None
+        probe = speed_probe(spec)
         warmup = spec.get("warmup", 1)
         for i in range(warmup + spec.get("steps", 2)):
             for p in engine.parameters():
@@ -148,6 +172,7 @@ def main(spec_path: str) -> None:
                 "simulated_peak_memory_bytes": list(sim.peak_memory_bytes) if sim is not None else None,
                 "num_units": len(plan.units), "num_pipelines": plan.num_pipelines,
                 **({"measured_peak_memory": peaks} if peaks is not None else {}),
+                **({"speed_probe": probe} if probe is not None else {}),
             }
             print(f"[rank 0] {schedule}: {len(plan.units)} units, loss {losses[-1]:.10f}, "
                   f"steps {['%.3f' % t for t in times]} s", flush=True)

@@ -105,8 +105,10 @@ def breakdown(plan, cost, sim, timelines) -> dict:
     return {"rows": rows}
 
 
-def compare_run(run: dict, cost, *, tol: float) -> dict:
-    """Everything ``sim_vs_real`` reports for one schedule's run."""
+def compare_run(run: dict, cost, *, tol: float, uncalibrated=None) -> dict:
+    """Everything ``sim_vs_real`` reports for one schedule's run.  ``cost`` prices the plan (its
+    profile rescaled to the speed probe's factor when the run has one); ``uncalibrated``, the cost
+    model of the profile as fitted, is simulated beside it for the record."""
     from infinipipe_hf.planner.plan import Plan
     from infinipipe_hf.planner.simulator import simulate
     from infinipipe_hf.runtime.timeline import Timeline
@@ -142,8 +144,8 @@ def compare_run(run: dict, cost, *, tol: float) -> dict:
                            "simulated_peak_action": acts[values.index(max(values))] if values else None,
                            "measured_peak_action": where,
                            "simulated_bytes_at_measured_peak_action": values[acts.index(where)] if where in acts else None}
-    mem_worst = max((abs(v["relative_difference"]) for v in mem.values() if v["relative_difference"] is not None),
-                    default=None)
+    mem_worst = max((v["relative_difference"] for v in mem.values() if v["relative_difference"] is not None),
+                    key=abs, default=None)  # signed: negative = the simulator under-estimates
     rel = (sim.step_time_s - measured) / measured
     background = statistics.median(run["background_cores"]) if run.get("background_cores") else None
     with_background = None
@@ -177,4 +179,7 @@ def compare_run(run: dict, cost, *, tol: float) -> dict:
         "breakdown": breakdown(plan, cost, sim, timelines),
         "memory": mem, "memory_worst_relative_difference": mem_worst,
         "loss": run["losses"][-1],
+        "speed_factor": cost.profile.meta.get("speed_factor"),
+        **({"uncalibrated_simulated_step_s": (u := simulate(plan, uncalibrated).step_time_s),
+            "uncalibrated_relative_difference": (u - measured) / measured} if uncalibrated is not None else {}),
     }

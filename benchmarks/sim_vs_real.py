@@ -39,7 +39,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
-from cpu_profile import LOSS_CHUNK_TOKENS, MODEL, fit_cpu_profile, machine, spec_of  # noqa: E402
+from cpu_profile import LOSS_CHUNK_TOKENS, MODEL, SPEED_PROBE_SHAPES, fit_cpu_profile, machine, spec_of  # noqa: E402
 from sim_compare import compare_run  # noqa: E402
 
 LENGTHS = [2048, 1024, 700, 420, 300, 260, 180, 120, 90, 64, 40]
@@ -135,6 +135,8 @@ def summarise(repeats: list[dict]) -> dict:
                 "within_tolerance_every_repeat": all(abs(x) <= TOLERANCE[layout] for x in rel),
                 "machine_model_errors": [x["machine_model_error"] for x in rows],
                 "cost_model_errors": [x["cost_model_error"] for x in rows],
+                "speed_factors": [x.get("speed_factor") for x in rows],
+                "uncalibrated_relative_differences": [x.get("uncalibrated_relative_difference") for x in rows],
                 "memory_worst": max(mem, key=abs) if mem else None,
                 "memory_within_tolerance_every_repeat": all(abs(x) <= MEMORY_TOLERANCE for x in mem) if mem else None}
     every = [v for v in out.values()]
@@ -173,6 +175,7 @@ def main(argv=None) -> int:
     schedules = args.schedules.split(",")
     repeats, steps = (1, 1) if args.quick else (args.repeats, args.steps)
     from infinipipe_hf.planner.hardware import HardwareProfile
+    from infinipipe_hf.planner.runtime_fit import rescale_compute, speed_factor
 
     if args.profile_report:
         report = json.loads(Path(args.profile_report).read_text())
@@ -219,7 +222,8 @@ def main(argv=None) -> int:
             spec = {"model": MODEL, "lengths": LENGTHS, "schedules": schedules, "pp_degree": pp, "sp_degree": sp,
                     "profile": str(profile_path), "loss_chunk_tokens": LOSS_CHUNK_TOKENS, "memory_probe": True,
                     "memory_budget_gib": {s: b[0] / 2**30 for s, b in budgets[layout].items()},
-                    "warmup": 1, "steps": steps, "seed": 0}
+                    "warmup": 1, "steps": steps, "seed": 0,
+                    "speed_probe": [[list(map(list, segs)), level] for segs, level in SPEED_PROBE_SHAPES]}
             t1 = time.time()
             raw = launch(spec, pp * sp, args.timeout)
             load["load_at_end"] = list(os.getloadavg())
@@ -229,13 +233,18 @@ def main(argv=None) -> int:
             res = {}
             for s in schedules:
                 r = raw.get(s, {"error": "not run"})
-                res[s] = r if "error" in r else compare_run(r, cost_for(profile, pp, sp, cost_budgets[s]),
-                                                             tol=TOLERANCE[layout])
-                if "error" not in r:
-                    log(f"  repeat {rep} {layout} {s}: simulated {res[s]['simulated_step_s']:.3f} s, measured "
-                        f"{res[s]['measured_step_s']:.3f} s ({res[s]['relative_difference']:+.1%}; machine model "
-                        f"{res[s]['machine_model_error']:+.1%}, cost model {res[s]['cost_model_error']:+.1%}); "
-                        f"memory worst {res[s]['memory_worst_relative_difference']:+.1%}; load {load['load_at_start'][0]:.2f}")
+                if "error" in r:
+                    res[s] = r
+                    continue
+                uncalibrated = cost_for(profile, pp, sp, cost_budgets[s])
+                factor = speed_factor(profile, spec_of(MODEL), [row for rows in r["speed_probe"] for row in rows])
+                res[s] = compare_run(r, cost_for(rescale_compute(profile, factor), pp, sp, cost_budgets[s]),
+                                     tol=TOLERANCE[layout], uncalibrated=uncalibrated)
+                log(f"  repeat {rep} {layout} {s} (speed x{factor:.3f}): simulated {res[s]['simulated_step_s']:.3f} s, measured "
+                    f"{res[s]['measured_step_s']:.3f} s ({res[s]['relative_difference']:+.1%}, uncalibrated "
+                    f"{res[s]['uncalibrated_relative_difference']:+.1%}; machine model "
+                    f"{res[s]['machine_model_error']:+.1%}, cost model {res[s]['cost_model_error']:+.1%}); "
+                    f"memory worst {res[s]['memory_worst_relative_difference']:+.1%}; load {load['load_at_start'][0]:.2f}")
             record["layouts"][layout] = res
             write(runs + [record])
         runs.append(record)
@@ -248,21 +257,23 @@ def main(argv=None) -> int:
 
 
 def markdown(result: dict) -> str:
-    """Per layout and schedule: (simulated - measured) / measured step time in every repeat, its
-    split into machine model and cost model, and the worst memory difference."""
-    rows = ["| layout | schedule | step time: sim vs measured, each repeat | worst | machine model / cost model (worst repeat) "
-            "| peak memory: sim vs measured, worst stage |",
-            "|---|---|---|---|---|---|"]
+    """Per layout and schedule: (simulated - measured) / measured step time in every repeat (the
+    profile rescaled by the speed probe; the profile as fitted beside it), its split into machine
+    model and cost model, and the worst signed memory difference (negative: under-estimate)."""
+    rows = ["| layout | schedule | step time: sim vs measured, each repeat | worst | profile as fitted (speed factor) "
+            "| machine model / cost model (worst repeat) | peak memory: sim vs measured, worst stage and repeat |",
+            "|---|---|---|---|---|---|---|"]
     for key, case in result["summary"]["per_case"].items():
         layout, schedule = key.split("/")
         diffs = case["relative_differences"]
         i = max(range(len(diffs)), key=lambda j: abs(diffs[j]))
         mem = case.get("memory_worst")
+        raw = ", ".join(f"{u:+.0%} (x{f:.2f})" for u, f in zip(case.get("uncalibrated_relative_differences") or [],
+                                                              case.get("speed_factors") or []) if u is not None)
         rows.append(f"| {layout} | {schedule} | {', '.join(f'{d:+.1%}' for d in diffs)} | {diffs[i]:+.1%} | "
-                    f"{case['machine_model_errors'][i]:+.1%} / {case['cost_model_errors'][i]:+.1%} | "
+                    f"{raw or '-'} | {case['machine_model_errors'][i]:+.1%} / {case['cost_model_errors'][i]:+.1%} | "
                     f"{'-' if mem is None else f'{mem:+.1%}'} |")
     return "\n".join(rows)
-
 
 if __name__ == "__main__":
     sys.exit(main())

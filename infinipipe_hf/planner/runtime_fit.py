@@ -186,3 +186,33 @@ def row_errors(profile: HardwareProfile, spec: ModelSpec, rows: Sequence[Mapping
 def worst_error(errors: Sequence[Mapping[str, Any]]) -> float:
     """Largest ``|measured / predicted - 1|`` over rows and directions."""
     return max((abs(e[f"{k}_ratio"] - 1.0) for e in errors for k in ("fwd", "bwd")), default=0.0)
+
+
+def speed_factor(profile: HardwareProfile, spec: ModelSpec, rows: Sequence[Mapping[str, Any]]) -> float:
+    """How much slower (> 1) or faster (< 1) the machine runs now than when ``profile`` was fitted:
+    the median of measured / predicted over the forward and backward of ``rows`` (speed-probe rows
+    of fit shapes, timed just before a run).
+
+    Why a median of one factor: a shared machine's speed drifts between a profile fit and a run (we
+    measured 12-30% between hours and days) and slows every kernel alike, while the coefficients'
+    *shape* (pairs vs tokens vs levels) is what the fit and its held-out check establish.  One
+    factor cannot absorb shape errors, so a run checked with it still tests the cost model."""
+    ratios = [e[f"{k}_ratio"] for e in row_errors(profile, spec, rows) for k in ("fwd", "bwd")]
+    if not ratios:
+        raise ValueError("speed_factor needs at least one unit_layer, unit_loss or embedding row")
+    return float(statistics.median(ratios))
+
+
+def rescale_compute(profile: HardwareProfile, factor: float) -> HardwareProfile:
+    """``profile`` with every compute cost multiplied by ``factor`` (layers, head, embedding,
+    elementwise kernels); transfers and memory fields unchanged."""
+    if not factor > 0:
+        raise ValueError(f"rescale_compute needs a factor > 0, got {factor!r}")
+    return dataclasses.replace(
+        profile, layer_forward=profile.layer_forward.scaled(factor, factor),
+        layer_backward=profile.layer_backward.scaled(factor, factor),
+        head_forward=profile.head_forward.scaled(factor, factor),
+        head_backward=profile.head_backward.scaled(factor, factor),
+        embedding_token_s=profile.embedding_token_s * factor,
+        elementwise_bytes_per_s=profile.elementwise_bytes_per_s / factor,
+        meta={**profile.meta, "speed_factor": factor})

@@ -63,6 +63,7 @@ class PipelineExecutor:
         sends: list[Transfer] = []
         next_post = 0
         loss_parts: list[torch.Tensor] = []
+        finished: list[Transfer] = []
 
         for i, action in enumerate(actions):
             # Post receives for this and the next actions before computing, so the peer's data
@@ -95,7 +96,11 @@ class PipelineExecutor:
             waited = (self.comm.wait_time_s if self.comm else 0.0) - waited0
             timeline.add(TimelineEvent(lay.rank, lay.stage_index, lay.dp_rank, label, start,
                                        time.time(), waited, time.thread_time() - cpu0))
-            # Drop references to sends that already went out so their buffers can be freed.
+            # Drop references to sends that already went out so their buffers can be freed: one
+            # action later, so that this thread, not gloo's worker thread (which may still hold a
+            # reference when the send reports completion), frees them; a CPU allocator probe
+            # sees only this thread's frees (profiling/memory_events.py).
+            finished = [s for s in sends if s.work.is_completed()]
             sends = [s for s in sends if not s.work.is_completed()]
 
         assert not pending, f"receives posted but never consumed: {sorted(pending)}"

@@ -57,6 +57,7 @@ class SequenceParallel:
         self.step = 0
         """Step number for error messages; the engine sets it before each step."""
         self._expand_index: dict[torch.device, torch.Tensor] = {}
+        self._finished: tuple = ()
 
     @property
     def head(self) -> HeadShard:
@@ -99,6 +100,10 @@ class SequenceParallel:
         else:
             wait_collective(work, timeout_s=self.timeout_s, layout=self.layout, ranks=self.ranks,
                             what=f"sequence-parallel all-to-all ({what})", step=self.step)
+        # gloo's worker thread may hold the last reference to the buffers of a finished
+        # collective, so their memory would be freed on that thread, where a CPU allocator probe
+        # does not see it; holding them until the next exchange frees them on this one.
+        self._finished = (work, send)
         return recv
 
     # --- the two re-shardings, differentiable ----------------------------------------------

@@ -102,3 +102,34 @@ def test_tiny_model_rows_have_the_fitters_shapes():
     assert mem[1]["kept_bytes"] < mem[0]["kept_bytes"]
     with pytest.raises(ValueError, match="0 <= start < end"):
         UnitCase(((5, 5),))
+
+
+def test_speed_factor_recovers_a_uniform_slowdown_and_rescale_compute_applies_it():
+    from infinipipe_hf.planner.cost_model import CostModel
+    from infinipipe_hf.planner.runtime_fit import rescale_compute, speed_factor
+
+    p2p = [{"kind": "p2p", "bytes": b, "seconds": 1e-4 + b / 1e9} for b in (65536, 1 << 20, 4 << 20)]
+    profile = fit_runtime_profile(_layer_rows() + _loss_rows() + p2p, SPEC, name="synthetic", bytes_per_element=4)
+    slower = [{**r, "fwd_s": 1.3 * r["fwd_s"], "bwd_s": 1.3 * r["bwd_s"]} for r in _layer_rows()]
+    assert speed_factor(profile, SPEC, _layer_rows()) == pytest.approx(1.0, rel=1e-6)
+    factor = speed_factor(profile, SPEC, slower)
+    assert factor == pytest.approx(1.3, rel=1e-6)
+    scaled = rescale_compute(profile, factor)
+    assert worst_error(row_errors(scaled, SPEC, slower)) < 1e-6  # every kind of unit, not one shape
+    assert scaled.meta["speed_factor"] == factor
+    assert (scaled.p2p_bandwidth_bytes_per_s, scaled.p2p_latency_s) == (profile.p2p_bandwidth_bytes_per_s,
+                                                                        profile.p2p_latency_s)
+    assert scaled.elementwise_bytes_per_s == pytest.approx(profile.elementwise_bytes_per_s / 1.3)
+    base, fast = (CostModel(SPEC, p, pp_degree=2, layers_per_stage=[2, 2]) for p in (profile, scaled))
+    shape = UnitShape.of(row_segments({"segments": [[512, 1024]]}))
+    for stage in (0, 1):
+        assert fast.forward_time(stage, shape) == pytest.approx(1.3 * base.forward_time(stage, shape), rel=1e-9)
+        assert fast.backward_time(stage, shape, 1) == pytest.approx(1.3 * base.backward_time(stage, shape, 1),
+                                                                    rel=1e-9)
+    # One factor cannot absorb a shape error: rows slowed unevenly leave a residual.
+    uneven = [{**r, "fwd_s": r["fwd_s"] * (1.0 + 0.5 * (i % 2))} for i, r in enumerate(_layer_rows())]
+    assert worst_error(row_errors(rescale_compute(profile, speed_factor(profile, SPEC, uneven)), SPEC, uneven)) > 0.1
+    with pytest.raises(ValueError, match="factor > 0"):
+        rescale_compute(profile, 0.0)
+    with pytest.raises(ValueError, match="at least one"):
+        speed_factor(profile, SPEC, p2p)
