@@ -275,5 +275,6 @@ def markdown(result: dict) -> str:
                     f"{'-' if mem is None else f'{mem:+.1%}'} |")
     return "\n".join(rows)
 
+
 if __name__ == "__main__":
     sys.exit(main())

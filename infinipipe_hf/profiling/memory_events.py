@@ -18,9 +18,9 @@ probe's figure is an upper bound when such frees happen; a training step that se
 are recorded: a tensor freed on another thread (gloo's worker thread can drop the last reference
 to a finished collective's buffers) never comes down in the replay, so the runtime keeps those
 buffers until its own thread drops them (``SequenceParallel.exchange``, the executor's finished
-sends); before that, pp 2 x sp 2 peaks read 30-40% above the memory actually held.  The profiler slows the block down, so a
-probed step is not a timed one.  Allocations made by gloo or other libraries outside torch's
-allocator are not counted.
+sends); before that, pp 2 x sp 2 peaks read 30-40% above the memory actually held.  The
+profiler slows the block down, so a probed step is not a timed one.  Allocations made by gloo or
+other libraries outside torch's allocator are not counted.
 """
 from __future__ import annotations
 

@@ -100,8 +100,9 @@ class PipelineExecutor:
             # action later, so that this thread, not gloo's worker thread (which may still hold a
             # reference when the send reports completion), frees them; a CPU allocator probe
             # sees only this thread's frees (profiling/memory_events.py).
-            finished = [s for s in sends if s.work.is_completed()]
-            sends = [s for s in sends if not s.work.is_completed()]
+            done = [s.work.is_completed() for s in sends]  # asked once: a send may finish meanwhile
+            finished = [s for s, d in zip(sends, done) if d]
+            sends = [s for s, d in zip(sends, done) if not d]
 
         assert not pending, f"receives posted but never consumed: {sorted(pending)}"
         for s in sends:

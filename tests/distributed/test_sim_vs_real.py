@@ -7,9 +7,9 @@ every plan the test runs is one where EPP slices with context, packs and checkpo
 per-action CPU seconds the runtime measured are within 0.75-1.5x of the cost model's work for
 each (stage, F/B) (the full benchmark measures a systematic excess of 3-45% in real steps over the
 profile fitted on isolated measurements: README, docs/simulator_vs_real.md; 1.28 was seen at
-pp 2 in CI, so a 25% bound failed on a model that is known-biased, not wrong); the simulated step (its profile rescaled to the machine's speed measured by a probe just
-before the schedule ran) and each stage's peak memory are within a factor of two of the measured
-ones.  The design goals (10% time, 10% memory, every repeat) are the full benchmark's
+pp 2 in CI, so a 25% bound failed on a model that is known-biased, not wrong); the simulated
+step (its profile rescaled to the machine's speed measured by a probe just before the schedule
+ran) and each stage's peak memory are within a factor of two of the measured ones.  The design goals (10% time, 10% memory, every repeat) are the full benchmark's
 to report; on a CPU shared with other jobs one quick step can be slowed by tens of percent, so
 the test's bounds catch a model that is wrong, not one that is noisy.
 """
