@@ -52,7 +52,7 @@ HELD_OUT_SHAPES = ([((0, n),) for n in (384, 1280)]
                    + [((c, c + s),) for s, c in ((640, 640), (192, 1344), (768, 1280))]
                    + [tuple((0, n) for n in p) for p in ((32,) * 16, (200, 150, 100, 62), (700, 300))])
 LEVEL_SHAPES = [((0, 512),), ((0, 1024),), ((512, 1024),), ((1024, 1536),)]
-# Timed by every rank just before each schedule of sim_vs_real (runtime_worker.speed_probe): fit
+# Timed by every rank before and after each schedule of sim_vs_real (runtime_worker.speed_probe): fit
 # shapes of each kind (whole, with context, pack, a checkpointed layer), ~0.3 s a repeat.
 SPEED_PROBE_SHAPES = [(((0, 512),), None), (((512, 1024),), None), (((0, 128),) * 4, None),
                       (((0, 1024),), "full")]

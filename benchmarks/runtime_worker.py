@@ -5,11 +5,11 @@
 ``SPEC.json``: ``{"model": {LlamaConfig kwargs}, "lengths": [...], "schedules": [...],
 "pp_degree": 2, "profile": PATH | null, "memory_budget_gib": x | {schedule: x} | null, "warmup": 1, "steps": 2,
 "seed": 0, "out": PATH}`` (optional ``max_tokens_per_unit``, ``num_slices``, ``sp_degree``,
-``loss_chunk_tokens``, ``memory_probe``, ``speed_probe``: unit shapes every rank times just before
-each schedule, see :func:`speed_probe`).  For each schedule the worker builds the same random
-model (same seed, so the same weights), runs ``warmup`` untimed steps and ``steps`` timed steps on
-the same batch (gradients zeroed between steps, no optimizer: weights never change, so every
-step's loss is the same number).  The plan of the first step is reused by the later ones (a
+``loss_chunk_tokens``, ``memory_probe``, ``speed_probe``: unit shapes every rank times just
+before and just after each schedule's timed steps, see :func:`speed_probe`).  For each schedule
+the worker builds the same random model (same seed, so the same weights), runs ``warmup``
+untimed steps and ``steps`` timed steps on the same batch (gradients zeroed between steps, no
+optimizer: weights never change, so every step's loss is the same number).  The plan of the first step is reused by the later ones (a
 solver time limit could otherwise plan a timed step differently from the simulated one, and
 planning is not pipeline time).  Every timed step's merged timeline is gathered (its span is the
 executed pipeline's step time), and the cores other processes used meanwhile (``/proc/stat``'s
@@ -62,7 +62,7 @@ def _resident_bytes(module) -> int:
 
 def memory_probe_step(engine, batch, plan) -> list[dict]:
     """One more step under the allocator-event probe; every rank's peak, gathered on all ranks."""
-    from infinipipe_hf.profiling.memory_events import MemoryProbe
+    from infinipipe_hf.profiling.memory_events import MemoryProbe, window_peaks
 
     for p in engine.parameters():
         p.grad = None
@@ -73,10 +73,13 @@ def memory_probe_step(engine, batch, plan) -> list[dict]:
     lay = engine.layout
     # The allocator's clock and the timeline's are both wall clocks: name the action at the peak.
     at = [e.action for e in out.timeline.events if e.start_s <= probe.trace.peak_time <= e.end_s]
+    mine_events = [e for e in out.timeline.events if e.rank == engine.layout.rank]
+    per_action = window_peaks(probe.events, [(e.start_s, e.end_s) for e in mine_events])
     mine = {"rank": lay.rank, "stage": lay.stage_index, "sp_rank": getattr(lay, "sp_rank", 0),
             "resident_bytes": resident, "step_peak_above_resident_bytes": probe.trace.peak_bytes,
             "peak_bytes": resident + probe.trace.peak_bytes, "allocator_events": probe.trace.num_events,
-            "peak_action": at[0] if at else None}
+            "peak_action": at[0] if at else None,
+            "action_peaks": {e.action: resident + b for e, b in zip(mine_events, per_action)}}
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     return parts
@@ -86,7 +89,7 @@ def speed_probe(spec: dict) -> list[list[dict]] | None:
     """Every rank times ``spec["speed_probe"]`` (``[[segments, level], ...]``, fit shapes of the
     profile) through ``profiling.runtime_rows`` at once, as the ranks of a step share the cores;
     the rows of all ranks.  ``sim_vs_real`` turns them into the machine's speed relative to the
-    profile just before the schedule runs (``planner.runtime_fit.speed_factor``)."""
+    profile around the schedule's steps (``planner.runtime_fit.speed_factor``)."""
     import transformers
 
     from infinipipe_hf.profiling.runtime_rows import UnitCase, measure_unit_rows
@@ -162,6 +165,10 @@ def main(spec_path: str) -> None:
                 timelines.append(merged.relative().to_dict())
         if out is None:
             continue
+        if probe is not None:
+            # Again after the timed steps: the machine's speed drifts within a run too, and the
+            # rows of both probes together stand for the steps between them.
+            probe = probe + speed_probe(spec)
         peaks = memory_probe_step(engine, batch, plan) if spec.get("memory_probe") else None
         if rank == 0:
             results[schedule] = {

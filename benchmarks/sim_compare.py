@@ -105,6 +105,20 @@ def breakdown(plan, cost, sim, timelines) -> dict:
     return {"rows": rows}
 
 
+def _per_action_memory(acts: list[str], simulated: list[float], top: dict | None) -> dict | None:
+    """Simulated vs measured bytes at every action of the rank with the highest peak, and the
+    action where the simulator falls furthest below the measurement (where a model term is missing)."""
+    measured = (top or {}).get("action_peaks")
+    if not measured:
+        return None
+    rows = [(a, s, measured.get(a)) for a, s in zip(acts, simulated)]
+    gaps = [(m - s, a) for a, s, m in rows if m is not None]
+    worst = max(gaps) if gaps else None
+    return {"actions": acts, "simulated_bytes": simulated, "measured_bytes": [m for _, _, m in rows],
+            "largest_underestimate_bytes": worst[0] if worst else None,
+            "largest_underestimate_action": worst[1] if worst else None}
+
+
 def compare_run(run: dict, cost, *, tol: float, uncalibrated=None) -> dict:
     """Everything ``sim_vs_real`` reports for one schedule's run.  ``cost`` prices the plan (its
     profile rescaled to the speed probe's factor when the run has one); ``uncalibrated``, the cost
@@ -143,7 +157,8 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None) -> dict:
                            "relative_difference": (want - got) / got if got else None,
                            "simulated_peak_action": acts[values.index(max(values))] if values else None,
                            "measured_peak_action": where,
-                           "simulated_bytes_at_measured_peak_action": values[acts.index(where)] if where in acts else None}
+                           "simulated_bytes_at_measured_peak_action": values[acts.index(where)] if where in acts else None,
+                           "per_action": _per_action_memory(acts, values, top)}
     mem_worst = max((v["relative_difference"] for v in mem.values() if v["relative_difference"] is not None),
                     key=abs, default=None)  # signed: negative = the simulator under-estimates
     rel = (sim.step_time_s - measured) / measured

@@ -191,7 +191,7 @@ def worst_error(errors: Sequence[Mapping[str, Any]]) -> float:
 def speed_factor(profile: HardwareProfile, spec: ModelSpec, rows: Sequence[Mapping[str, Any]]) -> float:
     """How much slower (> 1) or faster (< 1) the machine runs now than when ``profile`` was fitted:
     the median of measured / predicted over the forward and backward of ``rows`` (speed-probe rows
-    of fit shapes, timed just before a run).
+    of fit shapes, timed just before and after a run).
 
     Why a median of one factor: a shared machine's speed drifts between a profile fit and a run (we
     measured 12-30% between hours and days) and slows every kernel alike, while the coefficients'

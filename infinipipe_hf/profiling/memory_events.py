@@ -24,6 +24,7 @@ other libraries outside torch's allocator are not counted.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -53,12 +54,34 @@ def peak_from_events(events: Iterable[tuple[float, int]]) -> MemoryTrace:
     return MemoryTrace(peak, peak_time, level, len(ordered))
 
 
+def window_peaks(events: Iterable[tuple[float, int]], windows: Iterable[tuple[float, float]]) -> list[int]:
+    """Highest bytes allocated (since the start of ``events``) inside each ``(start, end)`` window:
+    the level entering the window counts, so a window with no events reads the level it inherits."""
+    ordered = sorted(enumerate(events), key=lambda e: (e[1][0], e[0]))
+    times, levels, level = [], [], 0
+    for _, (t, nbytes) in ordered:
+        level += int(nbytes)
+        times.append(t)
+        levels.append(level)
+    out = []
+    for start, end in windows:
+        i = bisect.bisect_left(times, start)
+        best = levels[i - 1] if i > 0 else 0
+        while i < len(times) and times[i] <= end:
+            best = max(best, levels[i])
+            i += 1
+        out.append(best)
+    return out
+
+
 class MemoryProbe:
     """``with MemoryProbe() as probe: ...`` then ``probe.trace`` (a :class:`MemoryTrace` of the CPU
     allocator's events inside the block)."""
 
     def __init__(self) -> None:
         self.trace: MemoryTrace | None = None
+        self.events: list[tuple[float, int]] = []
+        """The ``(time, signed bytes)`` allocator events of the block (for :func:`window_peaks`)."""
         self._prof = None
 
     def __enter__(self) -> "MemoryProbe":
@@ -75,4 +98,5 @@ class MemoryProbe:
         events = [(e.start_ns() * 1e-9, e.nbytes()) for e in self._prof.profiler.kineto_results.events()
                   if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
         self.trace = peak_from_events(events)
+        self.events = events
         self._prof = None

@@ -4,9 +4,10 @@ Design: a forward receives the unit's hidden states from the previous stage, run
 sends its output on; a backward receives the gradient of its output from the next stage, runs
 backward and sends the input gradient back.  Receives are posted ``lookahead`` actions ahead so
 the transfer overlaps the current action's compute; sends are fire-and-forget until the end of
-the step (completed ones are reaped as we go to bound buffer memory).  Shapes come from the plan
-via ``StageRunner.output_shape`` (``[1, unit tokens, hidden]``, the same on both sides of every
-link), so no metadata crosses the wire.
+the step, except that completed ones are reaped as we go to bound buffer memory (reported
+complete by the backend, or proven complete by the schedule: ``send_release.py``, which gloo
+needs).  Shapes come from the plan via ``StageRunner.output_shape`` (``[1, unit tokens,
+hidden]``, the same on both sides of every link), so no metadata crosses the wire.
 
 Trade-off: a deeper lookahead overlaps more but keeps more receive buffers alive (each is a full
 hidden-state tensor of a unit); 2 covers the 1F1B steady state, where the next action's input is
@@ -21,6 +22,7 @@ import torch
 
 from .comm import GRAD, HIDDEN, StageComm, Transfer
 from .mesh import ParallelLayout
+from .send_release import send_release_points
 from .timeline import Timeline, TimelineEvent
 
 
@@ -64,6 +66,10 @@ class PipelineExecutor:
         next_post = 0
         loss_parts: list[torch.Tensor] = []
         finished: list[Transfer] = []
+        previous = (plan.stage_actions(lay.dp_rank, lay.stage_index - 1)
+                    if train and not lay.is_first_stage else None)
+        release = send_release_points(actions, previous, is_last_stage=lay.is_last_stage,
+                                      is_first_stage=lay.is_first_stage) if train else {}
 
         for i, action in enumerate(actions):
             # Post receives for this and the next actions before computing, so the peer's data
@@ -100,7 +106,16 @@ class PipelineExecutor:
             # action later, so that this thread, not gloo's worker thread (which may still hold a
             # reference when the send reports completion), frees them; a CPU allocator probe
             # sees only this thread's frees (profiling/memory_events.py).
-            done = [s.work.is_completed() for s in sends]  # asked once: a send may finish meanwhile
+            # gloo never reports a send complete until it is waited on: wait on those this
+            # action's receive proved the peer took (send_release.py; returns at once).
+            proven = set(release.get(i, ()))
+            done = []
+            for s in sends:
+                if ("F" if s.kind == HIDDEN else "B", s.unit_id) in proven:
+                    self.comm.wait(s, step=step, action=label)
+                    done.append(True)
+                else:
+                    done.append(s.work.is_completed())  # asked once: a send may finish meanwhile
             finished = [s for s, d in zip(sends, done) if d]
             sends = [s for s, d in zip(sends, done) if not d]
 

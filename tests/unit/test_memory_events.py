@@ -38,3 +38,12 @@ def test_probe_counts_what_an_op_frees_inside_itself():
     assert probe.trace.peak_bytes >= 512 * 512 * 4
     assert probe.trace.final_bytes < 1024
     del y
+
+
+def test_window_peaks_take_the_level_entering_each_window_and_its_highest_inside():
+    from infinipipe_hf.profiling.memory_events import window_peaks
+
+    events = [(1.0, 10), (2.0, 5), (2.5, -12), (4.0, 7), (6.0, -10)]  # levels 10, 15, 3, 10, 0
+    assert window_peaks(events, [(0.0, 0.5), (0.5, 1.5), (1.5, 3.0), (3.0, 3.5), (3.9, 4.5), (5.0, 7.0)]) == [
+        0, 10, 15, 3, 10, 10]
+    assert window_peaks([], [(0.0, 1.0)]) == [0]
