@@ -157,8 +157,11 @@ class WorkingMemory:
         """Per action of a stage, the executor's hidden-state buffers beside the running one's input
         and output: the receive buffers posted for the next :data:`RECEIVE_LOOKAHEAD` actions, and
         on a non-last stage the output of every unit forwarded and not yet backward (the runner
-        keeps it, with its graph, until the unit's backward).  ``forward`` and ``tokens`` are per
-        action (tokens of its unit)."""
+        keeps it, with its graph, until the unit's backward; the send of it shares its storage).
+        Not counted: input gradients sent back, which the executor holds until the schedule
+        proves them received (``runtime/send_release.py``: the previous stage's next forward
+        arriving, usually a few actions).  ``forward`` and ``tokens`` are per action (tokens of
+        its unit)."""
         c = self.cost
         n = len(forward)
         per = -(-tokens.astype(np.int64) // c.sp_degree) * c.hidden_bytes_per_token
