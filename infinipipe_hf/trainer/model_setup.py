@@ -60,16 +60,24 @@ def apply_precision(model, args, shard: str = "none") -> torch.dtype | None:
 
 
 def check_world(args) -> tuple[int, int]:
-    """``(world_size, dp_degree)``; a clear error when pp_degree does not divide the world."""
+    """``(world_size, dp_degree)``; a clear error when pp_degree x sp_degree does not divide the
+    world (before any process group is built, so every rank fails alike instead of hanging)."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
         int(os.environ.get("WORLD_SIZE", "1"))
+    ok = [d for d in range(1, world + 1) if world % d == 0]
     if world % args.pp_degree != 0:
-        ok = [d for d in range(1, world + 1) if world % d == 0]
         raise ValueError(f"pp_degree={args.pp_degree} does not divide the {world} processes launched; "
                          f"use pp_degree in {ok} or launch a multiple of {args.pp_degree} processes")
-    return world, world // args.pp_degree
+    sp = getattr(args, "sp_degree", 1) or 1
+    group = args.pp_degree * sp
+    if world % group != 0:
+        fits = [d for d in ok if (world // args.pp_degree) % d == 0]
+        raise ValueError(f"pp_degree={args.pp_degree} x sp_degree={sp} = {group} does not divide the {world} "
+                         f"processes launched; with pp_degree={args.pp_degree} use sp_degree in {fits}, or "
+                         f"launch a multiple of {group} processes")
+    return world, world // group
 
 
 def build_engine(model, args, planner=None) -> PipelineEngine:

@@ -111,6 +111,12 @@ def test_pp_degree_not_dividing_processes_is_a_clear_error(tmp_path):
         EPPTrainer(model=_model(), args=_args(tmp_path, pp_degree=2), train_dataset=token_dataset())
 
 
+def test_sp_degree_not_dividing_processes_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"pp_degree=1 x sp_degree=2 = 2 does not divide the 1 processes.*"
+                                         r"sp_degree in \[1\]"):
+        EPPTrainer(model=_model(), args=_args(tmp_path, pp_degree=1, sp_degree=2), train_dataset=token_dataset())
+
+
 def test_dataset_without_token_ids_is_a_clear_error(tmp_path):
     import datasets
 
