@@ -18,11 +18,25 @@ so gloo matches posted-ahead receives of the two directions independently.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 MESH_DIMS = ("dp", "pp", "sp")
+
+
+def set_group_timeout(group, timeout: timedelta) -> None:
+    """Give ``group``'s collectives ``timeout`` (torch's ``_set_pg_timeout``; a warning where this
+    torch lacks it, and the group keeps its own)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    setter = getattr(c10d, "_set_pg_timeout", None)
+    if setter is None:
+        warnings.warn("this torch has no distributed_c10d._set_pg_timeout: the DeviceMesh groups "
+                      "(FSDP2's collectives) keep the default process group's timeout", stacklevel=2)
+        return
+    setter(timeout, group)
 
 
 @dataclass
@@ -151,6 +165,12 @@ class ParallelLayout:
         self.pp_group = self.mesh.get_group("pp")
         self.sp_group = self.mesh.get_group("sp")
         kw = {} if self.timeout_s is None else {"timeout": timedelta(seconds=self.timeout_s)}
+        if kw:
+            # init_device_mesh gives its groups the default group's timeout (30 min unless the
+            # launcher set one); FSDP2's gathers and reduce-scatters run on them, so a dead rank
+            # would hang the others that long instead of ending them within the timeout.
+            for name in MESH_DIMS:
+                set_group_timeout(self.mesh.get_group(name), kw["timeout"])
         # Same creation order on every rank: new_group is a collective over the world.
         for s in range(self.pp_degree):
             ranks = self.grad_ranks_of_stage(s)

@@ -34,3 +34,16 @@ def test_other_ranks_fail_with_named_peer(mode):
         assert float(elapsed) < TIMEOUT_S * 2 + 10, f"rank {r} took {elapsed}s"
         if mode == "stuck":  # exited on its own, not only once the stuck rank went away
             assert res.elapsed_s < culprit.elapsed_s, (r, res.elapsed_s, culprit.elapsed_s)
+
+
+def test_mesh_groups_fsdp2_runs_on_take_the_layout_timeout():
+    """FSDP2's collectives run on the DeviceMesh's groups: a missing peer ends them within the
+    layout's timeout, not the default group's 30 minutes."""
+    timeout = 3.0
+    results = run_ranks("mesh_timeout.py", 2, [str(timeout)], timeout_s=240)
+    res = results[0]
+    assert not res.timed_out, f"rank 0 hung:\n{res.output[-3000:]}"
+    assert res.returncode == 3, f"rank 0 exit {res.returncode}:\n{res.output[-3000:]}"
+    m = re.search(r"RAISED_AFTER ([\d.]+)", res.output)
+    assert m, res.output[-3000:]
+    assert timeout * 0.8 < float(m.group(1)) < timeout * 2 + 10, m.group(1)

@@ -1,0 +1,30 @@
+"""Mesh-timeout worker (2 ranks, dp 2): the DeviceMesh groups FSDP2 runs on take the layout's
+timeout.  Rank 1 never joins an all-reduce on the mesh's dp group; rank 0 must raise within the
+timeout (not the default group's 30 minutes): it prints ``RAISED_AFTER <s>`` and exits 3."""
+from __future__ import annotations
+
+import sys
+import time
+
+from common import dist, init, torch
+
+from infinipipe_hf.runtime.mesh import ParallelLayout
+
+TIMEOUT_S = float(sys.argv[1]) if len(sys.argv) > 1 else 3.0
+
+if __name__ == "__main__":
+    init()
+    rank = dist.get_rank()
+    layout = ParallelLayout(dist.get_world_size(), rank, pp_degree=1, dp_degree=2, timeout_s=TIMEOUT_S)
+    group = layout.mesh.get_group("dp")
+    dist.all_reduce(torch.ones(2), group=group)  # the group works
+    if rank == 1:
+        time.sleep(TIMEOUT_S * 4 + 10)
+        sys.exit(0)
+    t0 = time.time()
+    try:
+        dist.all_reduce(torch.ones(2), group=group)
+    except Exception as exc:  # gloo raises RuntimeError / DistBackendError on a timeout
+        print(f"[rank 0] RAISED_AFTER {time.time() - t0:.2f} {type(exc).__name__}", flush=True)
+        sys.exit(3)
+    print("[rank 0] all_reduce finished without rank 1", flush=True)
