@@ -9,7 +9,9 @@ each (stage, F/B) (the full benchmark measures a systematic excess of 3-45% in r
 profile fitted on isolated measurements: README, docs/simulator_vs_real.md; 1.28 was seen at
 pp 2 in CI, so a 25% bound failed on a model that is known-biased, not wrong); the simulated
 step (its profile rescaled to the machine's speed measured by a probe just before the schedule
-ran) and each stage's peak memory are within a factor of two of the measured ones.  The design goals (10% time, 10% memory, every repeat) are the full benchmark's
+ran) and each stage's peak memory are within a factor of two of the measured ones, and the bytes
+measured at each stage's last action within 1.6x of the simulated ones (buffers the runtime held
+past their use pile up there).  The design goals (10% time, 10% memory, every repeat) are the full benchmark's
 to report; on a CPU shared with other jobs one quick step can be slowed by tens of percent, so
 the test's bounds catch a model that is wrong, not one that is noisy.
 """
@@ -47,6 +49,13 @@ def test_simulated_order_time_and_memory_match_real_pp2_runs(tmp_path):
             assert 0.75 < row["cpu_over_simulated_work"] < 1.5, (name, row)
         for stage, mem in run["memory"].items():
             assert 0.5 < mem["simulated_peak_bytes"] / mem["measured_peak_bytes"] < 2.0, (name, stage, mem)
+            # Bytes at every action of the peak rank; at the step's last action whatever the
+            # runtime holds beyond its use has piled up (gloo sends held to the step's end read
+            # 2.5x there at pp 4; since the fix at most 1.37x, from input gradients held a few
+            # actions, which the model does not count).
+            per = mem["per_action"]
+            assert len(per["measured_bytes"]) == len(per["actions"]) and None not in per["measured_bytes"]
+            assert per["measured_bytes"][-1] < 1.6 * per["simulated_bytes"][-1], (name, stage, per)
         assert run["checkpointed_layers"] > 0, name
     epp = runs["epp"]
     assert epp["units_with_context"] > 0 and epp["packed_units"] > 0 and epp["sliced_sequences"] > 0
