@@ -9,9 +9,9 @@
 before and just after each schedule's timed steps, see :func:`speed_probe`).  For each schedule
 the worker builds the same random model (same seed, so the same weights), runs ``warmup``
 untimed steps and ``steps`` timed steps on the same batch (gradients zeroed between steps, no
-optimizer: weights never change, so every step's loss is the same number).  The plan of the first step is reused by the later ones (a
-solver time limit could otherwise plan a timed step differently from the simulated one, and
-planning is not pipeline time).  Every timed step's merged timeline is gathered (its span is the
+optimizer: weights never change, so every step's loss is the same number).  The plan of the
+first step is reused by the later ones (a solver time limit could otherwise plan a timed step
+differently from the simulated one, and planning is not pipeline time).  Every timed step's merged timeline is gathered (its span is the
 executed pipeline's step time), and the cores other processes used meanwhile (``/proc/stat``'s
 busy time less this run's processes' CPU time, over the step's wall time).  With ``memory_probe`` one more step runs under the CPU
 allocator's event probe (``profiling/memory_events.py``): each rank's peak is the bytes of its

@@ -28,9 +28,12 @@ MESH_DIMS = ("dp", "pp", "sp")
 
 def set_group_timeout(group, timeout: timedelta) -> None:
     """Give ``group``'s collectives ``timeout`` (torch's ``_set_pg_timeout``; a warning where this
-    torch lacks it, and the group keeps its own)."""
+    torch lacks it, and the group keeps its own).  The default group is left alone: a mesh dim
+    spanning the world may reuse it, and its timeout is the launcher's (the caller's) setting."""
     import torch.distributed.distributed_c10d as c10d
 
+    if group is c10d._get_default_group():
+        return
     setter = getattr(c10d, "_set_pg_timeout", None)
     if setter is None:
         warnings.warn("this torch has no distributed_c10d._set_pg_timeout: the DeviceMesh groups "

@@ -40,7 +40,7 @@ def test_mesh_groups_fsdp2_runs_on_take_the_layout_timeout():
     """FSDP2's collectives run on the DeviceMesh's groups: a missing peer ends them within the
     layout's timeout, not the default group's 30 minutes."""
     timeout = 3.0
-    results = run_ranks("mesh_timeout.py", 2, [str(timeout)], timeout_s=240)
+    results = run_ranks("mesh_timeout.py", 4, [str(timeout)], timeout_s=240)
     res = results[0]
     assert not res.timed_out, f"rank 0 hung:\n{res.output[-3000:]}"
     assert res.returncode == 3, f"rank 0 exit {res.returncode}:\n{res.output[-3000:]}"

@@ -1,6 +1,8 @@
-"""Mesh-timeout worker (2 ranks, dp 2): the DeviceMesh groups FSDP2 runs on take the layout's
-timeout.  Rank 1 never joins an all-reduce on the mesh's dp group; rank 0 must raise within the
-timeout (not the default group's 30 minutes): it prints ``RAISED_AFTER <s>`` and exits 3."""
+"""Mesh-timeout worker (4 ranks, pp 2 x dp 2): the DeviceMesh groups FSDP2 runs on take the
+layout's timeout.  Rank 2 never joins an all-reduce on the mesh's dp group {0, 2}; rank 0 must
+raise within the timeout (not the default group's 30 minutes): it prints ``RAISED_AFTER <s>`` and
+exits 3.  (A dim spanning the whole world may reuse the default group, whose timeout is the
+launcher's: hence a world of 4.)"""
 from __future__ import annotations
 
 import sys
@@ -15,10 +17,13 @@ TIMEOUT_S = float(sys.argv[1]) if len(sys.argv) > 1 else 3.0
 if __name__ == "__main__":
     init()
     rank = dist.get_rank()
-    layout = ParallelLayout(dist.get_world_size(), rank, pp_degree=1, dp_degree=2, timeout_s=TIMEOUT_S)
+    layout = ParallelLayout(dist.get_world_size(), rank, pp_degree=2, dp_degree=2, timeout_s=TIMEOUT_S)
     group = layout.mesh.get_group("dp")
+    assert dist.get_process_group_ranks(group) == ([0, 2] if rank in (0, 2) else [1, 3])
     dist.all_reduce(torch.ones(2), group=group)  # the group works
-    if rank == 1:
+    if rank in (1, 3):
+        sys.exit(0)
+    if rank == 2:
         time.sleep(TIMEOUT_S * 4 + 10)
         sys.exit(0)
     t0 = time.time()
