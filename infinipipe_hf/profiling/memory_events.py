@@ -42,27 +42,31 @@ class MemoryTrace:
     num_events: int
 
 
-def peak_from_events(events: Iterable[tuple[float, int]]) -> MemoryTrace:
-    """Replay ``(time, signed bytes)`` events in time order (ties keep the given order)."""
-    ordered = sorted(enumerate(events), key=lambda e: (e[1][0], e[0]))
-    level = peak = 0
-    peak_time = ordered[0][1][0] if ordered else 0.0
-    for _, (t, nbytes) in ordered:
-        level += int(nbytes)
-        if level > peak:
-            peak, peak_time = level, t
-    return MemoryTrace(peak, peak_time, level, len(ordered))
-
-
-def window_peaks(events: Iterable[tuple[float, int]], windows: Iterable[tuple[float, float]]) -> list[int]:
-    """Highest bytes allocated (since the start of ``events``) inside each ``(start, end)`` window:
-    the level entering the window counts, so a window with no events reads the level it inherits."""
+def _replay(events: Iterable[tuple[float, int]]) -> tuple[list[float], list[int]]:
+    """Event times in order (ties keep the given order) and the bytes allocated after each."""
     ordered = sorted(enumerate(events), key=lambda e: (e[1][0], e[0]))
     times, levels, level = [], [], 0
     for _, (t, nbytes) in ordered:
         level += int(nbytes)
         times.append(t)
         levels.append(level)
+    return times, levels
+
+
+def peak_from_events(events: Iterable[tuple[float, int]]) -> MemoryTrace:
+    """Replay ``(time, signed bytes)`` events in time order (ties keep the given order)."""
+    times, levels = _replay(events)
+    peak, peak_time = 0, times[0] if times else 0.0
+    for t, level in zip(times, levels):
+        if level > peak:
+            peak, peak_time = level, t
+    return MemoryTrace(peak, peak_time, levels[-1] if levels else 0, len(times))
+
+
+def window_peaks(events: Iterable[tuple[float, int]], windows: Iterable[tuple[float, float]]) -> list[int]:
+    """Highest bytes allocated (since the start of ``events``) inside each ``(start, end)`` window:
+    the level entering the window counts, so a window with no events reads the level it inherits."""
+    times, levels = _replay(events)
     out = []
     for start, end in windows:
         i = bisect.bisect_left(times, start)
