@@ -6,7 +6,9 @@
 "pp_degree": 2, "profile": PATH | null, "memory_budget_gib": x | {schedule: x} | null, "warmup": 1, "steps": 2,
 "seed": 0, "out": PATH}`` (optional ``max_tokens_per_unit``, ``num_slices``, ``sp_degree``,
 ``loss_chunk_tokens``, ``memory_probe``, ``speed_probe``: unit shapes every rank times just
-before and just after each schedule's timed steps, see :func:`speed_probe`).  For each schedule
+before and just after each schedule's timed steps, see :func:`speed_probe`;
+``speed_probe_every_step``: probe before every timed step too, so that each step is bracketed by
+two probes).  For each schedule
 the worker builds the same random model (same seed, so the same weights), runs ``warmup``
 untimed steps and ``steps`` timed steps on the same batch (gradients zeroed between steps, no
 optimizer: weights never change, so every step's loss is the same number).  The plan of the
@@ -132,9 +134,15 @@ def main(spec_path: str) -> None:
             loss_chunk_tokens=spec.get("loss_chunk_tokens", 4096), seed_plan_on_rank0=True,
             max_tokens_per_unit=spec.get("max_tokens_per_unit"), num_slices=spec.get("num_slices")))
         times, spans, timelines, losses, background, out, plan, sim = [], [], [], [], [], None, None, None
-        probe = speed_probe(spec)
+        # Speed probes: one before the first timed step (and, with ``speed_probe_every_step``,
+        # one before every timed step), one after the last, so each timed step can be paired
+        # with the machine's speed measured right around it.
+        every_step = bool(spec.get("speed_probe_every_step"))
+        probes = [] if every_step else [speed_probe(spec)]
         warmup = spec.get("warmup", 1)
         for i in range(warmup + spec.get("steps", 2)):
+            if every_step and i >= warmup:
+                probes.append(speed_probe(spec))
             for p in engine.parameters():
                 p.grad = None
             dist.barrier()
@@ -165,10 +173,9 @@ def main(spec_path: str) -> None:
                 timelines.append(merged.relative().to_dict())
         if out is None:
             continue
-        if probe is not None:
-            # Again after the timed steps: the machine's speed drifts within a run too, and the
-            # rows of both probes together stand for the steps between them.
-            probe = probe + speed_probe(spec)
+        # Again after the timed steps: the machine's speed drifts within a run too.
+        probes.append(speed_probe(spec))
+        probes = [p for p in probes if p is not None]
         peaks = memory_probe_step(engine, batch, plan) if spec.get("memory_probe") else None
         if rank == 0:
             results[schedule] = {
@@ -179,7 +186,11 @@ def main(spec_path: str) -> None:
                 "simulated_peak_memory_bytes": list(sim.peak_memory_bytes) if sim is not None else None,
                 "num_units": len(plan.units), "num_pipelines": plan.num_pipelines,
                 **({"measured_peak_memory": peaks} if peaks is not None else {}),
-                **({"speed_probe": probe} if probe is not None else {}),
+                # ``speed_probe``: every rank's rows of every probe (the pooled factor);
+                # ``speed_probes``: per probe, in order (before each timed step with
+                # ``speed_probe_every_step``, and after the last).
+                **({"speed_probe": [rows for pr in probes for rows in pr], "speed_probes": probes,
+                    "speed_probe_every_step": every_step} if probes else {}),
             }
             print(f"[rank 0] {schedule}: {len(plan.units)} units, loss {losses[-1]:.10f}, "
                   f"steps {['%.3f' % t for t in times]} s", flush=True)

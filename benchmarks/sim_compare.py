@@ -5,7 +5,10 @@ Used by ``sim_vs_real.py``.  Given the executed plan, the merged timelines of th
 peak memory (``runtime_worker.memory_probe_step``), and the cost model the engine planned with:
 
 - step time: the simulated step (``planner.simulator.simulate``, processor sharing when the
-  profile sets ``shared_cores``) against the median span of the executed pipelines;
+  profile sets ``shared_cores``) against the median span of the executed pipelines; where the run
+  probed the machine's speed before every timed step, each step against the simulation at the
+  speed of the two probes around it, and the median over steps (a speed burst during one step
+  is one outlier, not the result);
 - where the difference goes, per (stage, F/B): the cost model's work against the measured CPU
   seconds (the *cost model's* error), and the wall seconds the actions took beyond their CPU
   seconds and waits (time the rank was descheduled: sharing the cores with the other ranks,
@@ -119,10 +122,28 @@ def _per_action_memory(acts: list[str], simulated: list[float], top: dict | None
             "largest_underestimate_action": worst[1] if worst else None}
 
 
-def compare_run(run: dict, cost, *, tol: float, uncalibrated=None) -> dict:
+def bracketed_steps(plan, step_costs, spans) -> list[dict]:
+    """Each timed step against the simulation priced at the machine's speed measured right
+    around it (``step_costs[k]``: the profile rescaled to the probes before and after step k)."""
+    from infinipipe_hf.planner.simulator import simulate
+
+    if len(step_costs) != len(spans):
+        raise ValueError(f"one cost model per timed step: got {len(step_costs)} for {len(spans)} steps")
+    out = []
+    for c, span in zip(step_costs, spans):
+        t = simulate(plan, c).step_time_s
+        out.append({"speed_factor": c.profile.meta.get("speed_factor"), "simulated_step_s": t,
+                    "measured_step_s": span, "relative_difference": (t - span) / span})
+    return out
+
+
+def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=None) -> dict:
     """Everything ``sim_vs_real`` reports for one schedule's run.  ``cost`` prices the plan (its
-    profile rescaled to the speed probe's factor when the run has one); ``uncalibrated``, the cost
-    model of the profile as fitted, is simulated beside it for the record."""
+    profile rescaled to the factor of all the run's speed probes pooled); ``uncalibrated``, the cost
+    model of the profile as fitted, is simulated beside it for the record.  With ``step_costs`` (one
+    cost model per timed step, rescaled to the probes bracketing that step) the headline
+    ``relative_difference`` is the median over the steps of each step against its own
+    simulation, and the pooled comparison sits beside it (``pooled_relative_difference``)."""
     from infinipipe_hf.planner.plan import Plan
     from infinipipe_hf.planner.simulator import simulate
     from infinipipe_hf.runtime.timeline import Timeline
@@ -161,7 +182,9 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None) -> dict:
                            "per_action": _per_action_memory(acts, values, top)}
     mem_worst = max((v["relative_difference"] for v in mem.values() if v["relative_difference"] is not None),
                     key=abs, default=None)  # signed: negative = the simulator under-estimates
-    rel = (sim.step_time_s - measured) / measured
+    pooled = (sim.step_time_s - measured) / measured
+    per_step = bracketed_steps(plan, step_costs, spans) if step_costs else None
+    rel = statistics.median(x["relative_difference"] for x in per_step) if per_step else pooled
     background = statistics.median(run["background_cores"]) if run.get("background_cores") else None
     with_background = None
     if background is not None and cost.profile.shared_cores:
@@ -186,6 +209,7 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None) -> dict:
         "finer_levels": sum(sum(sum(lv.values()) for lv in v.values()) for v in plan.checkpoint_levels.values()),
         "simulated_step_s": sim.step_time_s, "measured_step_s": measured, "measured_spans_s": spans,
         "measured_step_wall_s": run["step_wall_s"], "relative_difference": rel, "within_tolerance": abs(rel) <= tol,
+        "pooled_relative_difference": pooled, "per_step": per_step,
         "measured_work_replay_s": replayed,
         "background_cores": background, "simulated_on_free_cores_s": with_background,
         "machine_model_error": (replayed - measured) / measured,

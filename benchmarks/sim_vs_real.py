@@ -14,9 +14,15 @@
    (polling up to ``--max-wait-s``; the load is recorded either way), then one torchrun launch
    (``runtime_worker.py``, one thread per rank, gloo) runs every schedule: a warm-up step that
    plans, ``--steps`` timed steps of that plan, and one step under the allocator-event memory probe.
-4. Comparison (``sim_compare.py``): simulated vs measured step time (median span of the timed
-   steps), the per-(stage, F/B) breakdown and the measured-work replay that split the difference
-   between the cost model and the machine model, and each stage's simulated vs measured peak memory.
+   Every rank times the speed-probe shapes before each timed step and after the last
+   (``--probe-once``: only before the first and after the last).
+4. Comparison (``sim_compare.py``): each timed step against the simulation with the profile
+   rescaled to the machine's speed of the two probes around that step, and the median over the
+   steps (this VM's speed moves by +-15% within a minute: a probe minutes away, or one factor for
+   all steps, turns that into model error; the comparison with one factor pooled over all probes
+   and the median step is reported beside it), the per-(stage, F/B) breakdown and the
+   measured-work replay that split the difference between the cost model and the machine model,
+   and each stage's simulated vs measured peak memory.
 
 The goal (issue 12): within 10% at pp 2 and pp 4 in every repeat, 20% at pp 2 x sp 2 (issue 10),
 memory within 10%.  The JSON reports every repeat, the worst case and the spread, with load and
@@ -91,6 +97,20 @@ def tight_budget(profile, pp: int, sp: int, schedule: str, slack: float, iterati
                     "checkpointed_layers": sum(sum(v.values()) for v in res.plan.checkpoint_layers.values())}
 
 
+def step_costs(run: dict, profile, pp: int, sp: int, budget_bytes: float) -> list | None:
+    """One cost model per timed step, at the speed factor of the two probes around it (the rows of
+    probe k, just before step k, and of probe k + 1); None unless the run probed every step."""
+    from infinipipe_hf.planner.runtime_fit import rescale_compute, speed_factor
+
+    probes = run.get("speed_probes") or []
+    if not run.get("speed_probe_every_step") or len(probes) != len(run["step_span_s"]) + 1:
+        return None
+    spec = spec_of(MODEL)
+    return [cost_for(rescale_compute(profile, speed_factor(profile, spec, [row for pr in (probes[k], probes[k + 1])
+                                                                          for rows in pr for row in rows])),
+                     pp, sp, budget_bytes) for k in range(len(probes) - 1)]
+
+
 def wait_for_low_load(max_load: float, max_wait_s: float, log=print) -> dict:
     t0 = time.time()
     load = os.getloadavg()
@@ -136,6 +156,10 @@ def summarise(repeats: list[dict]) -> dict:
                 "machine_model_errors": [x["machine_model_error"] for x in rows],
                 "cost_model_errors": [x["cost_model_error"] for x in rows],
                 "speed_factors": [x.get("speed_factor") for x in rows],
+                "pooled_relative_differences": [x.get("pooled_relative_difference", x["relative_difference"])
+                                                for x in rows],
+                "per_step_relative_differences": [[st["relative_difference"] for st in x["per_step"]]
+                                                  if x.get("per_step") else None for x in rows],
                 "uncalibrated_relative_differences": [x.get("uncalibrated_relative_difference") for x in rows],
                 "memory_worst": max(mem, key=abs) if mem else None,
                 "memory_within_tolerance_every_repeat": all(abs(x) <= MEMORY_TOLERANCE for x in mem) if mem else None}
@@ -153,7 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "sim_vs_real.json"))
     ap.add_argument("--quick", action="store_true", help="quick profile, one repeat, pp 2 only, one timed step")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--probe-once", action="store_true",
+                    help="probe the machine's speed only before and after a schedule's timed steps, not before each")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--budget-slack", type=float, default=1.1)
@@ -222,7 +248,7 @@ def main(argv=None) -> int:
             spec = {"model": MODEL, "lengths": LENGTHS, "schedules": schedules, "pp_degree": pp, "sp_degree": sp,
                     "profile": str(profile_path), "loss_chunk_tokens": LOSS_CHUNK_TOKENS, "memory_probe": True,
                     "memory_budget_gib": {s: b[0] / 2**30 for s, b in budgets[layout].items()},
-                    "warmup": 1, "steps": steps, "seed": 0,
+                    "warmup": 1, "steps": steps, "seed": 0, "speed_probe_every_step": not args.probe_once,
                     "speed_probe": [[list(map(list, segs)), level] for segs, level in SPEED_PROBE_SHAPES]}
             t1 = time.time()
             raw = launch(spec, pp * sp, args.timeout)
@@ -239,9 +265,11 @@ def main(argv=None) -> int:
                 uncalibrated = cost_for(profile, pp, sp, cost_budgets[s])
                 factor = speed_factor(profile, spec_of(MODEL), [row for rows in r["speed_probe"] for row in rows])
                 res[s] = compare_run(r, cost_for(rescale_compute(profile, factor), pp, sp, cost_budgets[s]),
-                                     tol=TOLERANCE[layout], uncalibrated=uncalibrated)
+                                     tol=TOLERANCE[layout], uncalibrated=uncalibrated,
+                                     step_costs=step_costs(r, profile, pp, sp, cost_budgets[s]))
                 log(f"  repeat {rep} {layout} {s} (speed x{factor:.3f}): simulated {res[s]['simulated_step_s']:.3f} s, measured "
-                    f"{res[s]['measured_step_s']:.3f} s ({res[s]['relative_difference']:+.1%}, uncalibrated "
+                    f"{res[s]['measured_step_s']:.3f} s ({res[s]['relative_difference']:+.1%}, pooled factor "
+                    f"{res[s]['pooled_relative_difference']:+.1%}, uncalibrated "
                     f"{res[s]['uncalibrated_relative_difference']:+.1%}; machine model "
                     f"{res[s]['machine_model_error']:+.1%}, cost model {res[s]['cost_model_error']:+.1%}); "
                     f"memory worst {res[s]['memory_worst_relative_difference']:+.1%}; load {load['load_at_start'][0]:.2f}")
@@ -258,11 +286,13 @@ def main(argv=None) -> int:
 
 def markdown(result: dict) -> str:
     """Per layout and schedule: (simulated - measured) / measured step time in every repeat (the
-    profile rescaled by the speed probe; the profile as fitted beside it), its split into machine
+    median over timed steps of each step against the profile rescaled by the probes around it;
+    with one factor pooled over all probes, and the profile as fitted, beside it), its split into machine
     model and cost model, and the worst signed memory difference (negative: under-estimate)."""
-    rows = ["| layout | schedule | step time: sim vs measured, each repeat | worst | profile as fitted (speed factor) "
+    rows = ["| layout | schedule | step time: sim vs measured, each repeat | worst | one pooled speed factor "
+            "| profile as fitted (speed factor) "
             "| machine model / cost model (worst repeat) | peak memory: sim vs measured, worst stage and repeat |",
-            "|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|"]
     for key, case in result["summary"]["per_case"].items():
         layout, schedule = key.split("/")
         diffs = case["relative_differences"]
@@ -270,8 +300,9 @@ def markdown(result: dict) -> str:
         mem = case.get("memory_worst")
         raw = ", ".join(f"{u:+.0%} (x{f:.2f})" for u, f in zip(case.get("uncalibrated_relative_differences") or [],
                                                               case.get("speed_factors") or []) if u is not None)
+        pooled = ", ".join(f"{d:+.1%}" for d in case.get("pooled_relative_differences") or [])
         rows.append(f"| {layout} | {schedule} | {', '.join(f'{d:+.1%}' for d in diffs)} | {diffs[i]:+.1%} | "
-                    f"{raw or '-'} | {case['machine_model_errors'][i]:+.1%} / {case['cost_model_errors'][i]:+.1%} | "
+                    f"{pooled or '-'} | {raw or '-'} | {case['machine_model_errors'][i]:+.1%} / {case['cost_model_errors'][i]:+.1%} | "
                     f"{'-' if mem is None else f'{mem:+.1%}'} |")
     return "\n".join(rows)
 

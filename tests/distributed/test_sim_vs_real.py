@@ -46,6 +46,10 @@ def test_simulated_order_time_and_memory_match_real_pp2_runs(tmp_path):
         assert 0.2 < run["speed_factor"] < 5.0, (name, run["speed_factor"])
         assert abs(run["uncalibrated_relative_difference"]) < 3.0, name
         assert abs(run["relative_difference"]) < 1.0, (name, run["relative_difference"])
+        # The timed step was bracketed by probes and compared at their speed.
+        (step,) = run["per_step"]
+        assert step["relative_difference"] == run["relative_difference"], (name, step)
+        assert 0.2 < step["speed_factor"] < 5.0 and abs(run["pooled_relative_difference"]) < 1.0, (name, run)
         for row in run["breakdown"]["rows"]:
             assert 0.6 < row["cpu_over_simulated_work"] < 1.8, (name, row)
         for stage, mem in run["memory"].items():
