@@ -38,7 +38,8 @@ from scipy import sparse
 from .actions import Action
 from .checkpoint_levels import FULL, check_levels
 from .cost_model import CostModel, UnitShape
-from .memory import MemoryPoint, live_windows, memory_points
+from .live_windows import live_windows
+from .memory import MemoryPoint, memory_points
 from .plan import Plan
 
 

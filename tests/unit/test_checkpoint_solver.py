@@ -349,7 +349,7 @@ def test_replica_without_units():
 
 def test_dropped_points_are_dominated_by_kept_ones():
     from infinipipe_hf.planner.checkpoint_problem import undominated
-    from infinipipe_hf.planner.memory import live_windows
+    from infinipipe_hf.planner.live_windows import live_windows
 
     rng = random.Random(3)
     for trial in range(20):

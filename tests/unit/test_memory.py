@@ -7,8 +7,8 @@ import pytest
 
 from infinipipe_hf.planner.actions import parse_actions
 from infinipipe_hf.planner.cost_model import CostModel
-from infinipipe_hf.planner.memory import (MemoryPoint, live_windows, memory_points, point_bytes,
-                                          stage_peak_bytes)
+from infinipipe_hf.planner.live_windows import live_windows
+from infinipipe_hf.planner.memory import MemoryPoint, memory_points, point_bytes, stage_peak_bytes
 from infinipipe_hf.planner.model_spec import ModelSpec
 from infinipipe_hf.planner.plan import Plan
 from infinipipe_hf.planner.units import Segment, Unit
