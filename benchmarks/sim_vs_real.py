@@ -106,9 +106,10 @@ def step_costs(run: dict, profile, pp: int, sp: int, budget_bytes: float) -> lis
     if not run.get("speed_probe_every_step") or len(probes) != len(run["step_span_s"]) + 1:
         return None
     spec = spec_of(MODEL)
-    return [cost_for(rescale_compute(profile, speed_factor(profile, spec, [row for pr in (probes[k], probes[k + 1])
-                                                                          for rows in pr for row in rows])),
-                     pp, sp, budget_bytes) for k in range(len(probes) - 1)]
+    # A probe holds every rank's rows; a step's factor uses the rows of the probes on both sides.
+    rows = [[row for rank_rows in probe for row in rank_rows] for probe in probes]
+    factors = [speed_factor(profile, spec, before + after) for before, after in zip(rows, rows[1:])]
+    return [cost_for(rescale_compute(profile, f), pp, sp, budget_bytes) for f in factors]
 
 
 def wait_for_low_load(max_load: float, max_wait_s: float, log=print) -> dict:
