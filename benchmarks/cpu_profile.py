@@ -6,7 +6,7 @@ Every piece of a pipeline action is timed on its own, through the runtime's code
 (``infinipipe_hf/profiling/runtime_rows.py``, one thread, per-thread CPU seconds, medians of
 interleaved repeats): a decoder layer's forward and backward on whole sequences, on slices that
 carry K/V context and on packs of several sequences; the same with each checkpoint level (whole
-layer, ``mlp``, ``mlp_act``); the chunked loss; the embedding; the elementwise product the
+layer, ``keep_attn``, ``mlp``, ``mlp_act``); the chunked loss; the embedding; the elementwise product the
 ``mlp_act`` level redoes; gloo point-to-point messages between two processes
 (``benchmarks/p2p_worker.py``); the allocator peaks of a one-layer unit at each level (the
 working memory of ``planner/working_memory.py``).  ``planner/runtime_fit.py`` fits the cost model's coefficients to
@@ -92,7 +92,7 @@ def measure_rows(model_cfg: dict, *, repeat: int, held_out: bool, log=print) -> 
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**model_cfg)).float()
     if held_out:
         cases = [UnitCase(s) for s in HELD_OUT_SHAPES] + [
-            UnitCase(s, lv) for s in LEVEL_SHAPES for lv in ("full", "mlp", "mlp_act")]
+            UnitCase(s, lv) for s in LEVEL_SHAPES for lv in ("full", "keep_attn", "mlp", "mlp_act")]
         loss, emb = HELD_OUT_LOSS, HELD_OUT_EMB
     else:
         cases, loss, emb = [UnitCase(s) for s in FIT_SHAPES], FIT_LOSS, FIT_EMB

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 SCHEDULES = ("epp", "packed-1f1b", "seq1f1b", "gpipe")
 CHECKPOINTING = ("adaptive", "none", "full")
-CHECKPOINT_LEVELS = ("mlp", "mlp_act")
+CHECKPOINT_LEVELS = ("keep_attn", "mlp", "mlp_act")
 SHARD_MODES = ("none", "sp", "dp", "sp+dp", "hybrid")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash")
 
@@ -58,10 +58,11 @@ class InfiniPipeConfig:
     checkpointing: str = "adaptive"
     """``adaptive`` (solver picks per stage and unit), ``none`` or ``full`` (every layer)."""
 
-    checkpoint_levels: tuple[str, ...] = ("mlp", "mlp_act")
-    """Levels inside a decoder layer ``adaptive`` checkpointing may use beside whole layers:
-    ``mlp`` (recompute the MLP), ``mlp_act`` (recompute only ``act(gate) * up``); ``()`` for
-    whole layers only.  See docs/checkpoint_levels.md."""
+    checkpoint_levels: tuple[str, ...] = ("keep_attn", "mlp", "mlp_act")
+    """Levels ``adaptive`` checkpointing may use beside whole layers: ``keep_attn`` (recompute
+    the layer but not its attention core, whose output is kept), ``mlp`` (recompute the MLP),
+    ``mlp_act`` (recompute only ``act(gate) * up``); ``()`` for whole layers only.  Levels the
+    device or model cannot run are dropped with a warning.  See docs/checkpoint_levels.md."""
 
     max_tokens_per_unit: int | None = None
     """Upper bound on tokens in one unit; ``None`` lets the planner choose per batch."""

@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a pipeline schedule, a non-pipeline alternative on the same GPUs, or all of them")
     p.add_argument("--max-tokens-per-unit", type=int, default=None)
     p.add_argument("--checkpointing", default="adaptive", choices=["adaptive", "none", "full"])
-    p.add_argument("--checkpoint-levels", default="mlp,mlp_act", metavar="LEVELS",
+    p.add_argument("--checkpoint-levels", default="keep_attn,mlp,mlp_act", metavar="LEVELS",
                    help="levels inside a decoder layer adaptive checkpointing may use beside whole "
-                        "layers: comma-separated among mlp, mlp_act, or 'none' (whole layers only)")
+                        "layers: comma-separated among keep_attn, mlp, mlp_act, or 'none' (whole layers only)")
     p.add_argument("--emit-plan", default=None, metavar="PLAN.json", help="write the plan as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart + memory per stage")
     p.add_argument("--json", action="store_true", help="print machine-readable results")

@@ -3,8 +3,9 @@
 For every batch of the planner benchmark, EPP is planned three ways under the same cost model and
 budget: ``whole, diagonal`` (whole layers, counts shared along backward diagonals: the paper's
 formulation and this project's before), ``whole, cell`` (whole layers, a count per stage and
-unit) and ``levels, cell`` (whole layers plus the ``mlp`` / ``mlp_act`` levels inside a layer:
-the default).  Per plan: simulated tokens/s, the recompute share (recompute seconds over stage
+unit), ``mlp levels, cell`` (whole layers plus the ``mlp`` / ``mlp_act`` levels inside the MLP)
+and ``levels, cell`` (also ``keep_attn``, a whole layer that keeps its attention output and skips
+the attention core on replay: the default).  Per plan: simulated tokens/s, the recompute share (recompute seconds over stage
 seconds, mean over stages and the worst stage) and the bubble share.
 
 Equal memory: a baseline that fits the budget is compared at it; one that does not is planned at
@@ -29,9 +30,11 @@ DESCRIPTION = ("checkpoint levels inside a layer, before (whole layers, diagonal
 VARIANTS = {
     "whole, diagonal": dict(checkpoint_levels=(), checkpoint_sharing="diagonal"),
     "whole, cell": dict(checkpoint_levels=(), checkpoint_sharing="cell"),
-    "levels, cell": dict(checkpoint_levels=("mlp", "mlp_act"), checkpoint_sharing="cell"),
+    "mlp levels, cell": dict(checkpoint_levels=("mlp", "mlp_act"), checkpoint_sharing="cell"),
+    "levels, cell": dict(checkpoint_levels=("keep_attn", "mlp", "mlp_act"), checkpoint_sharing="cell"),
 }
-BEFORE, AFTER = "whole, diagonal", "levels, cell"
+BEFORE, MIDDLE, AFTER = "whole, diagonal", "mlp levels, cell", "levels, cell"
+COMPARED = (BEFORE, MIDDLE, AFTER)
 BASELINES = ("packed-1f1b", "seq1f1b", "gpipe")
 RESOLUTION_GIB = 2.0
 MAX_BUDGET_GIB = 2048.0
@@ -93,14 +96,14 @@ def table_row(model: str, pp: int, spec, name: str, lengths, budget_gib: float, 
         entry = {"at_budget": _shares(res)}
         if res.feasible:
             entry["fits_at_gib"] = budget_gib
-            for label in (BEFORE, AFTER):
+            for label in COMPARED:
                 entry[f"speedup_{label}"] = row["epp"][label]["tokens_per_s"] / entry["at_budget"]["tokens_per_s"]
         else:
             need, base = _least_budget(lengths, spec, pp, schedule, profile, budget_gib)
             entry["fits_at_gib"] = need
             if need is not None:
                 entry["at_fit"] = _shares(base)
-                for label in (BEFORE, AFTER):
+                for label in COMPARED:
                     epp, _ = _plan(lengths, spec, pp, need, profile, **VARIANTS[label])
                     entry[f"epp_at_fit_{label}"] = _shares(epp)
                     entry[f"speedup_{label}"] = (entry[f"epp_at_fit_{label}"]["tokens_per_s"]
@@ -119,7 +122,7 @@ def format_row(row: dict) -> str:
                      f"plan {v['planning_cpu_s']:.1f}s" if v["feasible"] else f"[{label}] OOM")
     for schedule, b in row["baselines"].items():
         at = "" if b["fits_at_gib"] == row["budget_gib"] else f"@{b['fits_at_gib']}GiB "
-        sp = (f"{b.get('speedup_' + BEFORE, 0):.2f}->{b.get('speedup_' + AFTER, 0):.2f}x"
+        sp = ("->".join(f"{b.get('speedup_' + label, 0):.2f}" for label in COMPARED) + "x"
               if b["fits_at_gib"] is not None else "never fits")
         parts.append(f"{schedule} {at}{sp}")
     return "\n    ".join(parts)
@@ -137,32 +140,40 @@ def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:
             rows.append(row)
             print(format_row(row), flush=True)
     return {"memory_budget_gib": memory_gib, "variants": {k: dict(v) for k, v in VARIANTS.items()},
-            "before": BEFORE, "after": AFTER, "rows": rows}
+            "before": BEFORE, "middle": MIDDLE, "after": AFTER, "rows": rows}
 
 
 def markdown(report: dict) -> str:
-    lines = ["| model, pp | batch | EPP tok/s before -> after | recompute share before -> after (worst stage) "
-             "| bubble share before -> after | equal-memory speedup over the best baseline, before -> after |",
+    """Before (whole layers, diagonal) -> MLP levels -> with keep_attn (reports written before
+    keep_attn existed have no middle variant: two columns then)."""
+    labels = [BEFORE, MIDDLE, AFTER] if report.get("middle") else [BEFORE, AFTER]
+    arrow = " -> ".join(["whole"] + (["mlp levels"] if len(labels) == 3 else []) + ["all levels"])
+    lines = [f"| model, pp | batch | EPP tok/s {arrow} | recompute share {arrow} (worst stage) "
+             f"| bubble share {arrow} | equal-memory speedup over the best baseline, {arrow} |",
              "|---|---|---|---|---|---|"]
+
+    def chain(fmt, values):
+        return " -> ".join(fmt(v) for v in values)
+
     for row in report["rows"]:
-        b, a = row["epp"][BEFORE], row["epp"][AFTER]
-        if not (b["feasible"] and a["feasible"]):
+        plans = [row["epp"][label] for label in labels]
+        if not all(p["feasible"] for p in plans):
             continue
         best = max(row["baselines"].items(), key=lambda kv: kv[1].get("at_budget", {}).get("tokens_per_s", 0.0))
         name, base = best
-        if base["at_budget"]["feasible"]:
-            speed = f"{base['speedup_' + BEFORE]:.2f}x -> {base['speedup_' + AFTER]:.2f}x vs {name}"
-        else:  # nothing fits the budget: the baseline needing the least memory, at its budget
+        suffix = f" vs {name}"
+        if not base["at_budget"]["feasible"]:  # nothing fits the budget: the one needing the least memory
             fits = [(v["fits_at_gib"], k, v) for k, v in row["baselines"].items() if v["fits_at_gib"]]
-            if fits:
-                gib, name, base = min(fits, key=lambda t: t[0])
-                speed = (f"{base['speedup_' + BEFORE]:.2f}x -> {base['speedup_' + AFTER]:.2f}x vs {name} "
-                         f"(at {gib:g} GiB, where it fits)")
+            if not fits:
+                base = None
             else:
-                speed = "no baseline fits"
-        lines.append(
-            f"| {row['model']}, pp {row['pp']} | {row['batch']} | {b['tokens_per_s'] / 1e3:.1f}K -> "
-            f"{a['tokens_per_s'] / 1e3:.1f}K | {b['recompute_share']:.3f} -> {a['recompute_share']:.3f} "
-            f"({b['recompute_share_worst_stage']:.3f} -> {a['recompute_share_worst_stage']:.3f}) | "
-            f"{b['bubble_share']:.3f} -> {a['bubble_share']:.3f} | {speed} |")
+                gib, name, base = min(fits, key=lambda t: t[0])
+                suffix = f" vs {name} (at {gib:g} GiB, where it fits)"
+        speed = (chain(lambda v: f"{v:.2f}x", [base["speedup_" + label] for label in labels]) + suffix
+                 if base is not None else "no baseline fits")
+        tok = chain(lambda p: f"{p['tokens_per_s'] / 1e3:.1f}K", plans)
+        rec = chain(lambda p: f"{p['recompute_share']:.3f}", plans)
+        worst = chain(lambda p: f"{p['recompute_share_worst_stage']:.3f}", plans)
+        bub = chain(lambda p: f"{p['bubble_share']:.3f}", plans)
+        lines.append(f"| {row['model']}, pp {row['pp']} | {row['batch']} | {tok} | {rec} ({worst}) | {bub} | {speed} |")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ point of a stage's timeline (planner/memory.py) is one row ``sum slope * c >= ne
 ``need = point bytes with nothing checkpointed - budget``.
 
 Finer levels inside a layer (planner/checkpoint_levels.py) give a cell one *column* per level
-holding cumulative counts ``y_full <= y_mlp <= y_mlp_act <= layers``; a row's coefficient of
+holding cumulative counts ``y_full <= y_keep_attn <= y_mlp <= y_mlp_act <= layers``; a row's coefficient of
 ``y_l`` is what level ``l`` saves beyond the next finer one, positive, so the rows stay covering
 constraints (raising any count never breaks one) and rounding an LP answer up keeps it feasible
 once each chain is closed upwards.  The chains are the only other constraints.
@@ -254,7 +254,7 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
             a0 = cost.unit_activation_bytes(p, segments, 0)
             zero_act.append(a0)
             saves.append([a0 - cost.unit_activation_bytes(p, segments, 1)]
-                         + [lc.saved_bytes_per_token[lv] * cost.gpu_tokens(shape.tokens) for lv in finer])
+                         + [lc.layer_saved_bytes(lv, p, segments) for lv in finer])
             redos.append([layer_s] + [lc.layer_recompute_s(lv, shape) for lv in finer])
         points = stage_points[p] = memory_points(plan, cost, dp_rank, p)
         if not points:

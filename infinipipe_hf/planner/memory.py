@@ -43,11 +43,11 @@ LevelCounts = Mapping[int, Mapping[str, int]]
 """unit id -> finer checkpoint level -> layers, for one stage (a plan's ``checkpoint_levels[stage]``)."""
 
 
-def _finer_bytes(cost: CostModel, tokens: int, counts: Mapping[str, int] | None) -> float:
-    """Bytes the finer levels ``counts`` drop from a unit of ``tokens`` (0.0 for none)."""
+def _finer_bytes(cost: CostModel, stage: int, segments, counts: Mapping[str, int] | None) -> float:
+    """Bytes the finer levels ``counts`` drop from a unit with ``segments`` (0.0 for none)."""
     if not counts or not any(counts.values()):
         return 0.0
-    return cost.levels.finer_saved_bytes(tokens, CheckpointMix.of(0, counts))
+    return cost.levels.finer_saved_bytes(stage, segments, CheckpointMix.of(0, counts))
 
 
 def _phases(cost: CostModel):
@@ -125,7 +125,7 @@ class StageTimeline:
             values[k] += (layers - get(int(self.units[k]), 0)) * extra
         if checkpoint_levels:
             for k, u in enumerate(self.units.tolist()):
-                values[k] -= _finer_bytes(cost, int(self.tokens[k]), checkpoint_levels.get(u))
+                values[k] -= _finer_bytes(cost, stage, self.segments[k], checkpoint_levels.get(u))
         return np.array(values, dtype=float)
 
     def point_values(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
@@ -335,7 +335,7 @@ def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
     for uid in point.live_units:
         segs = by_id[uid].segments
         total += (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(uid, 0))
-                  - _finer_bytes(cost, sum(s.end - s.start for s in segs), levels.get(uid)))
+                  - _finer_bytes(cost, stage, segs, levels.get(uid)))
     return total
 
 
@@ -376,7 +376,7 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
         if a.unit not in act:
             segs = by_id[a.unit].segments
             act[a.unit] = (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(a.unit, 0))
-                           - _finer_bytes(cost, sum(s.end - s.start for s in segs), levels.get(a.unit)))
+                           - _finer_bytes(cost, stage, segs, levels.get(a.unit)))
             live_sum += act[a.unit]
         base = p.base_bytes
         if _phases(cost) is not None:

@@ -173,8 +173,8 @@ class Plan:
         return "\n".join(lines)
 
     def _ckpt_tag(self, stage_index: int, unit_id: int) -> str:
-        """``(c2)`` for two whole layers, ``(c2+m1+a3)`` with finer levels, empty for none."""
+        """``(c2)`` for two whole layers, ``(c2+k1+m1+a3)`` with finer levels (``k``: keep_attn), empty for none."""
         mix = self.checkpoint_mix(stage_index, unit_id)
-        parts = ([f"c{mix.full}"] if mix.full else []) + ([f"m{mix.mlp}"] if mix.mlp else []) \
-            + ([f"a{mix.mlp_act}"] if mix.mlp_act else [])
+        parts = [f"{tag}{n}" for tag, n in (("c", mix.full), ("k", mix.keep_attn), ("m", mix.mlp),
+                                             ("a", mix.mlp_act)) if n]
         return f"({'+'.join(parts)})" if parts else ""

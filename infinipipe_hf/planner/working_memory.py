@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .checkpoint_levels import FULL, MLP, MLP_ACT, CheckpointMix, norm_elements
+from .checkpoint_levels import FULL, KEEP_ATTN, MLP, MLP_ACT, CheckpointMix, norm_elements
 
 if TYPE_CHECKING:
     from .cost_model import CostModel
@@ -101,9 +101,11 @@ class WorkingMemory:
         a, h = c.act_bytes_per_token, c.hidden_bytes_per_token
         out = []
         for level in mix.layer_levels(c.layers_per_stage[stage]):
-            if level == FULL:
+            if level in (FULL, KEEP_ATTN):
                 # Measured: the context K/V copy is still alive at the forward's peak, the mask not.
-                out.append((tokens * h, tokens * self.forward[FULL] + ctx - mask, tokens * (a - h) + ctx))
+                # keep_attn's first forward runs like a whole layer's; what it keeps is counted as kept.
+                k = h + (c.levels.keep_attn_bytes_per_token if level == KEEP_ATTN else 0.0)
+                out.append((tokens * k, tokens * self.forward[FULL] + ctx - mask, tokens * (a - k) + ctx))
             else:
                 saved = self.level_saved[level]
                 out.append((tokens * (a - saved) + ctx, tokens * self.forward[level], tokens * saved))

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..planner.actions import Action
-from ..planner.checkpoint_levels import FINER_LEVELS, FULL
+from ..planner.checkpoint_levels import FINER_LEVELS, FULL, MLP_LEVELS
 from ..planner.plan import Plan
 from ..planner.units import Segment, Unit
 
@@ -244,7 +244,7 @@ def _allocate_grads(module) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def measure_memory_rows(model, tokens: int, levels: Sequence[str | None] = (None, FULL, *FINER_LEVELS),
+def measure_memory_rows(model, tokens: int, levels: Sequence[str | None] = (None, FULL, *MLP_LEVELS),
                         *, seed: int = 0) -> list[dict]:
     """``unit_memory`` rows of a ``tokens``-token sequence on a one-layer middle stage of ``model``
     (pruned in place) at each of ``levels`` (module docstring).  Byte counts do not depend on load."""

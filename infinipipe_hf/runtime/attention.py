@@ -32,6 +32,7 @@ from ..planner.units import Segment
 from .kv_store import KVStore, PendingKVGrad
 
 if TYPE_CHECKING:
+    from .attention_kept import KeptAttention
     from .sequence_parallel import SPUnit
 
 EPP_ATTENTION = "epp"
@@ -50,6 +51,9 @@ class EPPUnitContext:
     sp: "SPUnit | None" = None
     """Sequence parallelism: the layer sees this rank's token shard; attention runs on all the
     unit's tokens for this rank's heads between two all-to-alls (``sequence_parallel.py``)."""
+    kept_attention: "KeptAttention | None" = None
+    """Set on the layers checkpointed at ``keep_attn``: the attention core's output and
+    log-sum-exp are kept here from the forward for the replay (``attention_kept.py``)."""
 
 
 @dataclass
@@ -79,6 +83,12 @@ def segment_mask(length: int, context: int, sliding_window: int | None, device) 
     return mask
 
 
+def square_causal(length: int, context: int, sliding_window: int | None) -> bool:
+    """A segment with no context and no window narrower than it: plain causal, no mask needed
+    (upper-left and lower-right alignment coincide)."""
+    return context == 0 and (sliding_window is None or sliding_window >= length)
+
+
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 
@@ -96,8 +106,7 @@ def sdpa_backend(a: AttentionSegments) -> torch.Tensor:
                 k = k.repeat_interleave(groups, dim=1)
                 v = v.repeat_interleave(groups, dim=1)
         length, context = q.shape[2], a.context_lens[i]
-        if context == 0 and (a.sliding_window is None or a.sliding_window >= length):
-            # Square causal block: upper-left and lower-right alignment coincide.
+        if square_causal(length, context, a.sliding_window):
             o = F.scaled_dot_product_attention(q, k, v, dropout_p=a.dropout, is_causal=True,
                                                scale=a.scaling, **gqa)
         else:
@@ -181,8 +190,14 @@ def epp_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value:
         # This rank's query heads do not group evenly onto its K/V heads: one K/V per query head.
         keys = [k.index_select(1, idx) for k in keys]
         values = [v.index_select(1, idx) for v in values]
-    out = ctx.backend(AttentionSegments(query, keys, values, ctx.q_offsets, context_lens, scaling,
-                                        dropout, kwargs.get("sliding_window")))
+    problem = AttentionSegments(query, keys, values, ctx.q_offsets, context_lens, scaling, dropout,
+                                kwargs.get("sliding_window"))
+    if ctx.kept_attention is not None and torch.is_grad_enabled():
+        from .attention_kept import kept_attention
+
+        out = kept_attention(problem, ctx.kept_attention, layer)
+    else:
+        out = ctx.backend(problem)
     if torch.is_grad_enabled():
         for k_own, v_own, entry in pending:
             out = PendingKVGrad.apply(out, k_own, v_own, entry)

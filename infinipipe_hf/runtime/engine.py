@@ -246,17 +246,16 @@ class PipelineEngine:
                          checkpoint_levels=self._checkpoint_levels())
 
     def _checkpoint_levels(self) -> tuple[str, ...]:
-        """The configured levels, or none (with a warning) if this stage's MLPs cannot switch."""
-        from .mlp_levels import supports_levels
+        """The configured levels this stage can run (the others dropped with a warning)."""
+        from .checkpointing import runnable_levels
 
         levels = tuple(self.config.checkpoint_levels)
-        if levels and not all(supports_levels(layer) for _, layer in self.stage.decoder_layers()):
-            warnings.warn(f"checkpoint_levels={levels} ignored: this model's decoder layers have no "
-                          f"gated MLP (gate_proj, up_proj, down_proj, act_fn) to switch; planning with "
-                          f"whole layers only. Set InfiniPipeConfig(checkpoint_levels=()) to silence this",
-                          stacklevel=3)
-            self.config.checkpoint_levels = levels = ()
-        return levels
+        kept, why = runnable_levels(levels, [layer for _, layer in self.stage.decoder_layers()], self.device)
+        if why is not None:
+            warnings.warn(f"checkpoint_levels={levels}: planning with {kept or 'whole layers only'}: {why}. "
+                          f"Set InfiniPipeConfig(checkpoint_levels={kept!r}) to silence this", stacklevel=3)
+            self.config.checkpoint_levels = kept
+        return kept
 
     def plan_locally(self, lengths: list[int]) -> tuple[Plan, Any]:
         """This rank's own plan of ``lengths`` and its simulation, with no communication: safe to

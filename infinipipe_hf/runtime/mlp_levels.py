@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..planner.checkpoint_levels import FINER_LEVELS, MLP, MLP_ACT
+from ..planner.checkpoint_levels import MLP, MLP_ACT, MLP_LEVELS
 
 _PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 _LEVEL_ATTR = "_epp_checkpoint_level"
@@ -59,8 +59,8 @@ def mlp_level(layer: nn.Module, level: str | None) -> Iterator[None]:
     if level is None:
         yield
         return
-    if level not in FINER_LEVELS:
-        raise ValueError(f"unknown MLP checkpoint level {level!r}; use one of {', '.join(FINER_LEVELS)}")
+    if level not in MLP_LEVELS:
+        raise ValueError(f"unknown MLP checkpoint level {level!r}; use one of {', '.join(MLP_LEVELS)}")
     if not supports_levels(layer):
         raise ValueError(f"{type(layer).__name__} has no switchable gated MLP (gate_proj, up_proj, "
                          f"down_proj, act_fn) so it cannot run checkpoint level {level!r}; plan with "
@@ -81,7 +81,7 @@ def _leveled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return checkpoint(_act_and_down, self, self.gate_proj(x), self.up_proj(x), use_reentrant=False)
     if level == MLP:
         return checkpoint(_whole_mlp, self, x, use_reentrant=False)
-    raise ValueError(f"unknown MLP checkpoint level {level!r}; use one of {', '.join(FINER_LEVELS)}")
+    raise ValueError(f"unknown MLP checkpoint level {level!r}; use one of {', '.join(MLP_LEVELS)}")
 
 
 def _act_and_down(mlp: nn.Module, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,7 @@ def wrong_slice_order(p):  # the last stage runs the first slice's backward befo
 
 def no_checkpointing(p):  # memory: the same units with nothing recomputed
     p.checkpoint_layers = {s: {u: 0 for u in per_unit} for s, per_unit in p.checkpoint_layers.items()}
+    p.checkpoint_levels = {}  # and no finer level (keep_attn, mlp, mlp_act) either
 
 
 caught = 0

@@ -59,7 +59,8 @@ print(f"{len(batch)} files, {sum(batch)} tokens, longest {max(batch)}: {len(plan
 
 # %%
 unit_ids = [a.unit for a in plan.stage_actions(0, 0) if a.is_forward]
-grid = np.array([[plan.checkpointed(s, u) for u in unit_ids] for s in range(PP)])
+# Layers recomputed at any level: whole, keep_attn (whole but the attention core), mlp, mlp_act.
+grid = np.array([[plan.checkpoint_mix(s, u).total for u in unit_ids] for s in range(PP)])
 fig, ax = plt.subplots(figsize=(min(16, 1 + 0.5 * len(unit_ids)), 2.8))
 im = ax.imshow(grid, cmap="magma_r", vmin=0, vmax=max(plan.layers_per_stage), aspect="auto")
 for s in range(PP):
@@ -69,7 +70,7 @@ for s in range(PP):
 ax.set_xticks(range(len(unit_ids)), [f"{u}\n{plan.unit_by_id[u].num_tokens // 1000}K" for u in unit_ids], fontsize=7)
 ax.set_yticks(range(PP), [f"stage {s}" for s in range(PP)])
 ax.set_xlabel("unit (tokens)")
-fig.colorbar(im, ax=ax, label="checkpointed layers")
+fig.colorbar(im, ax=ax, label="checkpointed layers (any level)")
 ax.set_title("adaptive checkpointing: layers recomputed per (stage, unit)")
 plt.show()
 print("checkpointed layer-forwards per stage:", grid.sum(axis=1).tolist(), "of",
@@ -84,8 +85,9 @@ print("checkpointed layer-forwards per stage:", grid.sum(axis=1).tolist(), "of",
 # %%
 def with_policy(policy: str) -> Plan:
     p = Plan.from_dict(plan.to_dict())
-    if policy != "adaptive":  # the adaptive counts are the plan's own
-        p.checkpoint_layers = solve_checkpointing(p, cost, policy=policy).checkpoint_layers
+    if policy != "adaptive":  # the adaptive counts (and finer levels) are the plan's own
+        sol = solve_checkpointing(p, cost, policy=policy)
+        p.checkpoint_layers, p.checkpoint_levels = sol.checkpoint_layers, sol.checkpoint_levels
     return p
 
 

@@ -2,7 +2,8 @@
 
 Exactness (``workers/sp_exact.py``): loss and every gradient on every rank equal single-process
 HF in float64 (1e-10 relative) for sp 2, pp 2 x sp 2, pp 1 x sp 4 and dp 2 x sp 2, with slices
-carrying K/V, packs, hybrids, checkpointing, every schedule of the default planner, GQA with 2 K/V
+carrying K/V, packs, hybrids, checkpointing (whole layers and every finer level, keep_attn
+included), every schedule of the default planner, GQA with 2 K/V
 heads at sp 4 (replicated K/V), uneven head counts, K/V expanded per query head, tied embeddings,
 units of odd length and units shorter than ``sp_degree``; plus accumulation, clipping, eval and
 the bad-input errors.  The case names are listed so a case that stops running fails the test.
@@ -23,11 +24,12 @@ import pytest
 from tests.distributed.launch import check_cases, run_ranks, run_torchrun
 
 SP2_CASES = ["sp2_llama_untied_mixed", "sp2_qwen3_tied_all", "sp2_mistral_odd_units",
-             "sp2_gqa6_3_expanded", "sp2_accumulation_clip", "sp_not_dividing_world",
+             "sp2_gqa6_3_expanded", "sp2_llama_levels", "sp2_accumulation_clip", "sp_not_dividing_world",
              "pp_sp_not_dividing_world", "sp_more_than_heads"]
 WORLD4_CASES = ["pp2sp2_llama_untied_mixed", "pp2sp2_mistral_tied_all", "pp2sp2_qwen2_untied_none_odd",
                 "pp2sp2_qwen3_tied_mixed", "sp4_gqa2_replicated", "sp4_gqa8_2_tied",
-                "sp4_gqa10_5_expanded", "sp4_mha6_uneven_heads", "sp4_odd_and_tiny_units",
+                "sp4_gqa10_5_expanded", "sp4_mha6_uneven_heads", "sp4_gqa10_5_expanded_levels",
+                "pp2sp2_qwen2_levels", "sp4_odd_and_tiny_units",
                 "dp2sp2_llama_tied_mixed", "dp2sp2_qwen2_untied_all", "pp2sp2_accumulation_clip",
                 "pp2sp2_planner_epp", "pp2sp2_planner_packed-1f1b", "pp2sp2_planner_seq1f1b",
                 "pp2sp2_planner_gpipe", "sp_not_dividing_world", "pp_sp_not_dividing_world",

@@ -61,7 +61,9 @@ def test_simulated_order_time_and_memory_match_real_pp2_runs(tmp_path):
             per = mem["per_action"]
             assert len(per["measured_bytes"]) == len(per["actions"]) and None not in per["measured_bytes"]
             assert per["measured_bytes"][-1] < 1.6 * per["simulated_bytes"][-1], (name, stage, per)
-        assert run["checkpointed_layers"] > 0, name
+        # Something is recomputed: whole layers, or keep_attn / the MLP levels (EPP's plans may
+        # use only finer levels).
+        assert run["checkpointed_layers"] + run["finer_levels"] > 0, name
     epp = runs["epp"]
     assert epp["units_with_context"] > 0 and epp["packed_units"] > 0 and epp["sliced_sequences"] > 0
     assert r["profile"]["held_out_errors"], "the profile is checked on held-out shapes"

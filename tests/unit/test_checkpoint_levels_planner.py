@@ -21,16 +21,17 @@ from infinipipe_hf.planner.memory import stage_peak_bytes, stage_timeline
 from infinipipe_hf.planner.model_spec import ModelSpec
 from infinipipe_hf.planner.plan import Plan
 from infinipipe_hf.planner.simulator import simulate
+from infinipipe_hf.planner.units import Segment
 from infinipipe_hf.planner.validator import PlanValidationError, validate
 from tests.unit.test_checkpoint_solver import TINY, epp_plan
 
-LEVELS = ("mlp", "mlp_act")
+LEVELS = FINER_LEVELS  # keep_attn, mlp, mlp_act
 
 
 def mixes(layers):
-    """Every (full, mlp, mlp_act) with at most ``layers`` layers in all."""
-    return [CheckpointMix(f, m, a) for f in range(layers + 1) for m in range(layers + 1 - f)
-            for a in range(layers + 1 - f - m)]
+    """Every (full, keep_attn, mlp, mlp_act) with at most ``layers`` layers in all."""
+    return [CheckpointMix(f, m, a, k) for f in range(layers + 1) for k in range(layers + 1 - f)
+            for m in range(layers + 1 - f - k) for a in range(layers + 1 - f - k - m)]
 
 
 def level_peaks(plan, cost, ck, lv):
@@ -112,6 +113,19 @@ def test_levels_used_and_cheaper_on_some_case():
     assert sol.recompute_time_s < 0.9 * whole.recompute_time_s
 
 
+def test_keep_attn_chosen_where_memory_is_tight():
+    """The brute-force cases do exercise keep_attn: at a tight budget its optimum uses it."""
+    lengths, pp, layers, slice_tokens, unit_tokens = CASES[1]
+    plan = epp_plan(lengths, pp, slice_tokens, unit_tokens)
+    cost = cost_between(plan, layers, 0.5)
+    _, best = brute_force_cells(plan, cost)
+    assert any(m.keep_attn for per in best.values() for m in per.values())
+    sol = solve_checkpointing(plan, cost, levels=LEVELS, sharing="cell", mip_rel_gap=1e-9)
+    assert any("keep_attn" in per for st in sol.checkpoint_levels.values() for per in st.values())
+    without = solve_checkpointing(plan, cost, levels=("mlp", "mlp_act"), sharing="cell", mip_rel_gap=1e-9)
+    assert sol.recompute_time_s < without.recompute_time_s
+
+
 @pytest.mark.parametrize("sharing", ["cell", "diagonal"])
 def test_greedy_with_levels_feasible_whenever_full_is(sharing):
     rng = random.Random(11)
@@ -172,17 +186,31 @@ def test_level_costs_are_ordered_and_shares_exact():
     assert lc.saved_share == {"mlp": 4 * 11008 / total, "mlp_act": 2 * 11008 / total}
     for tokens, context in ((512, 0), (8192, 0), (4096, 60000)):
         shape = UnitShape(float(tokens * tokens + 2 * context * tokens), tokens)
-        full, mlp, act = (lc.layer_recompute_s(lv, shape) for lv in ("full", "mlp", "mlp_act"))
-        assert 0 < act < mlp < full < cost.layer_fwd(shape.pairs, shape.tokens)
+        full, keep, mlp, act = (lc.layer_recompute_s(lv, shape) for lv in ("full", "keep_attn", "mlp", "mlp_act"))
+        assert 0 < act < mlp < keep < full < cost.layer_fwd(shape.pairs, shape.tokens)
+        # keep_attn skips exactly the attention core: the fit's pair term.
+        core = cost.layer_fwd(shape.pairs, shape.tokens) - cost.layer_fwd(0, shape.tokens)
+        assert full - keep == pytest.approx(core, rel=1e-12)
+        if context:  # a slice far into its sequence: the core is most of the replay
+            assert keep < 0.5 * full
+    segments = [Segment(0, 60000, 64096)]
+    saved = {lv: lc.layer_saved_bytes(lv, 0, segments) for lv in ("full", "keep_attn", "mlp", "mlp_act")}
+    assert saved["full"] > saved["keep_attn"] > saved["mlp"] > saved["mlp_act"] > 0
+    assert saved["full"] == cost.unit_checkpoint_saving(0, segments)
+    # keep_attn keeps the attention output (bf16) and a float32 log-sum-exp per head and token.
+    assert saved["full"] - saved["keep_attn"] == pytest.approx(4096 * (4096 * 2 + 32 * 4), rel=1e-12)
     with pytest.raises(ValueError, match="unknown checkpoint level 'attn'"):
         check_levels(["attn"])
-    assert check_levels(["mlp_act", "mlp"]) == FINER_LEVELS
+    assert check_levels(["mlp_act", "mlp"]) == ("mlp", "mlp_act")
+    assert check_levels(["mlp_act", "keep_attn", "mlp"]) == FINER_LEVELS
 
 
 def test_checkpoint_mix_layer_order_and_errors():
     assert CheckpointMix(1, 2, 1).layer_levels(5) == ["full", "mlp", "mlp", "mlp_act", None]
-    with pytest.raises(ValueError, match="full \\+ mlp \\+ mlp_act must be at most"):
+    assert CheckpointMix(1, 1, 1, 2).layer_levels(6) == ["full", "keep_attn", "keep_attn", "mlp", "mlp_act", None]
+    with pytest.raises(ValueError, match="full \\+ keep_attn \\+ mlp \\+ mlp_act must be at most"):
         CheckpointMix(1, 2, 1).layer_levels(3)
+    assert CheckpointMix.of(1, {"keep_attn": 2}) == CheckpointMix(1, keep_attn=2)
     with pytest.raises(ValueError, match="non-negative int"):
         CheckpointMix(0, -1, 0)
     assert CheckpointMix.of(2, {"mlp_act": 3}) == CheckpointMix(2, 0, 3)
@@ -192,7 +220,8 @@ def _plan_with_levels():
     plan = epp_plan([900, 300, 200, 150], 2, 400, 400)
     plan.layers_per_stage = [2, 2]
     plan.checkpoint_layers = {0: {0: 1}, 1: {0: 0}}
-    plan.checkpoint_levels = {0: {0: {"mlp_act": 1}, 1: {"mlp": 2}}, 1: {2: {"mlp": 1, "mlp_act": 1}}}
+    plan.checkpoint_levels = {0: {0: {"mlp_act": 1}, 1: {"mlp": 2}}, 1: {2: {"mlp": 1, "mlp_act": 1},
+                                                                         3: {"keep_attn": 1, "mlp": 1}}}
     return plan
 
 
@@ -200,18 +229,19 @@ def test_plan_json_round_trip_with_levels_and_old_json_loads():
     plan = _plan_with_levels()
     d = plan.to_dict()
     assert d["checkpoint_levels"] == {"0": {"0": {"mlp_act": 1}, "1": {"mlp": 2}},
-                                      "1": {"2": {"mlp": 1, "mlp_act": 1}}}
+                                      "1": {"2": {"mlp": 1, "mlp_act": 1}, "3": {"keep_attn": 1, "mlp": 1}}}
     assert d["checkpoint_layers"]["0"] == {"0": 1}  # whole layers keep their meaning
     back = Plan.from_json(plan.to_json())
     assert back.to_dict() == d
-    assert back.checkpoint_mix(0, 0) == CheckpointMix(1, 0, 1) and back.checkpoint_mix(1, 3) == CheckpointMix()
+    assert back.checkpoint_mix(0, 0) == CheckpointMix(1, 0, 1) and back.checkpoint_mix(1, 4) == CheckpointMix()
+    assert back.checkpoint_mix(1, 3) == CheckpointMix(0, 1, 0, 1)
     old = json.loads(plan.to_json())
     del old["checkpoint_levels"]
     assert Plan.from_dict(old).checkpoint_levels == {}
     # No finer level, no key: plans without levels serialise exactly as before.
     plan.checkpoint_levels = {0: {1: {"mlp": 0}}}
     assert "checkpoint_levels" not in plan.to_dict()
-    assert "F0(c1+a1)" in str(_plan_with_levels())
+    assert "F0(c1+a1)" in str(_plan_with_levels()) and "F3(k1+m1)" in str(_plan_with_levels())
 
 
 @pytest.mark.parametrize("levels, match", [
@@ -290,9 +320,13 @@ def test_levels_per_gpu_under_sequence_parallelism(sp):
     mix = CheckpointMix(0, 3, 2)
     per_gpu = math.ceil(tokens / sp)
     want = per_gpu * (3 * 4 + 2 * 2) * 11008 * 2  # bf16 elements of the levels
-    assert many.levels.finer_saved_bytes(tokens, mix) == pytest.approx(want, rel=2e-3)
-    assert many.levels.finer_saved_bytes(tokens, mix) == pytest.approx(
-        one.levels.finer_saved_bytes(per_gpu, mix), rel=1e-12)
+    whole, gpu_whole = [Segment(0, 0, tokens)], [Segment(0, 0, per_gpu)]
+    assert many.levels.finer_saved_bytes(0, whole, mix) == pytest.approx(want, rel=2e-3)
+    assert many.levels.finer_saved_bytes(0, whole, mix) == pytest.approx(
+        one.levels.finer_saved_bytes(0, gpu_whole, mix), rel=1e-12)
+    # keep_attn keeps the head-sharded attention output of all tokens: a hidden state per GPU token.
+    kept = many.levels.layer_saved_bytes("full", 0, whole) - many.levels.layer_saved_bytes("keep_attn", 0, whole)
+    assert kept == pytest.approx(per_gpu * (4096 * 2 + 32 * 4), rel=1e-12)
     shape, gpu_shape = UnitShape(float(tokens * tokens), tokens), UnitShape(0.0, per_gpu)
     assert many.levels.layer_recompute_s("mlp_act", shape) == pytest.approx(
         one.levels.layer_recompute_s("mlp_act", gpu_shape), rel=1e-12)

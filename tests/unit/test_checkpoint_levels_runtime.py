@@ -1,10 +1,10 @@
-"""Checkpoint levels inside a layer (runtime/mlp_levels.py) against the unsplit HF model, float64.
+"""Checkpoint levels (runtime/mlp_levels.py, runtime/attention_kept.py) against the unsplit HF model, float64.
 
 Every level, alone and mixed with whole layers in one plan, over slices carrying K/V, a hybrid
 and packed units, under 1F1B and GPipe-like orders, for every supported family, and with LoRA on
 every projection: loss and every gradient equal the reference (1e-10 relative).  Counting module
 calls checks the levels do recompute what they claim (and only that), so a level that silently
-keeps everything, or reruns ``down_proj``, fails.
+keeps everything, reruns ``down_proj``, or (``keep_attn``) reruns the attention core, fails.
 """
 import pytest
 import torch
@@ -16,8 +16,10 @@ from infinipipe_hf.runtime.mlp_levels import install_mlp_levels, mlp_level, supp
 from tests.helpers.reference import FAMILIES, random_batch, reference_loss_and_grads, tiny_model
 from tests.unit.test_local_pipeline import LENGTHS, NUM_LAYERS, build_stages, check, make_plan
 
-# Per-stage mixes (whole, mlp, mlp_act) cycled over (stage, unit): stages hold 2 layers at pp 2.
-MIX_CYCLE = [(0, 2, 0), (0, 0, 2), (1, 1, 0), (0, 1, 1), (1, 0, 1), (0, 0, 0)]
+# Per-stage mixes (whole, mlp, mlp_act[, keep_attn]) cycled over (stage, unit): stages hold 2
+# layers at pp 2.
+MIX_CYCLE = [(0, 2, 0), (0, 0, 2, 0), (1, 1, 0), (0, 0, 0, 2), (0, 1, 1), (1, 0, 0, 1), (1, 0, 1),
+             (0, 0, 1, 1), (0, 0, 0)]
 
 
 def with_levels(plan, mixes):
@@ -25,10 +27,11 @@ def with_levels(plan, mixes):
     ck, levels = {}, {}
     for s, layers in enumerate(plan.layers_per_stage):
         for u in plan.units:
-            full, mlp, act = mixes[(s + u.id) % len(mixes)]
+            full, mlp, act, keep = (*mixes[(s + u.id) % len(mixes)], 0)[:4]
             full = min(full, layers)
-            mlp = min(mlp, layers - full)
-            m = CheckpointMix(full, mlp, min(act, layers - full - mlp))
+            keep = min(keep, layers - full)
+            mlp = min(mlp, layers - full - keep)
+            m = CheckpointMix(full, mlp, min(act, layers - full - keep - mlp), keep)
             ck.setdefault(s, {})[u.id] = m.full
             if m.finer:
                 levels.setdefault(s, {})[u.id] = m.finer
@@ -36,7 +39,7 @@ def with_levels(plan, mixes):
     return plan
 
 
-@pytest.mark.parametrize("level", ["mlp", "mlp_act"])
+@pytest.mark.parametrize("level", ["keep_attn", "mlp", "mlp_act"])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_each_level_alone_on_every_layer(level, pp):
     model = tiny_model("llama", num_layers=NUM_LAYERS, seed=20)
@@ -60,7 +63,7 @@ def test_mixed_levels_in_one_plan(family, order):
 def test_mixed_levels_pp4_one_layer_per_stage_and_tied():
     model = tiny_model("qwen2", num_layers=NUM_LAYERS, seed=22, tie=True)
     batch = random_batch(LENGTHS, seed=22, with_labels=True)
-    plan = with_levels(make_plan(4), [(1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 0, 0)])
+    plan = with_levels(make_plan(4), [(1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 0, 0, 1), (0, 0, 0)])
     check(model, build_stages(model, 4), plan, batch, tied=True)
 
 
@@ -148,6 +151,61 @@ def test_levels_recompute_what_they_claim():
     # Stage 1 keeps everything.
     assert all(calls[(i, p)] == n for i in (2, 3) for p in ("gate_proj", "up_proj", "down_proj"))
     assert acts[2] == acts[3] == n
+
+
+def test_keep_attn_replays_the_layer_but_not_the_attention_core(monkeypatch):
+    """Layer 0 of every unit at keep_attn: the layer is replayed in backward (its attention module
+    runs twice per unit) but the attention kernel runs once per segment, in the first forward;
+    every store is empty after backward (nothing kept past the unit's backward)."""
+    from infinipipe_hf.runtime import attention_kept, checkpointing
+
+    model = tiny_model("llama", num_layers=NUM_LAYERS, seed=29)
+    stages = build_stages(model, 2)
+    plan = make_plan(2, "1f1b", "none")
+    plan.checkpoint_levels = {0: {u.id: {"keep_attn": 1} for u in plan.units}}
+    kernel_calls, stores = [], []
+    real_kernel, real_store = attention_kept._FLASH_CPU, attention_kept.KeptAttention
+
+    def counting_kernel(*args, **kwargs):
+        kernel_calls.append(args[0].shape[2])
+        return real_kernel(*args, **kwargs)
+
+    class RecordedStore(real_store):
+        def __init__(self):
+            super().__init__()
+            stores.append(self)
+
+    monkeypatch.setattr(attention_kept, "_FLASH_CPU", counting_kernel)
+    monkeypatch.setattr(checkpointing, "KeptAttention", RecordedStore)
+    attn_calls = {}
+    for st in stages:
+        for idx, layer in st.decoder_layers():
+            layer.self_attn.register_forward_pre_hook(
+                lambda m, a, idx=idx: attn_calls.__setitem__(idx, attn_calls.get(idx, 0) + 1))
+    check(model, stages, plan, random_batch(LENGTHS, seed=29))
+    n = len(plan.units)
+    assert attn_calls[0] == 2 * n and attn_calls[1] == attn_calls[2] == attn_calls[3] == n
+    # One kernel call per segment of every unit, each over the segment's query tokens: no replay.
+    assert sorted(kernel_calls) == sorted(s.end - s.start for u in plan.units for s in u.segments)
+    assert len(stores) == n and all(len(st) == 0 for st in stores)
+
+
+def test_levels_the_device_or_model_cannot_run_are_dropped_with_the_reason():
+    from infinipipe_hf.runtime.checkpointing import runnable_levels
+
+    model = tiny_model("llama", num_layers=NUM_LAYERS, seed=30)
+    layers = [layer for st in build_stages(model, 1) for _, layer in st.decoder_layers()]
+    every = ("keep_attn", "mlp", "mlp_act")
+    assert runnable_levels(every, layers, torch.device("cpu")) == (every, None)
+    kept, why = runnable_levels(every, layers, torch.device("cuda"))
+    assert kept == ("mlp", "mlp_act") and "wired for CPU only" in why
+    layers[0].self_attn.attention_dropout = 0.1
+    kept, why = runnable_levels(every, layers, torch.device("cpu"))
+    assert kept == ("mlp", "mlp_act") and "attention_dropout=0.1" in why
+    layers[0].self_attn.attention_dropout = 0.0
+    layers[1].mlp = torch.nn.Linear(4, 4)  # not a gated MLP: the MLP levels go, keep_attn stays
+    kept, why = runnable_levels(every, layers, torch.device("cpu"))
+    assert kept == ("keep_attn",) and why.count("gated MLP") == 1
 
 
 def test_forward_only_ignores_levels():

@@ -35,6 +35,6 @@ def test_world_size_check():
 
 
 def test_checkpoint_levels_default_on_and_can_be_turned_off():
-    assert InfiniPipeConfig().checkpoint_levels == ("mlp", "mlp_act")
+    assert InfiniPipeConfig().checkpoint_levels == ("keep_attn", "mlp", "mlp_act")
     assert InfiniPipeConfig(checkpoint_levels=[]).checkpoint_levels == ()
     assert InfiniPipeConfig(checkpoint_levels="mlp_act").checkpoint_levels == ("mlp_act",)

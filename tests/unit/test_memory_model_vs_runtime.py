@@ -91,9 +91,19 @@ class SavedBytes:
                     self._add(t)
             return real(f, *args, **kwargs)
 
-        # Whole layers and the MLP levels inside layers both checkpoint through these names.
-        for module in (checkpointing, mlp_levels):
-            monkeypatch.setattr(module, "checkpoint", counting)
+        stores = []
+
+        def counting_with_stores(f, *args, **kwargs):
+            # keep_attn layers keep the attention output and log-sum-exp outside autograd's
+            # saved tensors, in the unit's store: count what it holds after the forward.
+            store = getattr(kwargs.get("epp_unit"), "kept_attention", None)
+            if store is not None and all(store is not s for s in stores):
+                stores.append(store)
+            return counting(f, *args, **kwargs)
+
+        # Whole layers and the levels inside layers all checkpoint through these names.
+        monkeypatch.setattr(checkpointing, "checkpoint", counting_with_stores)
+        monkeypatch.setattr(mlp_levels, "checkpoint", counting)
 
         def pack(t):
             self._add(t)
@@ -101,6 +111,9 @@ class SavedBytes:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = fn()
+        for store in stores:
+            for t in store.tensors():
+                self._add(t)
         for module in (checkpointing, mlp_levels):
             monkeypatch.setattr(module, "checkpoint", real)
         return out, int(sum(self.seen.values()))
@@ -188,10 +201,15 @@ def test_slice_with_context_matches_the_model(checkpointed, monkeypatch):
         assert _ratio(got, plain) > 1.10
 
 
-MIXES = [(0, 3, 0), (0, 0, 3), (1, 1, 1), (0, 1, 2), (2, 0, 1)]  # whole, mlp, mlp_act layers of 3
+# Layers of 3 at whole, mlp, mlp_act (and keep_attn) levels.
+MIXES = [(0, 3, 0), (0, 0, 3), (1, 1, 1), (0, 1, 2), (2, 0, 1), (0, 0, 0, 3), (1, 0, 1, 1)]
 
 
-@pytest.mark.parametrize("mix", MIXES, ids=lambda m: f"full{m[0]}-mlp{m[1]}-act{m[2]}")
+def _mix_id(m):
+    return f"full{m[0]}-mlp{m[1]}-act{m[2]}" + (f"-keep{m[3]}" if len(m) > 3 else "")
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=_mix_id)
 def test_checkpoint_levels_match_the_model(mix, monkeypatch):
     """Each level inside a layer keeps what the model says: the saved bytes of a unit whose layers
     run at whole / MLP / act*mul levels against ``LevelCosts.unit_activation_bytes``."""
@@ -205,11 +223,17 @@ def test_checkpoint_levels_match_the_model(mix, monkeypatch):
     assert abs(_ratio(got, want) - 1) <= 0.10, (got, want)
     # The finer levels really drop bytes (more than the 10% tolerance): the test can tell them apart.
     assert whole_only - want > 0.10 * want
+    if m.keep_attn == m.total:
+        # ... and keep_attn really keeps more than whole layers would.
+        as_full = cost.activation_bytes(0, T, m.full + m.keep_attn) - cost.levels.finer_saved_bytes(
+            0, units[0].segments, CheckpointMix(0, m.mlp, m.mlp_act))
+        assert want - as_full > 0.10 * want and abs(_ratio(got, as_full) - 1) > 0.10
 
 
-@pytest.mark.parametrize("mix", [(0, 3, 0), (1, 0, 2)], ids=lambda m: f"full{m[0]}-mlp{m[1]}-act{m[2]}")
+@pytest.mark.parametrize("mix", [(0, 3, 0), (1, 0, 2), (0, 0, 0, 3), (0, 1, 0, 2)], ids=_mix_id)
 def test_checkpoint_levels_on_a_slice_with_context(mix, monkeypatch):
-    """Finer levels keep the attention, so the context K/V copies (and SDPA mask) stay per layer."""
+    """The MLP levels keep the attention, so the context K/V copies (and SDPA mask) stay per
+    layer; keep_attn keeps neither (its attention backward runs from what it keeps)."""
     m = CheckpointMix(*mix)
     c, s = T, T
     units = [Unit(0, (Segment(0, 0, c),)), Unit(1, (Segment(0, c, c + s),))]

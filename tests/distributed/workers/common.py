@@ -8,6 +8,7 @@ or is dropped from every stage fails the case.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,15 @@ def init() -> None:
     dist.init_process_group("gloo")
 
 
+def exit_now(code: int) -> None:
+    """Leave with ``code`` at once.  After a collective timed out, gloo's timed-out work still
+    holds a thread; tearing the groups down at interpreter exit can then abort the process
+    ("terminate called without an active exception", SIGABRT) and hide the exit code under test."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def log(msg: str) -> None:
     print(f"[rank {dist.get_rank()}] {msg}", flush=True)
 
@@ -60,7 +70,8 @@ def storage_key(t):
 
 def saved_bytes(fn, params) -> int:
     """Bytes of the distinct storages autograd saves while ``fn`` runs (parameters excluded), plus
-    the inputs every checkpoint region keeps (whole layers and the levels inside a layer)."""
+    the inputs every checkpoint region keeps (whole layers and the levels inside a layer) and
+    what keep_attn layers keep in their unit's store (outside autograd's saved tensors)."""
     from infinipipe_hf.runtime import checkpointing, mlp_levels
 
     skip = {storage_key(p) for p in params}
@@ -71,17 +82,24 @@ def saved_bytes(fn, params) -> int:
             seen[storage_key(t)] = storage_key(t)[1]
 
     real = checkpointing.checkpoint
+    stores = []
 
     def counting(f, *args, **kwargs):  # a checkpoint region keeps its inputs
         for a in list(args) + list(kwargs.values()):
             for t in (a if isinstance(a, tuple) else (a,)):
                 add(t)
+        store = getattr(kwargs.get("epp_unit"), "kept_attention", None)
+        if store is not None and all(store is not s for s in stores):
+            stores.append(store)
         return real(f, *args, **kwargs)
 
     checkpointing.checkpoint = mlp_levels.checkpoint = counting
     try:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (add(t), t)[1], lambda t: t):
             fn()
+        for store in stores:
+            for t in store.tensors():
+                add(t)
     finally:
         checkpointing.checkpoint = mlp_levels.checkpoint = real
     return int(sum(seen.values()))
@@ -117,13 +135,25 @@ def check_grads(engine: PipelineEngine, want: dict) -> float:
 
 
 def levels_after_whole(stage: int, unit: int, layers: int, whole: int) -> dict[str, int]:
-    """Finer checkpoint levels for the layers ``whole`` leaves: cycle mlp / mlp_act / both / none."""
+    """Finer checkpoint levels for the layers ``whole`` leaves: cycle mlp / mlp_act / both /
+    keep_attn / keep_attn and mlp / none."""
     free = layers - whole
     if free < 1:
         return {}
-    pick = (stage + 2 * unit) % 4
-    want = [{"mlp": free}, {"mlp_act": free}, {"mlp": 1, "mlp_act": free - 1}, {}][pick]
+    pick = (stage + unit) % 6
+    want = [{"mlp": free}, {"mlp_act": free}, {"mlp": 1, "mlp_act": free - 1}, {"keep_attn": free},
+            {"keep_attn": 1, "mlp": free - 1}, {}][pick]
     return {lv: n for lv, n in want.items() if n > 0}
+
+
+def add_levels(plan, layers_per_stage) -> None:
+    """Give ``plan`` finer checkpoint levels on the layers its whole-layer counts leave."""
+    for s, layers in enumerate(layers_per_stage):
+        for u in plan.units:
+            per = levels_after_whole(s, u.id, layers, plan.checkpointed(s, u.id))
+            if per:
+                plan.checkpoint_levels.setdefault(s, {})[u.id] = per
+    assert any("keep_attn" in per for st in plan.checkpoint_levels.values() for per in st.values())
 
 
 def run_case(name: str, *, family: str, tie: bool, pp: int, lengths: list[int], units_per_dp,
@@ -136,13 +166,8 @@ def run_case(name: str, *, family: str, tie: bool, pp: int, lengths: list[int], 
     engine = PipelineEngine(model, InfiniPipeConfig(pp_degree=pp, layer_split=layer_split,
                                                     p2p_timeout_s=60))
     plan = make_plan(lengths, units_per_dp, pp, engine.layers_per_stage, checkpoint=CKPT[ckpt])
-    if levels:  # finer checkpoint levels (runtime/mlp_levels.py) on the layers left whole
-        for s, layers in enumerate(engine.layers_per_stage):
-            for u in plan.units:
-                per = levels_after_whole(s, u.id, layers, plan.checkpointed(s, u.id))
-                if per:
-                    plan.checkpoint_levels.setdefault(s, {})[u.id] = per
-        assert plan.checkpoint_levels
+    if levels:  # finer checkpoint levels on the layers not checkpointed whole
+        add_levels(plan, engine.layers_per_stage)
     out = engine.train_step(batch, plan=plan)
     loss_rel = abs(out.loss - want_loss) / abs(want_loss)
     assert loss_rel <= 1e-10, (out.loss, want_loss)

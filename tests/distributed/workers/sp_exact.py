@@ -14,8 +14,8 @@ import math
 import sys
 import time
 
-from common import (LENGTHS, UNITS_DP1, UNITS_DP2, CKPT, InfiniPipeConfig, PipelineEngine, check_grads,
-                    dist, expect_value_error, init, log, make_plan, random_batch, torch)
+from common import (LENGTHS, UNITS_DP1, UNITS_DP2, CKPT, InfiniPipeConfig, PipelineEngine, add_levels,
+                    check_grads, dist, expect_value_error, init, log, make_plan, random_batch, torch)
 
 from tests.helpers.reference import reference_loss_and_grads, tiny_model
 
@@ -62,7 +62,7 @@ def close(got, want, what):
 
 
 def sp_case(name, *, family="llama", tie=False, pp=1, sp=2, shape="gqa2", lengths=LENGTHS,
-            units=UNITS_DP1, ckpt="mixed", labels=True, check_eval=False, expands=False):
+            units=UNITS_DP1, ckpt="mixed", labels=True, check_eval=False, expands=False, levels=False):
     t0 = time.time()
     batch = random_batch(lengths, seed=3, with_labels=labels)
     (want_loss,), want, _ = reference(family, tie, [batch], shape, pp=pp)
@@ -72,6 +72,8 @@ def sp_case(name, *, family="llama", tie=False, pp=1, sp=2, shape="gqa2", length
     dist.all_gather_object(expanding, engine.sequence_parallel.head.expand is not None)
     assert any(expanding) == expands, (name, expanding)  # the case covers what it says
     plan = make_plan(lengths, units, pp, engine.layers_per_stage, checkpoint=CKPT[ckpt])
+    if levels:  # keep_attn and the MLP levels on the layers not checkpointed whole
+        add_levels(plan, engine.layers_per_stage)
     if check_eval:
         close(engine.eval_step(batch, plan=plan), want_loss, f"{name} eval loss")
         assert all(p.grad is None for p in engine.parameters())
@@ -143,6 +145,7 @@ def sp2():
     sp_case("sp2_qwen3_tied_all", family="qwen3", tie=True, sp=2, shape="mha4", ckpt="all", labels=False)
     sp_case("sp2_mistral_odd_units", family="mistral", sp=2, lengths=ODD_LENGTHS, units=ODD_UNITS)
     sp_case("sp2_gqa6_3_expanded", family="qwen2", tie=True, sp=2, shape="gqa6_3", expands=True)
+    sp_case("sp2_llama_levels", family="llama", sp=2, levels=True)
     accumulation_and_clip("sp2_accumulation_clip", pp=1, sp=2)
     bad_input()
 
@@ -157,6 +160,9 @@ def world4():
     sp_case("sp4_gqa8_2_tied", family="qwen2", tie=True, pp=1, sp=4, shape="gqa8_2", ckpt="all")
     sp_case("sp4_gqa10_5_expanded", family="llama", pp=1, sp=4, shape="gqa10_5", expands=True)
     sp_case("sp4_mha6_uneven_heads", family="mistral", pp=1, sp=4, shape="mha6", ckpt="none")
+    sp_case("sp4_gqa10_5_expanded_levels", family="llama", pp=1, sp=4, shape="gqa10_5", expands=True,
+            levels=True)
+    sp_case("pp2sp2_qwen2_levels", family="qwen2", pp=2, sp=2, levels=True)
     sp_case("sp4_odd_and_tiny_units", family="llama", tie=True, pp=1, sp=4, lengths=ODD_LENGTHS,
             units=ODD_UNITS)
     sp_case("dp2sp2_llama_tied_mixed", family="llama", tie=True, pp=1, sp=2, units=UNITS_DP2)

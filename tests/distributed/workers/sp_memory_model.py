@@ -31,7 +31,7 @@ from infinipipe_hf.planner.plan import Plan
 from infinipipe_hf.planner.runtime_fit import reference_of
 from infinipipe_hf.planner.units import Segment, Unit
 
-MIXES = [(0, 0, 0), (2, 0, 0), (4, 0, 0), (0, 4, 0), (0, 0, 4), (1, 1, 2)]
+MIXES = [(0, 0, 0), (2, 0, 0), (4, 0, 0), (0, 4, 0), (0, 0, 4), (1, 1, 2), (0, 0, 0, 4), (1, 1, 0, 2)]
 
 
 def cost_model(spec: ModelSpec) -> CostModel:
@@ -65,7 +65,7 @@ def main() -> None:
         runner.backward(1, None)
         runner.backward(0, None)
         runner.end_step()
-        row = {"mix": [mix.full, mix.mlp, mix.mlp_act],
+        row = {"mix": [mix.full, mix.mlp, mix.mlp_act, mix.keep_attn],
                "first_slice": {"measured": first, "model": cost.levels.unit_activation_bytes(0, units[0].segments, mix)},
                "second_slice": {"measured": second,
                                 "model": cost.levels.unit_activation_bytes(0, units[1].segments, mix)},
