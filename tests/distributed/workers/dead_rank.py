@@ -9,8 +9,8 @@ import os
 import sys
 import time
 
-from common import (LENGTHS, UNITS_DP1, InfiniPipeConfig, PipelineEngine, dist, init, make_plan,
-                    random_batch, tiny_model)
+from common import (LENGTHS, UNITS_DP1, InfiniPipeConfig, PipelineEngine, dist, exit_now, init,
+                    make_plan, random_batch, tiny_model)
 
 TIMEOUT_S = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
 
@@ -52,5 +52,5 @@ if __name__ == "__main__":
     except RuntimeError as exc:
         print(f"[rank {dist.get_rank()}] FAILED_AS_EXPECTED after {time.time() - t0:.2f}s: {exc}",
               flush=True)
-        sys.exit(3)
+        exit_now(3)
     print(f"[rank {dist.get_rank()}] step 2 finished without error", flush=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import time
 
-from common import dist, init, torch
+from common import dist, exit_now, init, torch
 
 from infinipipe_hf.runtime.mesh import ParallelLayout
 
@@ -31,5 +31,5 @@ if __name__ == "__main__":
         dist.all_reduce(torch.ones(2), group=group)
     except Exception as exc:  # gloo raises RuntimeError / DistBackendError on a timeout
         print(f"[rank 0] RAISED_AFTER {time.time() - t0:.2f} {type(exc).__name__}", flush=True)
-        sys.exit(3)
+        exit_now(3)
     print("[rank 0] all_reduce finished without rank 1", flush=True)

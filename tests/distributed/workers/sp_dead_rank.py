@@ -9,7 +9,8 @@ import os
 import sys
 import time
 
-from common import LENGTHS, UNITS_DP1, InfiniPipeConfig, PipelineEngine, dist, init, make_plan, random_batch
+from common import (LENGTHS, UNITS_DP1, InfiniPipeConfig, PipelineEngine, dist, exit_now, init,
+                    make_plan, random_batch)
 
 from tests.helpers.reference import tiny_model
 
@@ -50,5 +51,5 @@ if __name__ == "__main__":
     except RuntimeError as exc:
         print(f"[rank {dist.get_rank()}] FAILED_AS_EXPECTED after {time.time() - t0:.2f}s: {exc}",
               flush=True)
-        sys.exit(3)
+        exit_now(3)
     print(f"[rank {dist.get_rank()}] step 2 finished without error", flush=True)
