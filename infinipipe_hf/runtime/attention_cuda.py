@@ -92,8 +92,23 @@ def kernel_can_run(a: AttentionSegments, device_types: tuple[str, ...] = ("cuda"
     return True
 
 
-def run_kernel(a: AttentionSegments, kernel: VarlenKernel) -> torch.Tensor:
-    """Pack the unit, run ``kernel`` once, return ``[1, T, heads, d]`` like ``sdpa_backend``."""
+@dataclass(frozen=True)
+class PackedUnit:
+    """A unit's attention problem in the varlen layout the fused kernels take."""
+
+    q: torch.Tensor  # [T, heads, d], contiguous
+    k: torch.Tensor  # [Tk, kv_heads (or heads, expanded), d]: each segment's context + own keys
+    v: torch.Tensor
+    cu_q: torch.Tensor  # int32 [segments + 1]
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    key_lens: tuple[int, ...]  # per segment: context + length
+
+
+def pack_unit(a: AttentionSegments, grouped: bool) -> PackedUnit:
+    """The unit's queries and its segments' keys concatenated in segment order (K/V heads
+    expanded to the query heads unless the kernel takes ``grouped`` heads)."""
     q = a.query[0].transpose(0, 1)  # [T, H, d]
     heads, kv_heads = q.shape[1], a.keys[0].shape[1]
     if len(a.keys) == 1:
@@ -101,15 +116,20 @@ def run_kernel(a: AttentionSegments, kernel: VarlenKernel) -> torch.Tensor:
     else:
         k, v = torch.cat(a.keys, dim=2), torch.cat(a.values, dim=2)
     k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [Tk, KV, d]
-    if kv_heads != heads and not kernel.grouped:
+    if kv_heads != heads and not grouped:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     lengths = [a.q_offsets[i + 1] - a.q_offsets[i] for i in range(len(a.keys))]
     key_lens = tuple(c + n for c, n in zip(a.context_lens, lengths))
     cu_q, cu_k = cu_seqlens(a.q_offsets, key_lens, q.device)
-    out = kernel.call(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max(lengths),
-                      max(key_lens), a.scaling)
-    return out.unsqueeze(0)
+    return PackedUnit(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max(lengths),
+                      max(key_lens), key_lens)
+
+
+def run_kernel(a: AttentionSegments, kernel: VarlenKernel) -> torch.Tensor:
+    """Pack the unit, run ``kernel`` once, return ``[1, T, heads, d]`` like ``sdpa_backend``."""
+    p = pack_unit(a, kernel.grouped)
+    return kernel.call(p.q, p.k, p.v, p.cu_q, p.cu_k, p.max_q, p.max_k, a.scaling).unsqueeze(0)
 
 
 # --- the kernels ------------------------------------------------------------------------------
@@ -147,7 +167,8 @@ def flash_attn_kernel(flash_attn_varlen_func: Callable | None = None) -> VarlenK
 
 
 # --- self-check and backend construction ----------------------------------------------------
-def _check_problem(device: torch.device, dtype: torch.dtype) -> AttentionSegments:
+def check_problem(device: torch.device, dtype: torch.dtype,
+                  sliding_window: int | None = None) -> AttentionSegments:
     """A slice with 96 tokens of context and a packed document, grouped-query heads."""
     g = torch.Generator(device=device).manual_seed(0)
     heads, kv_heads, d = 4, 2, 64
@@ -158,12 +179,12 @@ def _check_problem(device: torch.device, dtype: torch.dtype) -> AttentionSegment
     keys = [torch.randn(1, kv_heads, c + (q_offsets[i + 1] - q_offsets[i]), d, device=device, dtype=dtype,
                         generator=g) for i, c in enumerate(ctx)]
     values = [torch.randn(k.shape, device=device, dtype=dtype, generator=g) for k in keys]
-    return AttentionSegments(query, keys, values, q_offsets, ctx, d ** -0.5, 0.0, None)
+    return AttentionSegments(query, keys, values, q_offsets, ctx, d ** -0.5, 0.0, sliding_window)
 
 
 def self_check(kernel: VarlenKernel, device: torch.device, dtype: torch.dtype) -> bool:
     """Does ``kernel`` compute lower-right-causal attention (SDPA with an explicit mask) here?"""
-    a = _check_problem(device, dtype)
+    a = check_problem(device, dtype)
     up = torch.float64 if dtype == torch.float64 else torch.float32
     want = sdpa_backend(AttentionSegments(a.query.to(up), [k.to(up) for k in a.keys],
                                           [v.to(up) for v in a.values], a.q_offsets, a.context_lens,

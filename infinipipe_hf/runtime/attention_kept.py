@@ -18,115 +18,86 @@ the same tensors in both runs.  The KV store's puts, the context reads and the S
 around the core replay as before (their outputs are q, k, v and the context keys, which the
 backward needs).
 
-Kernels: CPU has torch's flash attention for CPU, with a log-sum-exp output and a backward that
-takes it (the same kernel ``F.scaled_dot_product_attention`` dispatches to, so outputs agree with
-the ``sdpa`` backend bit for bit).  The CUDA kernels have the same pair (flash-attn's varlen
-forward with ``return_attn_probs`` and its varlen backward), not wired yet: they cannot be tested
-without a GPU, so the engine plans without this level off CPU (with a warning).  Dropout inside
-attention is refused: a replay that skips the forward could not reproduce its mask.
+Kernels (``attention_kept_kernels.py``): torch's flash attention for CPU, per segment, and torch's
+flash-attention varlen pair on CUDA (float16/bfloat16, checked on the device before the level is
+planned there).  Dropout inside attention is refused: a replay that skips the forward could not
+reproduce its mask.
 """
 from __future__ import annotations
 
 import torch
 
-from .attention import AttentionSegments, segment_mask, square_causal
-
-_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from . import attention_kept_kernels as kernels
+from .attention import AttentionSegments
 
 
-def kept_attention_supported(device: torch.device | str, dropout: float = 0.0) -> str | None:
+def kept_attention_supported(device: torch.device | str, dtype: torch.dtype, dropout: float = 0.0,
+                             head_dim: int | None = None) -> str | None:
     """``None`` when the level can run here, else why not (for the engine's warning)."""
-    device = torch.device(device)
-    if device.type != "cpu":
-        return (f"keep_attn needs an attention backward from a saved log-sum-exp, wired for CPU only "
-                f"(the {device.type} kernels' is not)")
     if dropout:
         return f"keep_attn cannot replay attention dropout (attention_dropout={dropout})"
-    return None
+    kernel = kernels.kernel_for(device, dtype, head_dim)
+    return kernel if isinstance(kernel, str) else None
 
 
 class KeptAttention:
     """Attention outputs and log-sum-exps of one unit's ``keep_attn`` layers on one stage, kept
-    from the forward to the replay in backward (layer index -> (output, lse))."""
+    from the forward to the replay in backward (layer index -> (output, lse, the kernel's aux))."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._entries: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def tensors(self) -> list[torch.Tensor]:
         """Everything held now (for memory accounting)."""
-        return [t for pair in self._entries.values() for t in pair]
+        return [t for out, lse, aux in self._entries.values() for t in (out, lse, *aux)]
 
-    def put(self, layer: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-        self._entries[layer] = (out, lse)
+    def put(self, layer: int, out: torch.Tensor, lse: torch.Tensor, aux: tuple[torch.Tensor, ...] = ()) -> None:
+        self._entries[layer] = (out, lse, tuple(aux))
 
-    def pop(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def pop(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]] | None:
         return self._entries.pop(layer, None)
-
-
-def _mask_of(query: torch.Tensor, context: int, sliding_window: int | None) -> tuple[bool, torch.Tensor | None]:
-    """(is_causal, additive mask or None) of a segment whose queries are ``query`` [1, H, L, d]."""
-    length = query.shape[2]
-    if square_causal(length, context, sliding_window):
-        return True, None
-    allowed = segment_mask(length, context, sliding_window, query.device)
-    return False, torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, float("-inf"))
 
 
 class _KeptAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, problem: AttentionSegments, store: KeptAttention, layer: int,
+    def forward(ctx, problem: AttentionSegments, store: KeptAttention, layer: int, kernel: "kernels.KeptKernel",
                 query: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
-        n = len(kv) // 2
         kept = store.pop(layer)
         if kept is None:  # the first forward: compute, and keep for the replay
-            outs, lses = [], []
-            for i in range(n):
-                q = query[:, :, problem.q_offsets[i]:problem.q_offsets[i + 1]]
-                causal, mask = _mask_of(q, problem.context_lens[i], problem.sliding_window)
-                o, lse = _FLASH_CPU(q, kv[i], kv[n + i], 0.0, causal, attn_mask=mask, scale=problem.scaling)
-                outs.append(o)
-                lses.append(lse)
-            out = (outs[0] if n == 1 else torch.cat(outs, dim=2)).transpose(1, 2).contiguous()
-            lse = lses[0] if n == 1 else torch.cat(lses, dim=2)
-            store.put(layer, out.detach(), lse.detach())
+            out, lse, aux = kernel.forward(problem)
+            out, lse, aux = out.detach(), lse.detach(), tuple(t.detach() for t in aux)
+            store.put(layer, out, lse, aux)
         else:  # the checkpoint's replay in backward: the core's forward is skipped
-            out, lse = kept
-            out = out.detach()
+            out, lse, aux = kept
         # Only the segment table is kept on ctx: the tensors go through save_for_backward, which
         # the checkpoint drops after the first forward and refills from the replay.
-        ctx.q_offsets, ctx.context_lens = problem.q_offsets, problem.context_lens
-        ctx.scaling, ctx.sliding_window = problem.scaling, problem.sliding_window
-        ctx.save_for_backward(query, *kv, out, lse)
+        ctx.layout = (problem.q_offsets, problem.context_lens, problem.scaling, problem.sliding_window)
+        ctx.kernel, ctx.num_segments, ctx.num_aux = kernel, len(kv) // 2, len(aux)
+        ctx.save_for_backward(query, *kv, out, lse, *aux)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        query, *rest = ctx.saved_tensors
-        out, lse = rest[-2], rest[-1]
-        n = (len(rest) - 2) // 2
-        grad_heads = grad_out.transpose(1, 2)  # [1, H, T, d], as the kernel's output layout
-        out_heads = out.transpose(1, 2)
-        dqs, dks, dvs = [], [], []
-        for i in range(n):
-            sl = slice(ctx.q_offsets[i], ctx.q_offsets[i + 1])
-            q = query[:, :, sl]
-            causal, mask = _mask_of(q, ctx.context_lens[i], ctx.sliding_window)
-            dq, dk, dv = _FLASH_CPU_BACKWARD(grad_heads[:, :, sl], q, rest[i], rest[n + i], out_heads[:, :, sl],
-                                             lse[:, :, sl], 0.0, causal, attn_mask=mask, scale=ctx.scaling)
-            dqs.append(dq)
-            dks.append(dk)
-            dvs.append(dv)
-        dq = dqs[0] if n == 1 else torch.cat(dqs, dim=2)
-        return (None, None, None, dq, *dks, *dvs)
+        saved = ctx.saved_tensors
+        n, query = ctx.num_segments, saved[0]
+        keys, values = list(saved[1:1 + n]), list(saved[1 + n:1 + 2 * n])
+        out, lse, aux = saved[1 + 2 * n], saved[2 + 2 * n], saved[3 + 2 * n:]
+        assert len(aux) == ctx.num_aux
+        q_offsets, context_lens, scaling, sliding_window = ctx.layout
+        problem = AttentionSegments(query, keys, values, q_offsets, context_lens, scaling, 0.0, sliding_window)
+        dq, dks, dvs = ctx.kernel.backward(problem, grad_out, out, lse, aux)
+        return (None, None, None, None, dq, *dks, *dvs)
 
 
 def kept_attention(a: AttentionSegments, store: KeptAttention, layer: int) -> torch.Tensor:
     """The unit's attention output ``[1, T, heads, d]`` (as a backend returns it) at ``keep_attn``."""
-    why = kept_attention_supported(a.query.device, a.dropout)
-    if why is not None:
-        raise ValueError(f"layer {layer}: {why}; plan without it: checkpoint_levels=('mlp', 'mlp_act')")
-    return _KeptAttentionFunction.apply(a, store, layer, a.query, *a.keys, *a.values)
+    if a.dropout:
+        raise ValueError(f"layer {layer}: keep_attn cannot replay attention dropout ({a.dropout}); plan "
+                         f"without it: checkpoint_levels=('mlp', 'mlp_act')")
+    kernel = kernels.kernel_for(a.query.device, a.query.dtype, a.query.shape[-1])
+    if isinstance(kernel, str):
+        raise ValueError(f"layer {layer}: {kernel}; plan without it: checkpoint_levels=('mlp', 'mlp_act')")
+    return _KeptAttentionFunction.apply(a, store, layer, kernel, a.query, *a.keys, *a.values)

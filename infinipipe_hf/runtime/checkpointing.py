@@ -58,20 +58,22 @@ def run_decoder_layers(layers: Sequence[tuple[int, nn.Module]], hidden: torch.Te
     return hidden
 
 
-def runnable_levels(levels: Sequence[str], layers: Sequence[nn.Module],
-                    device: torch.device) -> tuple[tuple[str, ...], str | None]:
-    """The subset of ``levels`` these decoder layers can run on ``device``, and why any were
-    dropped (``None`` when none was): the MLP levels need a switchable gated MLP, ``keep_attn``
-    an attention backward from a saved log-sum-exp on this device and no attention dropout."""
+def runnable_levels(levels: Sequence[str], layers: Sequence[nn.Module], device: torch.device,
+                    dtype: torch.dtype = torch.float32) -> tuple[tuple[str, ...], str | None]:
+    """The subset of ``levels`` these decoder layers can run on ``device`` in ``dtype``, and why
+    any were dropped (``None`` when none was): the MLP levels need a switchable gated MLP,
+    ``keep_attn`` an attention kernel pair for the device and dtype (on CUDA: one that passed its
+    self-check there) and no attention dropout."""
     from .attention_kept import kept_attention_supported
     from .mlp_levels import supports_levels
 
     kept, why = [], []
     for level in levels:
         if level == KEEP_ATTN:
-            dropout = max((float(getattr(getattr(layer, "self_attn", None), "attention_dropout", 0.0) or 0.0)
-                           for layer in layers), default=0.0)
-            reason = kept_attention_supported(device, dropout)
+            attns = [getattr(layer, "self_attn", None) for layer in layers]
+            dropout = max((float(getattr(a, "attention_dropout", 0.0) or 0.0) for a in attns), default=0.0)
+            head_dim = max((int(getattr(a, "head_dim", 0) or 0) for a in attns), default=0) or None
+            reason = kept_attention_supported(device, dtype, dropout, head_dim)
         elif not all(supports_levels(layer) for layer in layers):
             reason = ("mlp and mlp_act need a gated MLP (gate_proj, up_proj, down_proj, act_fn) to "
                       "switch, which this model's decoder layers do not have")

@@ -250,7 +250,7 @@ class PipelineEngine:
         from .checkpointing import runnable_levels
 
         levels = tuple(self.config.checkpoint_levels)
-        kept, why = runnable_levels(levels, [layer for _, layer in self.stage.decoder_layers()], self.device)
+        kept, why = runnable_levels(levels, [lay for _, lay in self.stage.decoder_layers()], self.device, self.dtype)
         if why is not None:
             warnings.warn(f"checkpoint_levels={levels}: planning with {kept or 'whole layers only'}: {why}. "
                           f"Set InfiniPipeConfig(checkpoint_levels={kept!r}) to silence this", stacklevel=3)

@@ -157,14 +157,14 @@ def test_keep_attn_replays_the_layer_but_not_the_attention_core(monkeypatch):
     """Layer 0 of every unit at keep_attn: the layer is replayed in backward (its attention module
     runs twice per unit) but the attention kernel runs once per segment, in the first forward;
     every store is empty after backward (nothing kept past the unit's backward)."""
-    from infinipipe_hf.runtime import attention_kept, checkpointing
+    from infinipipe_hf.runtime import attention_kept_kernels, checkpointing
 
     model = tiny_model("llama", num_layers=NUM_LAYERS, seed=29)
     stages = build_stages(model, 2)
     plan = make_plan(2, "1f1b", "none")
     plan.checkpoint_levels = {0: {u.id: {"keep_attn": 1} for u in plan.units}}
     kernel_calls, stores = [], []
-    real_kernel, real_store = attention_kept._FLASH_CPU, attention_kept.KeptAttention
+    real_kernel, real_store = attention_kept_kernels._FLASH_CPU, checkpointing.KeptAttention
 
     def counting_kernel(*args, **kwargs):
         kernel_calls.append(args[0].shape[2])
@@ -175,7 +175,7 @@ def test_keep_attn_replays_the_layer_but_not_the_attention_core(monkeypatch):
             super().__init__()
             stores.append(self)
 
-    monkeypatch.setattr(attention_kept, "_FLASH_CPU", counting_kernel)
+    monkeypatch.setattr(attention_kept_kernels, "_FLASH_CPU", counting_kernel)
     monkeypatch.setattr(checkpointing, "KeptAttention", RecordedStore)
     attn_calls = {}
     for st in stages:
@@ -197,8 +197,8 @@ def test_levels_the_device_or_model_cannot_run_are_dropped_with_the_reason():
     layers = [layer for st in build_stages(model, 1) for _, layer in st.decoder_layers()]
     every = ("keep_attn", "mlp", "mlp_act")
     assert runnable_levels(every, layers, torch.device("cpu")) == (every, None)
-    kept, why = runnable_levels(every, layers, torch.device("cuda"))
-    assert kept == ("mlp", "mlp_act") and "wired for CPU only" in why
+    kept, why = runnable_levels(every, layers, torch.device("cuda"), torch.float32)
+    assert kept == ("mlp", "mlp_act") and "float16 or bfloat16" in why
     layers[0].self_attn.attention_dropout = 0.1
     kept, why = runnable_levels(every, layers, torch.device("cpu"))
     assert kept == ("mlp", "mlp_act") and "attention_dropout=0.1" in why
