@@ -46,18 +46,25 @@ MILP_BUCKETS = 16
 
 def round_problem(lengths: Sequence[int], seqs: Sequence[int], cost: FlatCost, checkpoint: int,
                   sizes: Sequence[int]) -> RoundProblem:
-    """The solver's view of one round: per size the affine time split and the token cap."""
+    """The solver's view of one round: per size the affine time split and the token cap.
+
+    A group's time is affine in its attention pairs, and in its tokens once every GPU of the group
+    holds whole tokens (the SP cost splits ``ceil(tokens / size)`` per GPU).  So the token slope is
+    the secant from no tokens to the group's token cap: exact at both ends and in between up to
+    rounding.  (The slope from 0 to 1 token, the ceil's corner, was up to 37x too small on a
+    32-GPU group: the solvers then saw large groups as nearly free and packed long rounds into
+    them; ``test_round_model_prices_groups_as_the_simulation``.)"""
     fixed, per_seq, caps = {}, {}, {}
     lens = np.asarray([lengths[s] for s in seqs], dtype=float)
     for g in sizes:
         group = cost.group(ATTENTION, g)
-        base = sum(group.times(0.0, 0, checkpoint)[:2])
-        # times() is affine in (pairs, tokens): one sequence adds its pairs and tokens.
-        f1 = sum(group.times(1.0, 0, checkpoint)[:2]) - base
-        f2 = sum(group.times(0.0, 1, checkpoint)[:2]) - base
-        fixed[g] = base
-        per_seq[g] = f1 * lens * lens + f2 * lens
         caps[g] = max(0, group.max_tokens(checkpoint, cost.room_bytes) - (g - 1))  # padding headroom
+        span = max(g, caps[g] // g * g)  # whole tokens per GPU
+        base = sum(group.times(0.0, 0, checkpoint)[:2])
+        per_pair = sum(group.times(1.0, 0, checkpoint)[:2]) - base
+        per_token = (sum(group.times(0.0, span, checkpoint)[:2]) - base) / span
+        fixed[g] = base
+        per_seq[g] = per_pair * lens * lens + per_token * lens
     return RoundProblem(tuple(int(lengths[s]) for s in seqs), cost.world_size, tuple(sizes), fixed, per_seq, caps)
 
 

@@ -5,8 +5,9 @@ Given the sequences of one round (micro-batch), ``world_size`` GPUs and the allo
 every sequence to one group, so that the slowest group is as fast as possible and every group's
 tokens fit its memory (Wang et al., FlexSP, ASPLOS 2025, section 4).  A group of size ``g`` with
 sequences ``S`` takes ``fixed[g] + sum(per_seq[g][s] for s in S)`` seconds (the cost model is
-affine in (pairs, tokens), so a packed group's time splits per sequence; padding to a multiple of
-``g`` is left to the exact simulation) and fits when ``sum(len(s)) <= cap[g]`` tokens.
+affine in pairs and, past a few tokens per GPU, in tokens, so a packed group's time splits per
+sequence: ``flexsp.round_problem``; padding to a multiple of ``g`` is left to the exact
+simulation) and fits when ``sum(len(s)) <= cap[g]`` tokens.
 
 Placement: groups of power-of-two sizes placed largest first, each at a multiple of its size,
 always tile ``world_size`` (a buddy allocation), and a group of ``g <= gpus_per_node`` GPUs then
