@@ -22,8 +22,8 @@ Two solvers:
   and the makespan; symmetric slots are ordered to cut the search.  A bucket's sequences count
   their longest's tokens against memory (safe) and their mean time against the makespan; the
   answer is priced exactly afterwards.  With one bucket per sequence it is exact (tested against
-  brute force).  On real 32-GPU rounds (85-170 sequences, 16 buckets) HiGHS needs about 10 s to
-  reach the greedy's makespan and often finds nothing useful in 2 s.
+  brute force).  On real 32-GPU rounds (85-512 sequences, 16 buckets) HiGHS stopped at 10 s is
+  up to 15% behind the greedy (benchmark table ``flexsp_solver``).
 - :func:`greedy_groups`: a faster stand-in -- binary search on the makespan ``T``, each probe a
   first-fit-decreasing packing (longest sequence first into the fullest group that still meets
   ``T`` and its memory; otherwise a new group of the smallest size that meets ``T``; when the GPUs
