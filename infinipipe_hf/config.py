@@ -15,7 +15,7 @@ SHARD_MODES = ("none", "sp", "dp", "sp+dp", "hybrid")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -131,11 +131,11 @@ class InfiniPipeConfig:
         stage_ranks = self.pp_degree * self.sp_degree
         if world_size % stage_ranks != 0:
             if self.sp_degree == 1:
-                ok = ", ".join(str(d) for d in _divisors(world_size))
+                ok = ", ".join(str(d) for d in divisors(world_size))
                 raise ValueError(f"pp_degree={self.pp_degree} does not divide world size {world_size}; "
                                  f"use {ok}")
-            pairs = ", ".join(f"{p}x{d}" for p in _divisors(world_size)
-                              for d in _divisors(world_size // p))
+            pairs = ", ".join(f"{p}x{d}" for p in divisors(world_size)
+                              for d in divisors(world_size // p))
             raise ValueError(f"pp_degree={self.pp_degree} x sp_degree={self.sp_degree} = {stage_ranks} "
                              f"does not divide world size {world_size}; use a pp x sp product that "
                              f"divides it (pp x sp among {pairs})")

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..config import InfiniPipeConfig
+from ..config import InfiniPipeConfig, divisors
 from ..planner.model_spec import ModelSpec
 from ..planner.plan import Plan
 from .comm import StageComm
@@ -47,6 +47,7 @@ from .plan_sync import PlanAgreement
 from .sequence_parallel import SequenceParallel
 from .sharding import StageSharding, check_shard_mode, fsdp2_api
 from .timeline import Timeline
+from .unit_tensors import check_batch
 
 
 @dataclass
@@ -62,10 +63,6 @@ class StepOutput:
     step_time_s: float
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _dist():
     import torch.distributed as dist
 
@@ -75,25 +72,6 @@ def _dist():
 def _tied(model) -> bool:
     # Same rule as build_stage, so every rank agrees on whether the tied-embedding groups exist.
     return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-
-
-def _normalise_batch(batch) -> list[dict]:
-    if not isinstance(batch, (list, tuple)) or not batch:
-        raise ValueError(f"batch must be a non-empty list of {{'input_ids': ...}} dicts, got "
-                         f"{type(batch).__name__}{'' if batch else ' (empty)'}")
-    out = []
-    for i, item in enumerate(batch):
-        if not isinstance(item, dict) or "input_ids" not in item:
-            raise ValueError(f"batch[{i}] must be a dict with 'input_ids', got {type(item).__name__}")
-        ids = item["input_ids"]
-        n = int(ids.numel()) if isinstance(ids, torch.Tensor) else len(ids)
-        if isinstance(ids, torch.Tensor) and ids.dim() != 1:
-            raise ValueError(f"batch[{i}]['input_ids'] must be 1-D (one sequence), got shape "
-                             f"{tuple(ids.shape)}; pass one dict per sequence")
-        if n < 1:
-            raise ValueError(f"batch[{i}] has no tokens; drop empty sequences")
-        out.append(item)
-    return out
 
 
 class PipelineEngine:
@@ -134,7 +112,7 @@ class PipelineEngine:
         self.planner = planner
         if config.sp_degree > self.spec.num_attention_heads:
             # Ulysses gives each SP rank whole attention heads (unevenly when they do not divide).
-            ok = [d for d in _divisors(world // config.pp_degree) if d <= self.spec.num_attention_heads] \
+            ok = [d for d in divisors(world // config.pp_degree) if d <= self.spec.num_attention_heads] \
                 if world % config.pp_degree == 0 else []
             raise ValueError(f"sp_degree={config.sp_degree} is larger than the model's "
                              f"{self.spec.num_attention_heads} attention heads: each sequence-parallel "
@@ -305,7 +283,7 @@ class PipelineEngine:
     def _prepare(self, batch, plan: Plan | None):
         from .unit_tensors import label_token_count
 
-        batch = _normalise_batch(batch)
+        batch = check_batch(batch)
         if self.sequence_parallel is not None:
             self.sequence_parallel.step = self.step_count  # named in all-to-all timeout errors
         lengths = [int(i["input_ids"].numel()) if isinstance(i["input_ids"], torch.Tensor)

@@ -18,6 +18,27 @@ import torch
 from ..planner.units import Segment, Unit
 
 
+def check_batch(batch) -> list[dict]:
+    """The global batch as a list of ``{"input_ids": ...}`` dicts, each one non-empty 1-D
+    sequence; a clear ``ValueError`` for anything else."""
+    if not isinstance(batch, (list, tuple)) or not batch:
+        raise ValueError(f"batch must be a non-empty list of {{'input_ids': ...}} dicts, got "
+                         f"{type(batch).__name__}{'' if batch else ' (empty)'}")
+    out = []
+    for i, item in enumerate(batch):
+        if not isinstance(item, dict) or "input_ids" not in item:
+            raise ValueError(f"batch[{i}] must be a dict with 'input_ids', got {type(item).__name__}")
+        ids = item["input_ids"]
+        n = int(ids.numel()) if isinstance(ids, torch.Tensor) else len(ids)
+        if isinstance(ids, torch.Tensor) and ids.dim() != 1:
+            raise ValueError(f"batch[{i}]['input_ids'] must be 1-D (one sequence), got shape "
+                             f"{tuple(ids.shape)}; pass one dict per sequence")
+        if n < 1:
+            raise ValueError(f"batch[{i}] has no tokens; drop empty sequences")
+        out.append(item)
+    return out
+
+
 @dataclass
 class UnitTensors:
     unit_id: int

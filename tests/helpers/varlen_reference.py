@@ -83,7 +83,7 @@ def upper_left_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 
 
 # --- the flash-attention pair keep_attn runs on CUDA (aten signatures) ------------------------
 def _flash_pair_segments(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, window_left, upper_left=False):
-    """Per segment: (query slice, key slice, boolean mask [H-independent], group size)."""
+    """Per segment: (query rows, key rows, boolean mask [queries, keys], the same for every head)."""
     assert q.dim() == k.dim() == v.dim() == 3 and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
     assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.device == q.device
     cq, ck = cu_q.tolist(), cu_k.tolist()
