@@ -186,6 +186,8 @@ def kernel_for(device: torch.device | str, dtype: torch.dtype, head_dim: int | N
         return f"keep_attn on CUDA needs a head dimension of at most 256 and a multiple of 8, not {head_dim}"
     if not torch.cuda.is_available():
         return "keep_attn on CUDA needs a CUDA device, and none is available"
+    if device.index is None:  # "cuda" (the engine's) and "cuda:0" (a tensor's) share one check
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (str(device), dtype)
     if key not in _CHECKED:
         kernel = flash_varlen_kept_kernel()

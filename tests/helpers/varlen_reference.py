@@ -15,13 +15,19 @@ import torch
 import torch.nn.functional as F
 
 
-def _segments(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, gqa):
-    assert q.dim() == k.dim() == v.dim() == 3 and q.is_contiguous() and k.is_contiguous()
+def _cu_offsets(q, k, cu_q, cu_k, max_q, max_k) -> tuple[list[int], list[int]]:
+    """The host offsets of ``cu_q``/``cu_k``, after the checks the real kernels make on them."""
     assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.device == q.device
     cq, ck = cu_q.tolist(), cu_k.tolist()
     assert len(cq) == len(ck) and cq[0] == ck[0] == 0 and cq[-1] == q.shape[0] and ck[-1] == k.shape[0]
     assert max_q == max(b - a for a, b in zip(cq, cq[1:])), "max_q is not the longest query segment"
     assert max_k == max(b - a for a, b in zip(ck, ck[1:])), "max_k is not the longest key segment"
+    return cq, ck
+
+
+def _segments(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, gqa):
+    assert q.dim() == k.dim() == v.dim() == 3 and q.is_contiguous() and k.is_contiguous()
+    cq, ck = _cu_offsets(q, k, cu_q, cu_k, max_q, max_k)
     heads, kv_heads = q.shape[1], k.shape[1]
     if kv_heads != heads and not gqa:
         raise RuntimeError(f"number of key heads {kv_heads} != query heads {heads} (grouped heads off)")
@@ -85,11 +91,7 @@ def upper_left_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 
 def _flash_pair_segments(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, window_left, upper_left=False):
     """Per segment: (query rows, key rows, boolean mask [queries, keys], the same for every head)."""
     assert q.dim() == k.dim() == v.dim() == 3 and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.device == q.device
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    assert len(cq) == len(ck) and cq[0] == ck[0] == 0 and cq[-1] == q.shape[0] and ck[-1] == k.shape[0]
-    assert max_q == max(b - a for a, b in zip(cq, cq[1:])), "max_q is not the longest query segment"
-    assert max_k == max(b - a for a, b in zip(ck, ck[1:])), "max_k is not the longest key segment"
+    cq, ck = _cu_offsets(q, k, cu_q, cu_k, max_q, max_k)
     assert q.shape[1] % k.shape[1] == 0, "query heads must be a multiple of key heads"
     for i in range(len(cq) - 1):
         n, m = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
