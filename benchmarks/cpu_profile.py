@@ -7,15 +7,16 @@ Every piece of a pipeline action is timed on its own, through the runtime's code
 interleaved repeats): a decoder layer's forward and backward on whole sequences, on slices that
 carry K/V context and on packs of several sequences; the same with each checkpoint level (whole
 layer, ``keep_attn``, ``mlp``, ``mlp_act``); the chunked loss; the embedding; the elementwise product the
-``mlp_act`` level redoes; gloo point-to-point messages between two processes
-(``benchmarks/p2p_worker.py``); the allocator peaks of a one-layer unit at each level (the
+``mlp_act`` level redoes; gloo point-to-point messages between two processes, their wall time and the CPU they cost
+both ends (``benchmarks/p2p_worker.py``); the allocator peaks of a one-layer unit at each level (the
 working memory of ``planner/working_memory.py``).  ``planner/runtime_fit.py`` fits the cost model's coefficients to
 the *fit* shapes, and the profile is then checked on *held-out* shapes it never saw (other
 lengths, contexts and packs, every checkpoint level: recompute is derived, never fitted), giving
 measured / predicted per row.  Memory fields come from the cost model's formulas in float32
 (checked against ``saved_tensors_hooks`` in ``tests/unit/test_memory_model_vs_runtime.py``) and
 ``state_bytes_per_param = 8`` (float32 weights and gradients; the benchmarks run no optimizer).
-``shared_cores`` is this machine's core count: the ranks of a run share them.
+``shared_cores`` is the number of cores this process may use: the ranks of a run share them
+(``sim_vs_real.py`` pins each rank to one of them and sets ``pinned_ranks``).
 
 Imported by ``sim_vs_real.py`` and ``runtime_cpu_bench.py`` (``fit_cpu_profile``).
 """
@@ -124,7 +125,7 @@ def fit_cpu_profile(quick: bool = False, log=print, model_cfg: dict | None = Non
         fit_rows + p2p, spec, name="cpu-fp32-1thread-runtime-rows", bytes_per_element=4,
         activation_bytes_per_token_per_layer=act_elements(spec.hidden_size, spec.intermediate_size,
                                                           spec.kv_dim, 4) * 4.0,
-        attention_mask_bytes_per_element=4.0, state_bytes_per_param=8.0, shared_cores=float(os.cpu_count()),
+        attention_mask_bytes_per_element=4.0, state_bytes_per_param=8.0, shared_cores=float(usable_cores()),
         memory_gib=64.0, device="cpu", gpus_per_node=64,
         meta={"note": "per-thread CPU seconds through the runtime; benchmarks/cpu_profile.py"})
     # SP all-to-alls go over the same gloo loopback as the pipeline's messages; every rank is on
@@ -148,13 +149,19 @@ def fit_cpu_profile(quick: bool = False, log=print, model_cfg: dict | None = Non
     return profile, report
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (a cpuset or taskset can allow fewer than the machine has):
+    the ranks of a run share these, and ``runtime_worker.pin_to_core`` pins to them."""
+    return len(os.sched_getaffinity(0))
+
+
 def machine() -> dict:
     import platform
 
     import torch
     import transformers
 
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    return {"cpu": platform.processor() or platform.machine(), "cores": usable_cores(),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "threads_per_rank": 1, "backend": "gloo",
             "note": "cores shared with other jobs (other sessions' tests); load averages recorded"}

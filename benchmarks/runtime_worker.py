@@ -5,7 +5,7 @@
 ``SPEC.json``: ``{"model": {LlamaConfig kwargs}, "lengths": [...], "schedules": [...],
 "pp_degree": 2, "profile": PATH | null, "memory_budget_gib": x | {schedule: x} | null, "warmup": 1, "steps": 2,
 "seed": 0, "out": PATH}`` (optional ``max_tokens_per_unit``, ``num_slices``, ``sp_degree``,
-``loss_chunk_tokens``, ``memory_probe``, ``speed_probe``: unit shapes every rank times just
+``loss_chunk_tokens``, ``pin_cores``: pin rank r to core r % cores, ``memory_probe``, ``speed_probe``: unit shapes every rank times just
 before and just after each schedule's timed steps, see :func:`speed_probe`;
 ``speed_probe_every_step``: probe before every timed step too, so that each step is bracketed by
 two probes).  For each schedule
@@ -45,6 +45,21 @@ def machine_busy_s() -> float:
         return 0.0
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def pin_to_core() -> int:
+    """Pin this rank (and the threads it starts later: gloo's) to core ``LOCAL_RANK % cores``, as
+    the simulator assumes with ``HardwareProfile.pinned_ranks``.
+
+    Why: with more ranks than cores, the kernel moves ranks between cores and leaves a core idle
+    while a runnable rank waits on the other (wake-up placement, load balancing); measured on this
+    2-core VM at pp 4, the step took 4-8% longer than the measured actions replayed with ideal
+    sharing of both cores.  Pinned, each core is shared by its own ranks only, which the replay
+    models exactly; the error left is the executor's glue (2-5%)."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(os.environ.get("LOCAL_RANK", 0)) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
 
 
 def budget_gib(spec: dict, schedule: str) -> float | None:
@@ -117,6 +132,8 @@ def main(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
+    if spec.get("pin_cores"):
+        pin_to_core()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(spec.get("seed", 0) + 1)
@@ -134,6 +151,7 @@ def main(spec_path: str) -> None:
             loss_chunk_tokens=spec.get("loss_chunk_tokens", 4096), seed_plan_on_rank0=True,
             max_tokens_per_unit=spec.get("max_tokens_per_unit"), num_slices=spec.get("num_slices")))
         times, spans, timelines, losses, background, out, plan, sim = [], [], [], [], [], None, None, None
+        process_cpu, main_thread_cpu = [], []
         # Speed probes: one before the first timed step (and, with ``speed_probe_every_step``,
         # one before every timed step), one after the last, so each timed step can be paired
         # with the machine's speed measured right around it.
@@ -146,7 +164,7 @@ def main(spec_path: str) -> None:
             for p in engine.parameters():
                 p.grad = None
             dist.barrier()
-            busy0, cpu0 = machine_busy_s(), time.process_time()
+            busy0, cpu0, thread0 = machine_busy_s(), time.process_time(), time.thread_time()
             t0 = time.perf_counter()
             try:
                 out = engine.train_step(batch, plan=plan)
@@ -161,6 +179,8 @@ def main(spec_path: str) -> None:
             busy = machine_busy_s() - busy0
             ours = [None] * dist.get_world_size()
             dist.all_gather_object(ours, time.process_time() - cpu0)
+            mains = [None] * dist.get_world_size()
+            dist.all_gather_object(mains, time.thread_time() - thread0)
             if plan is None:
                 plan, sim = out.plan, out.simulation
             if i >= warmup:
@@ -168,6 +188,8 @@ def main(spec_path: str) -> None:
                 losses.append(out.loss)
                 # Cores other processes used meanwhile: the machine's busy time less this run's.
                 background.append(max(busy - sum(ours), 0.0) / dt)
+                process_cpu.append(ours)
+                main_thread_cpu.append(mains)
                 merged = engine.gather_timeline(out.timeline)
                 spans.append(merged.span_s)
                 timelines.append(merged.relative().to_dict())
@@ -180,6 +202,10 @@ def main(spec_path: str) -> None:
         if rank == 0:
             results[schedule] = {
                 "losses": losses, "step_wall_s": times, "step_span_s": spans, "background_cores": background,
+                # Per timed step, per rank: the process's CPU seconds (every thread: gloo's
+                # included) and the main thread's; against the actions' CPU seconds they show
+                # the work the executor does between actions and the transport threads' share.
+                "process_cpu_s": process_cpu, "main_thread_cpu_s": main_thread_cpu,
                 "timeline": timelines[-1], "timelines": timelines, "timeline_span_s": spans[-1],
                 "plan": plan.to_dict(), "plan_info": dict(plan.info),
                 "simulated_step_s": sim.step_time_s if sim is not None else None,

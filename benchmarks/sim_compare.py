@@ -29,48 +29,40 @@ from collections import defaultdict
 
 
 def _actions_work(plan, cost):
-    """``duration(stage, action)`` and ``transfer(action)`` exactly as the simulator prices them."""
-    from infinipipe_hf.planner.checkpoint_levels import CheckpointMix
-    from infinipipe_hf.planner.cost_model import UnitShape
+    """``duration(stage, action)`` (the action's own compute, what its thread's CPU seconds
+    measure) and ``transfer(action)`` exactly as the simulator prices them."""
+    from infinipipe_hf.planner.simulator import ActionCosts
 
-    shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
-    by_id = plan.unit_by_id
-
-    def duration(stage, a):
-        if a.is_forward:
-            return cost.forward_time(stage, shapes[a.unit])
-        t = cost.backward_time(stage, shapes[a.unit], plan.checkpointed(stage, a.unit))
-        finer = plan.checkpoint_levels.get(stage, {}).get(a.unit)
-        return t + (cost.levels.finer_recompute_s(shapes[a.unit], CheckpointMix.of(0, finer)) if finer else 0.0)
-
-    def transfer(a):
-        return cost.transfer_time(by_id[a.unit].num_tokens)
-
-    return duration, transfer
+    costs = ActionCosts(plan, cost)
+    return costs.duration, costs.transfer
 
 
 def measured_work_replay(plan, cost, timeline) -> float:
     """Step time of the simulator's replay with each action's work = its measured CPU seconds (the
-    busiest SP rank of the stage); one DP replica (the benchmark's layouts)."""
+    busiest SP rank of the stage), plus on shared cores its modelled share of its messages' CPU
+    (spent on gloo's threads, outside the action's own thread); one DP replica (the benchmark's
+    layouts)."""
     from infinipipe_hf.planner.replay import replay
     from infinipipe_hf.planner.shared_replay import shared_replay
 
     if plan.dp_degree != 1:
         raise ValueError(f"measured_work_replay handles one DP replica, the plan has {plan.dp_degree}")
+    from infinipipe_hf.planner.simulator import ActionCosts
+
     cpu: dict[tuple[int, str], float] = defaultdict(float)
     for e in timeline.events:
         cpu[(e.stage, e.action)] = max(cpu[(e.stage, e.action)], e.cpu_s)
-    _, transfer = _actions_work(plan, cost)
+    costs = ActionCosts(plan, cost)
     stages = plan.actions[0]
 
     def dur(s, a):
-        return cpu[(s, str(a))]
+        return cpu[(s, str(a))] + costs.message_cpu(s, a)
 
     if cost.profile.shared_cores:
-        (rep,) = shared_replay([stages], dur, transfer, cores=cost.profile.shared_cores,
-                               ranks_per_stage=plan.sp_degree)
+        (rep,) = shared_replay([stages], dur, costs.transfer, cores=cost.profile.shared_cores,
+                               ranks_per_stage=plan.sp_degree, pinned=cost.profile.pinned_ranks)
     else:
-        rep = replay(stages, dur, transfer)
+        rep = replay(stages, lambda s, a: cpu[(s, str(a))], costs.transfer)
     return max((e[-1] for e in rep.end if e), default=0.0)
 
 
@@ -187,7 +179,8 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=No
     rel = statistics.median(x["relative_difference"] for x in per_step) if per_step else pooled
     background = statistics.median(run["background_cores"]) if run.get("background_cores") else None
     with_background = None
-    if background is not None and cost.profile.shared_cores:
+    if background is not None and cost.profile.shared_cores and not cost.profile.pinned_ranks:
+        # (Pinned ranks cannot move to a core other jobs left free: no such diagnostic.)
         # Diagnostic only: the same replay on the cores other jobs left free on average.
         import dataclasses
 

@@ -5,15 +5,20 @@
 1. Profile: ``cpu_profile.fit_cpu_profile`` fits the cost model to separate measurements of the
    pieces of an action (layer forward/backward on whole, context-carrying and packed units, every
    checkpoint level, the chunked loss, the embedding, gloo point-to-point), per-thread CPU seconds
-   through the runtime's code, and checks it on held-out shapes.  ``shared_cores`` = this
-   machine's cores: the ranks of a run share them and the simulator replays with processor sharing.
+   through the runtime's code, and checks it on held-out shapes; the point-to-point probe also
+   counts the CPU a message costs both ends (gloo's threads).  ``shared_cores`` = the cores this
+   process may use: the ranks of a run share them and the simulator replays with processor
+   sharing; each rank is pinned to one core (rank r on core r % cores, ``--no-pin`` to let the
+   kernel place them) and the profile says so (``pinned_ranks``), so the replay shares each core
+   among its own ranks only.
 2. Budgets: for each layout and schedule, the smallest memory budget at which the planner finds a
    plan (bisection on ``plan_step``), times ``--budget-slack``: every schedule runs near its memory
    limit, so EPP slices, packs and checkpoints, and the baselines checkpoint.
 3. Runs: for each repeat and layout, wait until the machine's 1-minute load is below ``--max-load``
    (polling up to ``--max-wait-s``; the load is recorded either way), then one torchrun launch
    (``runtime_worker.py``, one thread per rank, gloo) runs every schedule: a warm-up step that
-   plans, ``--steps`` timed steps of that plan, and one step under the allocator-event memory probe.
+   plans, ``--steps`` timed steps of that plan (8: the median over them outlasts a speed burst of
+   a few steps), and one step under the allocator-event memory probe.
    Every rank times the speed-probe shapes before each timed step and after the last
    (``--probe-once``: only before the first and after the last).
 4. Comparison (``sim_compare.py``): each timed step against the simulation with the profile
@@ -178,9 +183,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "sim_vs_real.json"))
     ap.add_argument("--quick", action="store_true", help="quick profile, one repeat, pp 2 only, one timed step")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--probe-once", action="store_true",
                     help="probe the machine's speed only before and after a schedule's timed steps, not before each")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="let the OS place the ranks on the cores (default: rank r pinned to core r %% cores, "
+                         "and the simulator shares each core among its own ranks)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--budget-slack", type=float, default=1.1)
@@ -208,7 +216,11 @@ def main(argv=None) -> int:
         report = json.loads(Path(args.profile_report).read_text())
         profile = HardwareProfile.from_dict(report["profile"])
     else:
+        # The fit times isolated shapes: on a machine still busy (another benchmark ending) its
+        # coefficients would carry that load into every later comparison.
+        wait_for_low_load(args.max_load, args.max_wait_s, log)
         profile, report = fit_cpu_profile(args.quick, log=log)
+    profile = dataclasses.replace(profile, pinned_ranks=not args.no_pin)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     profile_path = out.with_name(out.stem + ".profile.json")
@@ -230,12 +242,14 @@ def main(argv=None) -> int:
             "layouts": {k: {"pp_degree": LAYOUTS[k][0], "sp_degree": LAYOUTS[k][1]} for k in layouts},
             "tolerance": {"time": TOLERANCE, "memory": MEMORY_TOLERANCE},
             "budgets": budgets, "budget_slack": args.budget_slack, "max_load": args.max_load,
+            "pinned_ranks": not args.no_pin,
             "profile": {"path": profile_path.name, **{k: report.get(k) for k in (
                 "fit_worst_relative_error", "held_out_worst_relative_error", "held_out_errors", "load_before",
                 "load_after", "elapsed_s", "repeat", "p2p_rows")},
                 "coefficients": {k: v for k, v in dataclasses.asdict(profile).items() if k != "meta"}},
             "summary": summarise(runs_so_far), "repeats": runs_so_far, "elapsed_s": time.time() - t0,
-            "command": "python benchmarks/sim_vs_real.py" + (" --quick" if args.quick else ""),
+            "command": "python benchmarks/sim_vs_real.py" + (" --quick" if args.quick else "")
+                       + (" --no-pin" if args.no_pin else ""),
         }
         result["markdown"] = markdown(result)
         out.write_text(json.dumps(result, indent=1))
@@ -250,6 +264,7 @@ def main(argv=None) -> int:
                     "profile": str(profile_path), "loss_chunk_tokens": LOSS_CHUNK_TOKENS, "memory_probe": True,
                     "memory_budget_gib": {s: b[0] / 2**30 for s, b in budgets[layout].items()},
                     "warmup": 1, "steps": steps, "seed": 0, "speed_probe_every_step": not args.probe_once,
+                    "pin_cores": not args.no_pin,
                     "speed_probe": [[list(map(list, segs)), level] for segs, level in SPEED_PROBE_SHAPES]}
             t1 = time.time()
             raw = launch(spec, pp * sp, args.timeout)

@@ -80,6 +80,14 @@ class HardwareProfile:
     p2p_bandwidth_bytes_per_s: float = 100e9
     """Point-to-point bandwidth between adjacent stages (NVLink-class by default)."""
     p2p_latency_s: float = 20e-6
+    p2p_cpu_s: float = 0.0
+    """CPU seconds one point-to-point message costs its two ends together, whatever its size
+    (runs whose transport copies on the cores the stages compute on: gloo on CPU, measured by
+    ``benchmarks/p2p_worker.py``).  With ``shared_cores`` the simulator charges half of it to the
+    sending action and half to the receiving one.  0 (default): the transfer takes no compute
+    from the stages, as with NCCL between GPUs."""
+    p2p_cpu_s_per_byte: float = 0.0
+    """CPU seconds per byte of a point-to-point message, both ends together (see ``p2p_cpu_s``)."""
     intra_node_bandwidth_bytes_per_s: float = 360e9
     """Bus bandwidth per GPU, per direction, of collectives inside one node (SP all-to-all,
     sharded-state all-gather / reduce-scatter, gradient all-reduce).  H100 SXM NVLink 4 is 900 GB/s
@@ -110,6 +118,11 @@ class HardwareProfile:
     machine); the simulator then runs at most this many ranks at full speed and shares the cores
     equally among the busy ones (``planner/shared_replay.py``).  0 (default): every rank has a
     device of its own, as on GPUs."""
+    pinned_ranks: bool = False
+    """With ``shared_cores``: every rank is pinned to one core, global rank ``r`` on core
+    ``r % shared_cores`` (as ``benchmarks/runtime_worker.py`` pins them with ``pin_cores``); the
+    simulator then shares each core among its own busy ranks only.  False: the operating system
+    moves ranks between cores, modelled as all cores shared among all busy ranks."""
     device: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     """Versions and notes recorded by the profiler (torch, transformers, GPU...)."""
@@ -126,6 +139,9 @@ class HardwareProfile:
         if not self.shared_cores >= 0:
             raise ValueError(f"profile field shared_cores must be >= 0 (0: a device per rank), got "
                              f"{self.shared_cores!r}")
+        if self.pinned_ranks and (not self.shared_cores or int(self.shared_cores) != self.shared_cores):
+            raise ValueError(f"profile field pinned_ranks needs shared_cores to be a whole number of cores "
+                             f"(ranks are pinned to cores), got shared_cores={self.shared_cores!r}")
         if int(self.gpus_per_node) != self.gpus_per_node or self.gpus_per_node < 1:
             raise ValueError(f"profile field gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
 

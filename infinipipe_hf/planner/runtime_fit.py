@@ -11,8 +11,10 @@ the cost model's own form (``planner/hardware.py``): per layer and direction
 error over the level-free unit rows of *all* kinds at once, so slices and packs pin the
 coefficients as much as whole sequences do; the head is ``a2 * tokens + b`` (its backward row
 includes the logits recompute, which the cost model adds as one more head forward); a message
-costs ``latency + bytes / bandwidth``.  Recompute is not fitted: the cost model derives it from
-the forward fit (``checkpoint_levels.py``) and the level rows are there to *check* that.
+costs ``latency + bytes / bandwidth`` of wall time and, where the rows count it (``cpu_s``: gloo
+moves bytes on CPU threads), ``p2p_cpu_s + bytes * p2p_cpu_s_per_byte`` of CPU on its two ends.
+Recompute is not fitted: the cost model derives it from the forward fit
+(``checkpoint_levels.py``) and the level rows are there to *check* that.
 
 :func:`row_errors` predicts every row with :class:`CostModel` (a middle stage of one layer, as
 the rows were measured) and returns measured / predicted, so a fit can be judged on shapes it
@@ -111,6 +113,10 @@ def fit_runtime_profile(rows: Sequence[Mapping[str, Any]], spec: ModelSpec, *, n
         got["elementwise_bytes_per_s"] = float(statistics.median(act))
     if any(r.get("kind") == "p2p" for r in rows):
         got["p2p_latency_s"], got["p2p_bandwidth_bytes_per_s"] = fit_p2p(rows)
+        cpu = [r for r in rows if r.get("kind") == "p2p" and "cpu_s" in r]
+        if cpu:
+            coef = fit_tokens([r["bytes"] for r in cpu], [r["cpu_s"] for r in cpu])
+            got["p2p_cpu_s"], got["p2p_cpu_s_per_byte"] = coef.fixed_s, coef.token_s
     if any(r.get("kind") == "unit_memory" for r in rows):
         bpe = fields.get("bytes_per_element", base.bytes_per_element if base is not None else 2)
         got["layer_working_bytes_per_token"], got["working_bytes_per_token"] = fit_working_memory(

@@ -13,8 +13,15 @@ subtract ``rate x dt`` from every running action's work, start what became ready
 All DP replicas of a plan share the machine, so they are replayed together; a stage of
 ``ranks_per_stage`` SP ranks runs each action on all of them at once (they move in lockstep
 between all-to-alls), so one running action counts that many busy ranks.  Transfers are pure
-delays that use no core (gloo moves small messages on its own threads; their CPU cost is part
-of the measured point-to-point latency).
+delays here; the CPU gloo's threads spend on a message is the caller's to add to the work of
+the actions at its two ends (``simulator.ActionCosts.shared_work``).
+
+``pinned``: every rank is pinned to one core, global rank ``(dp * pp + stage) * sp + sp_rank`` on
+core ``rank % cores`` (how ``benchmarks/runtime_worker.py`` pins them); a core is then shared only
+among the busy ranks pinned to it, and a stage of SP ranks on several cores advances at its
+slowest rank's share.  Left unpinned, the kernel moves ranks between cores and may leave one idle
+while a woken rank waits on the other, which ideal sharing of all cores cannot see (measured:
+docs/simulator_vs_real.md); pinned, what the replay assumes is what the machine does.
 
 Trade-off: the model is the ideal of fair sharing: no context-switch cost, no cache or
 memory-bandwidth interference between ranks, and no other jobs on the machine (those are
@@ -33,8 +40,8 @@ _EPS = 1e-12
 
 
 def shared_replay(replicas: Sequence[Sequence[Sequence[Action]]], duration: Callable[[int, Action], float],
-                  transfer: Callable[[Action], float], *, cores: float, ranks_per_stage: int = 1
-                  ) -> list[ReplayResult]:
+                  transfer: Callable[[Action], float], *, cores: float, ranks_per_stage: int = 1,
+                  pinned: bool = False) -> list[ReplayResult]:
     """Replay every replica's ``stage_actions`` on ``cores`` shared cores (module docstring).
 
     ``duration(stage, action)`` is the action's work at full speed, ``transfer(action)`` the delay
@@ -45,6 +52,29 @@ def shared_replay(replicas: Sequence[Sequence[Sequence[Action]]], duration: Call
     if int(ranks_per_stage) != ranks_per_stage or ranks_per_stage < 1:
         raise ValueError(f"ranks_per_stage must be a positive integer, got {ranks_per_stage!r}")
     lanes = [(r, s) for r, stages in enumerate(replicas) for s in range(len(stages))]
+    if pinned:
+        ncores = int(cores)
+        if ncores != cores:
+            raise ValueError(f"pinned ranks need a whole number of cores, got {cores!r}")
+        pp = {len(stages) for stages in replicas}
+        assert len(pp) == 1, "replicas of one plan have the same number of stages"
+        width = pp.pop() * ranks_per_stage
+        # Global rank (dp * pp + stage) * sp + sp_rank runs on core rank % cores.
+        lane_cores = {(r, s): [((r * width) + s * ranks_per_stage + k) % ncores for k in range(ranks_per_stage)]
+                      for r, s in lanes}
+
+    def rates() -> dict[tuple[int, int], float]:
+        if not pinned:
+            busy = len(running) * ranks_per_stage
+            rate = min(1.0, cores / busy) if busy else 1.0
+            return {lane: rate for lane in running}
+        load: dict[int, int] = {}
+        for lane in running:
+            for c in lane_cores[lane]:
+                load[c] = load.get(c, 0) + 1
+        # SP ranks of a stage move in lockstep: the action advances at its slowest rank's share.
+        return {lane: min(1.0 / load[c] for c in lane_cores[lane]) for lane in running}
+
     starts = [[[0.0] * len(a) for a in stages] for stages in replicas]
     ends = [[[0.0] * len(a) for a in stages] for stages in replicas]
     done = [[0] * len(stages) for stages in replicas]
@@ -80,16 +110,15 @@ def shared_replay(replicas: Sequence[Sequence[Sequence[Action]]], duration: Call
     for lane in lanes:
         try_schedule(lane)
     while running or waiting:
-        busy = len(running) * ranks_per_stage
-        rate = min(1.0, cores / busy) if busy else 1.0
-        next_end = now + min(running.values()) / rate if running else float("inf")
+        rate = rates()
+        next_end = min((now + w / rate[lane] for lane, w in running.items()), default=float("inf"))
         next_ready = waiting[0][0] if waiting else float("inf")
         t = min(next_end, next_ready)
         dt = t - now
         now = t
         completed = []
         for lane in list(running):
-            running[lane] -= rate * dt
+            running[lane] -= rate[lane] * dt
             if running[lane] <= _EPS * max(1.0, now):
                 completed.append(lane)
         for lane in completed:

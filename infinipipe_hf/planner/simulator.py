@@ -15,12 +15,14 @@ simulator, solver and validator agree on what "fits" means.
 
 When the profile says the ranks share a few cores (``HardwareProfile.shared_cores``, CPU runs)
 the replicas are replayed together with processor sharing (:mod:`shared_replay`): durations are
-then work at full speed, stretched while more ranks compute than there are cores.
+then work at full speed, stretched while more ranks compute than there are cores (or, with
+``pinned_ranks``, than the ranks pinned to the same core).
 
 Trade-off: the memory timeline records each action's *peak* from its start until the next
 action starts; idle gaps therefore show the previous peak rather than the lower resident level.
 That is conservative and is what decides feasibility; the exact shape between peaks is not
-modelled.  Communication is a pure delay (no contention, sends never block compute).
+modelled.  Communication is a pure delay (no contention, sends never block compute); only on
+shared cores does a message also cost CPU there (``p2p_cpu_s``: gloo's threads copy the bytes).
 """
 from __future__ import annotations
 
@@ -87,6 +89,48 @@ class SimulationResult:
         return d
 
 
+class ActionCosts:
+    """What the replay charges each action of ``plan``: its compute (``duration``: the cost
+    model's forward or backward with the plan's checkpointing), the delay of its input
+    (``transfer``), and on shared cores its work there (``shared_work``: the compute plus its share
+    of the CPU its point-to-point messages cost, half of each message it sends or receives)."""
+
+    def __init__(self, plan: Plan, cost: CostModel) -> None:
+        self.plan, self.cost = plan, cost
+        self.shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
+        self.tokens = {u.id: u.num_tokens for u in plan.units}
+
+    def _shape(self, uid: int) -> UnitShape:
+        if uid not in self.shapes:
+            raise ValueError(f"an action names unit {uid}, which is not among the plan's units; "
+                             f"validate the plan (infinipipe_hf.planner.validator.validate)")
+        return self.shapes[uid]
+
+    def duration(self, stage: int, a: Action) -> float:
+        shape = self._shape(a.unit)
+        if a.is_forward:
+            return self.cost.forward_time(stage, shape)
+        t = self.cost.backward_time(stage, shape, self.plan.checkpointed(stage, a.unit))
+        return t + self.finer_recompute(stage, a.unit)
+
+    def finer_recompute(self, stage: int, uid: int) -> float:
+        finer = self.plan.checkpoint_levels.get(stage, {}).get(uid)
+        return self.cost.levels.finer_recompute_s(self.shapes[uid], CheckpointMix.of(0, finer)) if finer else 0.0
+
+    def transfer(self, a: Action) -> float:
+        self._shape(a.unit)
+        return self.cost.transfer_time(self.tokens[a.unit])
+
+    def message_cpu(self, stage: int, a: Action) -> float:
+        """This action's half of the CPU of the messages it receives and sends (a forward receives
+        from the previous stage and sends to the next, a backward the other way round)."""
+        messages = (stage > 0) + (stage < self.plan.pp_degree - 1)
+        return 0.5 * messages * self.cost.message_cpu_time(self.tokens[a.unit]) if messages else 0.0
+
+    def shared_work(self, stage: int, a: Action) -> float:
+        return self.duration(stage, a) + self.message_cpu(stage, a)
+
+
 class PlanDeadlockError(ValueError):
     """The plan's action lists cannot all run: some stage waits forever (run the validator)."""
 
@@ -103,8 +147,8 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
         raise ValueError(f"cost model has sp_degree={cost_layout[0]}, shard={cost_layout[1]!r} but the plan "
                          f"has sp_degree={plan.sp_degree}, shard={plan.shard!r}; build the CostModel "
                          f"with the plan's sp_degree and shard")
-    by_id = plan.unit_by_id
-    shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
+    costs = ActionCosts(plan, cost)
+    shapes = costs.shapes
     p = plan.pp_degree
     events: list[ActionEvent] = []
     timeline: dict[tuple[int, int], list[tuple[float, float]]] = {}
@@ -113,36 +157,18 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
     step = 0.0
     recompute_total = 0.0
     sync_total = 0.0
-
-    def missing(uid: int) -> ValueError:
-        return ValueError(f"an action names unit {uid}, which is not among the plan's units; "
-                          f"validate the plan (infinipipe_hf.planner.validator.validate)")
-
-    def duration(stage: int, a: Action) -> float:
-        if a.unit not in shapes:
-            raise missing(a.unit)
-        if a.is_forward:
-            return cost.forward_time(stage, shapes[a.unit])
-        t = cost.backward_time(stage, shapes[a.unit], plan.checkpointed(stage, a.unit))
-        return t + finer_recompute(stage, a.unit)
-
-    def finer_recompute(stage: int, uid: int) -> float:
-        finer = plan.checkpoint_levels.get(stage, {}).get(uid)
-        return cost.levels.finer_recompute_s(shapes[uid], CheckpointMix.of(0, finer)) if finer else 0.0
-
-    def transfer(a: Action) -> float:
-        if a.unit not in by_id:
-            raise missing(a.unit)
-        return cost.transfer_time(by_id[a.unit].num_tokens)
+    finer_recompute = costs.finer_recompute
 
     replicas = sorted(plan.actions)
-    cores = float(getattr(getattr(cost, "profile", None), "shared_cores", 0.0) or 0.0)
-    shared = (dict(zip(replicas, shared_replay([plan.actions[r] for r in replicas], duration, transfer,
-                                               cores=cores, ranks_per_stage=plan.sp_degree)))
+    profile = getattr(cost, "profile", None)
+    cores = float(getattr(profile, "shared_cores", 0.0) or 0.0)
+    shared = (dict(zip(replicas, shared_replay([plan.actions[r] for r in replicas], costs.shared_work,
+                                               costs.transfer, cores=cores, ranks_per_stage=plan.sp_degree,
+                                               pinned=bool(getattr(profile, "pinned_ranks", False)))))
               if cores else None)
     for r in replicas:
         stage_actions = plan.actions[r]
-        rep = shared[r] if shared is not None else replay(stage_actions, duration, transfer)
+        rep = shared[r] if shared is not None else replay(stage_actions, costs.duration, costs.transfer)
         if not rep.complete:
             stuck = ", ".join(f"stage {s} at {stage_actions[s][i]} (#{i})" for s, i in rep.stuck(stage_actions))
             raise PlanDeadlockError(f"dp replica {r} deadlocks: {stuck} wait forever; run "

@@ -14,7 +14,11 @@ backward) for as long as they live.
 allocated *before* the probe started are not reported by the profiler (it does not know their
 size), so memory released during the block that predates it does not lower the curve (the
 probe's figure is an upper bound when such frees happen; a training step that sets gradients to
-``None`` before it starts has none of consequence).  Only the probing thread's allocator events
+``None`` before it starts has none of consequence), *except* blocks allocated while an earlier
+probe ran: the allocator remembers their sizes, so their free is reported, below zero.  Garbage
+collected mid-block was the way that happened (an engine of an earlier probed step, kept by a
+reference cycle until the collector ran during the next probe: a pp 2 stage's peak read 40%
+low), so the probe collects garbage before it starts.  Only the probing thread's allocator events
 are recorded: a tensor freed on another thread (gloo's worker thread can drop the last reference
 to a finished collective's buffers) never comes down in the replay, so the runtime keeps those
 buffers until its own thread drops them (``SequenceParallel.exchange``, the executor's finished
@@ -89,8 +93,11 @@ class MemoryProbe:
         self._prof = None
 
     def __enter__(self) -> "MemoryProbe":
+        import gc
+
         from torch.profiler import ProfilerActivity, profile
 
+        gc.collect()  # see the module docstring: earlier garbage must not be freed inside the block
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
         return self

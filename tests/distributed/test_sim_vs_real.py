@@ -12,7 +12,8 @@ of 1.5 failed on noise, not on a wrong model; a model off by 2x still fails); th
 step (its profile rescaled to the machine's speed measured by a probe just before the schedule
 ran) and each stage's peak memory are within a factor of two of the measured ones, and the bytes
 measured at each stage's last action within 1.6x of the simulated ones (buffers the runtime held
-past their use pile up there).  The design goals (10% time, 10% memory, every repeat) are the full benchmark's
+past their use pile up there).  Ranks run pinned to cores (rank r on core r %
+cores) and the simulator knows it.  The design goals (10% time, 10% memory, every repeat) are the full benchmark's
 to report; on a CPU shared with other jobs one quick step can be slowed by tens of percent, so
 the test's bounds catch a model that is wrong, not one that is noisy.
 """
@@ -67,3 +68,9 @@ def test_simulated_order_time_and_memory_match_real_pp2_runs(tmp_path):
     epp = runs["epp"]
     assert epp["units_with_context"] > 0 and epp["packed_units"] > 0 and epp["sliced_sequences"] > 0
     assert r["profile"]["held_out_errors"], "the profile is checked on held-out shapes"
+    # Ranks ran pinned to cores, as the simulator replayed them, and the transport's CPU (gloo's
+    # threads) was measured by the point-to-point probe and charged to the actions.
+    coefficients = r["profile"]["coefficients"]
+    assert r["pinned_ranks"] is True and coefficients["pinned_ranks"] is True
+    assert coefficients["p2p_cpu_s"] + coefficients["p2p_cpu_s_per_byte"] > 0
+    assert all("cpu_s" in row for row in r["profile"]["p2p_rows"])

@@ -31,6 +31,34 @@ def test_probe_sees_transient_allocations_of_real_tensors():
     assert probe.trace.final_bytes == 0
 
 
+def test_garbage_of_an_earlier_probe_is_not_freed_inside_a_later_one():
+    """A block allocated while an earlier probe ran keeps its size in the allocator's table, so its
+    free inside a later probe is reported (below zero); garbage held by a reference cycle is freed
+    whenever the collector runs.  The probe collects it before it starts."""
+    import gc
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+    with MemoryProbe():
+        held = Cycle()
+        held.tensor = torch.empty(1_000_000)  # 4 MB, kept by the cycle
+    del held
+    enabled = gc.isenabled()
+    gc.disable()  # only the probe's own collection may run
+    try:
+        with MemoryProbe() as probe:
+            y = torch.empty(250_000)  # 1 MB
+            gc.collect()  # nothing left to collect: the cycle went before the block
+    finally:
+        if enabled:
+            gc.enable()
+    assert (probe.trace.peak_bytes, probe.trace.final_bytes) == (1_000_000, 1_000_000)
+    assert min(nbytes for _, nbytes in probe.events) > 0
+    del y
+
+
 def test_probe_counts_what_an_op_frees_inside_itself():
     x = torch.randn(512, 512)
     with MemoryProbe() as probe:

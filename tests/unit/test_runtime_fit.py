@@ -47,7 +47,8 @@ def test_layer_fit_recovers_the_coefficients():
 
 
 def test_profile_predicts_its_own_rows_and_checkpoint_levels_follow_the_cost_model():
-    p2p = [{"kind": "p2p", "bytes": b, "seconds": 1e-4 + b / 1e9} for b in (65536, 1 << 20, 4 << 20)]
+    p2p = [{"kind": "p2p", "bytes": b, "seconds": 1e-4 + b / 1e9, "cpu_s": 2e-4 + b * 4e-10}
+           for b in (65536, 1 << 20, 4 << 20)]
     memory = [{"kind": "unit_memory", "tokens": 100, "level": lv, "kept_bytes": 1000,
                "fwd_peak_bytes": 1000 + 100 * (2 * 1024 + f), "bwd_peak_bytes": 100 * (2 * 1024 + 700)}
               for lv, f in ((None, 10), ("full", 900), ("mlp", 800), ("mlp_act", 400))]
@@ -57,6 +58,9 @@ def test_profile_predicts_its_own_rows_and_checkpoint_levels_follow_the_cost_mod
     assert profile.shared_cores == 2.0 and profile.bytes_per_element == 4
     assert profile.p2p_latency_s == pytest.approx(1e-4, rel=1e-6)
     assert profile.p2p_bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    # The CPU a message costs both ends (gloo's threads), fitted beside its wall time.
+    assert profile.p2p_cpu_s == pytest.approx(2e-4, rel=1e-6)
+    assert profile.p2p_cpu_s_per_byte == pytest.approx(4e-10, rel=1e-6)
     assert profile.embedding_token_s == pytest.approx(2e-7)
     assert profile.layer_working_bytes_per_token == pytest.approx(10)
     assert profile.working_bytes_per_token == pytest.approx(

@@ -129,3 +129,83 @@ def test_simulator_uses_shared_cores_from_the_profile():
     assert two.step_time_s > own.step_time_s * 1.05
     # Serialisation keeps the field.
     assert HardwareProfile.from_dict(dataclasses.replace(base, shared_cores=2).to_dict()).shared_cores == 2
+
+
+def test_pinned_ranks_share_only_their_own_core():
+    """Four one-stage replicas (global ranks 0-3) pinned round-robin on 2 cores: ranks 0 and 2 on
+    core 0, 1 and 3 on core 1.  With work on ranks 0 and 2 only, pinned they halve each other's
+    speed (core 1 idles); shared freely they would each get a core."""
+    reps = [[acts("F0 B0")], [[]], [acts("F2 B2")], [[]]]
+    pinned = shared_replay(reps, work, no_transfer, cores=2, pinned=True)
+    free = shared_replay(reps, work, no_transfer, cores=2)
+    for r in (0, 2):
+        assert spans(pinned[r])[0] == flat([(0, 2), (2, 6)])
+        assert spans(free[r])[0] == flat([(0, 1), (1, 3)])
+    # Work on ranks 0 and 1 (different cores): pinned is the free sharing.
+    reps = [[acts("F0 B0")], [acts("F1 B1")], [[]], [[]]]
+    for a, b in zip(shared_replay(reps, work, no_transfer, cores=2, pinned=True),
+                    shared_replay(reps, work, no_transfer, cores=2)):
+        assert spans(a) == [pytest.approx(x) for x in spans(b)]
+
+
+def test_pinned_sp_stage_advances_at_its_slowest_rank():
+    """pp 2 x sp 2 pinned on 2 cores: stage s's SP ranks are global ranks 2s and 2s+1, on cores 0
+    and 1, so both stages have a rank on each core; and pp 1 x sp 2 on one core shares it."""
+    stages = [acts("F0 F1 B0 B1"), acts("F0 B0 F1 B1")]
+    (a,) = shared_replay([stages], work, no_transfer, cores=2, ranks_per_stage=2, pinned=True)
+    (b,) = shared_replay([stages], work, no_transfer, cores=1)
+    assert spans(a) == [pytest.approx(x) for x in spans(b)]
+    (c,) = shared_replay([[acts("F0 B0")]], work, no_transfer, cores=1, ranks_per_stage=2, pinned=True)
+    assert spans(c)[0] == flat([(0, 2), (2, 6)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pinned_with_a_core_per_rank_is_the_dedicated_replay(seed):
+    rng = random.Random(seed)
+    p, m = rng.choice([2, 3, 4]), rng.randint(1, 7)
+    stages = _random_1f1b(rng, p, m)
+    durations = {(s, str(a)): rng.uniform(0.1, 3.0) for s in range(p) for a in stages[s]}
+
+    def dur(s, a):
+        return durations[(s, str(a))]
+
+    want = replay(stages, dur, no_transfer)
+    (got,) = shared_replay([stages], dur, no_transfer, cores=p, pinned=True)
+    for s in range(p):
+        assert got.end[s] == pytest.approx(want.end[s])
+
+
+def test_pinned_needs_whole_cores():
+    with pytest.raises(ValueError, match="whole number of cores"):
+        shared_replay([[acts("F0 B0")]], work, no_transfer, cores=1.5, pinned=True)
+    with pytest.raises(ValueError, match="pinned_ranks needs shared_cores"):
+        dataclasses.replace(default_profile(), pinned_ranks=True)
+    assert HardwareProfile.from_dict(dataclasses.replace(default_profile(), shared_cores=2, pinned_ranks=True)
+                                     .to_dict()).pinned_ranks is True
+
+
+def _chain_plan(pp):
+    spec = ModelSpec("llama", pp, 256, 688, 8, 4, 32, 2048, False)
+    units = [Unit(0, (Segment(0, 0, 256),))]
+    plan = Plan("packed-1f1b", pp, 1, [256], units, {0: build_pipeline_actions([0], [0], pp, one_f_one_b_warmup(pp))},
+                {}, [1] * pp)
+    return spec, plan
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_message_cpu_is_charged_to_both_ends_on_shared_cores(pp):
+    """One unit through a pp-stage chain sends 2 (pp - 1) messages (hidden states forward,
+    gradients back); on shared cores each costs its CPU once, half on each end, on the critical
+    path here; on devices of their own (GPUs) the transport takes no compute."""
+    spec, plan = _chain_plan(pp)
+    base = dataclasses.replace(default_profile(), shared_cores=pp)
+    msg = dataclasses.replace(base, p2p_cpu_s=1e-3, p2p_cpu_s_per_byte=1e-9)
+    cost = CostModel(spec, msg, pp_degree=pp, layers_per_stage=[1] * pp)
+    per_message = 1e-3 + 256 * cost.hidden_bytes_per_token * 1e-9
+    assert cost.message_cpu_time(256) == pytest.approx(per_message)
+    without = simulate(plan, CostModel(spec, base, pp_degree=pp, layers_per_stage=[1] * pp)).step_time_s
+    assert simulate(plan, cost).step_time_s == pytest.approx(without + 2 * (pp - 1) * per_message)
+    gpu = dataclasses.replace(msg, shared_cores=0)
+    assert simulate(plan, CostModel(spec, gpu, pp_degree=pp, layers_per_stage=[1] * pp)).step_time_s == \
+        pytest.approx(simulate(plan, CostModel(spec, dataclasses.replace(gpu, p2p_cpu_s=0, p2p_cpu_s_per_byte=0),
+                                               pp_degree=pp, layers_per_stage=[1] * pp)).step_time_s)
