@@ -51,11 +51,11 @@ def pin_to_core() -> int:
     """Pin this rank (and the threads it starts later: gloo's) to core ``LOCAL_RANK % cores``, as
     the simulator assumes with ``HardwareProfile.pinned_ranks``.
 
-    Why: with more ranks than cores, the kernel moves ranks between cores and leaves a core idle
-    while a runnable rank waits on the other (wake-up placement, load balancing); measured on this
-    2-core VM at pp 4, the step took 4-8% longer than the measured actions replayed with ideal
-    sharing of both cores.  Pinned, each core is shared by its own ranks only, which the replay
-    models exactly; the error left is the executor's glue (2-5%)."""
+    Why: with more ranks than cores, the kernel moves ranks between cores and may leave a core idle
+    while a woken rank waits on the other (wake-up placement, load balancing); on this 2-core VM
+    an unpinned pp 4 step took 3.8-7.8% longer than its measured actions replayed with ideal
+    sharing of both cores, a pinned one 1.6-4.7% (docs/simulator_vs_real.md).  Pinned, each core
+    is shared by its own ranks only, which the replay models."""
     cores = sorted(os.sched_getaffinity(0))
     core = cores[int(os.environ.get("LOCAL_RANK", 0)) % len(cores)]
     os.sched_setaffinity(0, {core})

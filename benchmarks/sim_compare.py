@@ -17,6 +17,8 @@ peak memory (``runtime_worker.memory_probe_step``), and the cost model the engin
   seconds.  Its step against the measured span is the error of the machine model alone
   (sharing, transfers, the executor's glue between actions), the simulated step against it the
   error of the per-action costs alone;
+- CPU outside the actions, per rank: the executor's glue on the main thread and what the
+  process's other threads (gloo's) used, from the worker's per-step CPU counts;
 - background: the cores other processes used while the steps ran, and as a diagnostic the
   simulated step on the cores they left free (the simulator's own figure assumes none used);
 - memory: per stage, the simulator's peak (``SimulationResult.peak_memory_bytes``) against the
@@ -114,6 +116,25 @@ def _per_action_memory(acts: list[str], simulated: list[float], top: dict | None
             "largest_underestimate_action": worst[1] if worst else None}
 
 
+def cpu_outside_actions(run: dict, timelines) -> dict | None:
+    """Per rank, the median over timed steps of the CPU seconds a step took beyond its actions'
+    own: on the main thread (the executor's glue, ``executor_glue``) and on the process's other
+    threads (gloo moving bytes, ``other_threads``); None for runs that did not record them."""
+    process, main = run.get("process_cpu_s"), run.get("main_thread_cpu_s")
+    if not process or not main or len(process) != len(timelines):
+        return None
+    glue, threads = defaultdict(list), defaultdict(list)
+    for tl, proc_step, main_step in zip(timelines, process, main):
+        actions = defaultdict(float)
+        for e in tl.events:
+            actions[e.rank] += e.cpu_s
+        for rank, (p, m) in enumerate(zip(proc_step, main_step)):
+            glue[rank].append(m - actions[rank])
+            threads[rank].append(p - m)
+    return {"executor_glue": [statistics.median(glue[r]) for r in sorted(glue)],
+            "other_threads": [statistics.median(threads[r]) for r in sorted(threads)]}
+
+
 def bracketed_steps(plan, step_costs, spans) -> list[dict]:
     """Each timed step against the simulation priced at the machine's speed measured right
     around it (``step_costs[k]``: the profile rescaled to the probes before and after step k)."""
@@ -178,6 +199,7 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=No
     per_step = bracketed_steps(plan, step_costs, spans) if step_costs else None
     rel = statistics.median(x["relative_difference"] for x in per_step) if per_step else pooled
     background = statistics.median(run["background_cores"]) if run.get("background_cores") else None
+    outside = cpu_outside_actions(run, timelines)
     with_background = None
     if background is not None and cost.profile.shared_cores and not cost.profile.pinned_ranks:
         # (Pinned ranks cannot move to a core other jobs left free: no such diagnostic.)
@@ -207,6 +229,7 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=No
         "background_cores": background, "simulated_on_free_cores_s": with_background,
         "machine_model_error": (replayed - measured) / measured,
         "cost_model_error": (sim.step_time_s - replayed) / replayed if replayed else None,
+        **({"cpu_outside_actions_s": outside} if outside else {}),
         "simulated_bubble_fraction": sim.bubble_fraction, "measured_bubble_fraction": last.bubble_fraction(),
         "breakdown": breakdown(plan, cost, sim, timelines),
         "memory": mem, "memory_worst_relative_difference": mem_worst,

@@ -62,6 +62,11 @@ def test_simulated_order_time_and_memory_match_real_pp2_runs(tmp_path):
             per = mem["per_action"]
             assert len(per["measured_bytes"]) == len(per["actions"]) and None not in per["measured_bytes"]
             assert per["measured_bytes"][-1] < 1.6 * per["simulated_bytes"][-1], (name, stage, per)
+        # CPU outside the actions per rank: the executor's glue and gloo's threads (small, >= 0
+        # up to timer resolution).
+        outside = run["cpu_outside_actions_s"]
+        assert len(outside["executor_glue"]) == len(outside["other_threads"]) == 2, (name, outside)
+        assert all(-0.01 < x < 1.0 for x in outside["executor_glue"] + outside["other_threads"]), (name, outside)
         # Something is recomputed: whole layers, or keep_attn / the MLP levels (EPP's plans may
         # use only finer levels).
         assert run["checkpointed_layers"] + run["finer_levels"] > 0, name

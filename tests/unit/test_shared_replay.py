@@ -90,9 +90,11 @@ def test_enough_cores_is_the_dedicated_replay(seed):
         return 0.01 * (a.unit + 1)
 
     want = replay(stages, dur, tr)
-    (got,) = shared_replay([stages], dur, tr, cores=p)
-    for s in range(p):
-        assert got.start[s] == pytest.approx(want.start[s]) and got.end[s] == pytest.approx(want.end[s])
+    # A core per rank, shared freely or with every rank pinned to its own: the dedicated replay.
+    for pinned in (False, True):
+        (got,) = shared_replay([stages], dur, tr, cores=p, pinned=pinned)
+        for s in range(p):
+            assert got.start[s] == pytest.approx(want.start[s]) and got.end[s] == pytest.approx(want.end[s])
     # Fewer cores never speed a plan up, and one core runs exactly the total work.
     (one,) = shared_replay([stages], dur, tr, cores=1)
     assert max(e[-1] for e in one.end) >= max(e[-1] for e in want.end) - 1e-9
@@ -157,22 +159,6 @@ def test_pinned_sp_stage_advances_at_its_slowest_rank():
     assert spans(a) == [pytest.approx(x) for x in spans(b)]
     (c,) = shared_replay([[acts("F0 B0")]], work, no_transfer, cores=1, ranks_per_stage=2, pinned=True)
     assert spans(c)[0] == flat([(0, 2), (2, 6)])
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_pinned_with_a_core_per_rank_is_the_dedicated_replay(seed):
-    rng = random.Random(seed)
-    p, m = rng.choice([2, 3, 4]), rng.randint(1, 7)
-    stages = _random_1f1b(rng, p, m)
-    durations = {(s, str(a)): rng.uniform(0.1, 3.0) for s in range(p) for a in stages[s]}
-
-    def dur(s, a):
-        return durations[(s, str(a))]
-
-    want = replay(stages, dur, no_transfer)
-    (got,) = shared_replay([stages], dur, no_transfer, cores=p, pinned=True)
-    for s in range(p):
-        assert got.end[s] == pytest.approx(want.end[s])
 
 
 def test_pinned_needs_whole_cores():
