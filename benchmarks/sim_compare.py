@@ -57,14 +57,15 @@ def measured_work_replay(plan, cost, timeline) -> float:
     costs = ActionCosts(plan, cost)
     stages = plan.actions[0]
 
-    def dur(s, a):
-        return cpu[(s, str(a))] + costs.message_cpu(s, a)
+    def measured(s, a):
+        return cpu[(s, str(a))]
 
     if cost.profile.shared_cores:
-        (rep,) = shared_replay([stages], dur, costs.transfer, cores=cost.profile.shared_cores,
-                               ranks_per_stage=plan.sp_degree, pinned=cost.profile.pinned_ranks)
+        (rep,) = shared_replay([stages], lambda s, a: measured(s, a) + costs.message_cpu(s, a), costs.transfer,
+                               cores=cost.profile.shared_cores, ranks_per_stage=plan.sp_degree,
+                               pinned=cost.profile.pinned_ranks)
     else:
-        rep = replay(stages, lambda s, a: cpu[(s, str(a))], costs.transfer)
+        rep = replay(stages, measured, costs.transfer)
     return max((e[-1] for e in rep.end if e), default=0.0)
 
 

@@ -253,8 +253,6 @@ class CostModel:
         """CPU seconds one unit's hidden-state message costs its two ends together on a machine
         whose transport computes on the stages' cores (``p2p_cpu_s``; 0 on GPUs)."""
         p = self.profile
-        if self.pp_degree == 1 or not (p.p2p_cpu_s or p.p2p_cpu_s_per_byte):
-            return 0.0
         return p.p2p_cpu_s + self.gpu_tokens(num_tokens) * self.hidden_bytes_per_token * p.p2p_cpu_s_per_byte
 
     def gradient_sync_time(self, stage_index: int, last_backward_s: float) -> float:

@@ -125,7 +125,7 @@ class ActionCosts:
         """This action's half of the CPU of the messages it receives and sends (a forward receives
         from the previous stage and sends to the next, a backward the other way round)."""
         messages = (stage > 0) + (stage < self.plan.pp_degree - 1)
-        return 0.5 * messages * self.cost.message_cpu_time(self.tokens[a.unit]) if messages else 0.0
+        return 0.5 * messages * self.cost.message_cpu_time(self.tokens[a.unit])
 
     def shared_work(self, stage: int, a: Action) -> float:
         return self.duration(stage, a) + self.message_cpu(stage, a)
