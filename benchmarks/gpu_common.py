@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -115,7 +116,24 @@ def timed_steps(step: Callable[[], object], device: torch.device, tokens: int, *
     row = {"tokens": tokens, "step_s": t, "step_times_s": times, "tokens_per_s": tokens / t}
     if device.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        row["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     return row, last
+
+
+class RowError(Exception):
+    """A failure that carries what was known before it (the plan, memory at the failure)."""
+
+    def __init__(self, cause: BaseException, facts: dict):
+        super().__init__(str(cause))
+        self.cause, self.facts = cause, facts
+
+
+def memory_at_failure(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return {"peak_gib_at_failure": torch.cuda.max_memory_allocated(device) / 2**30,
+            "reserved_gib_at_failure": torch.cuda.max_memory_reserved(device) / 2**30}
 
 
 def guarded(name: str, fn: Callable[[], dict], device: torch.device, log=print) -> dict:
@@ -124,7 +142,10 @@ def guarded(name: str, fn: Callable[[], dict], device: torch.device, log=print) 
     try:
         row = fn()
     except Exception as exc:  # noqa: BLE001 - a benchmark reports every failure and goes on
-        row = {"error": "OOM" if is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:400]}"}
+        facts = exc.facts if isinstance(exc, RowError) else {}
+        cause = exc.cause if isinstance(exc, RowError) else exc
+        row = {"error": "OOM" if is_oom(cause) else f"{type(cause).__name__}: {str(cause)[:400]}", **facts}
+        del exc, cause
     free(device)
     row = {"name": name, **row, "wall_s": time.perf_counter() - t0}
     log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()

@@ -100,10 +100,19 @@ def hf_packed_rows(config, seqs, device, dtype, args, *, ckpt: bool):
     return row
 
 
+def backend_name(backend) -> str:
+    """The attention backend's registered name (``sdpa``, ``varlen``, ``flash``) for the row."""
+    from infinipipe_hf.runtime import attention
+
+    names = [n for n, (fn, _) in attention._BACKENDS.items() if fn is backend]
+    return names[0] if names else getattr(backend, "__name__", str(backend))
+
+
 def epp_rows(config, seqs, device, dtype, args, profile_path):
     model = gc_.make_model(config, device, dtype)
     cfg = InfiniPipeConfig(pp_degree=1, profile=profile_path, attention_backend=args.attention_backend,
                            checkpointing=args.checkpointing,
+                           memory_budget_gib=getattr(args, "memory_budget_gib", None),
                            num_slices=[int(k) for k in args.num_slices.split(",")] if args.num_slices else None,
                            loss_chunk_tokens=args.loss_chunk_tokens)
     engine = PipelineEngine(model, cfg, device=device)
@@ -121,19 +130,30 @@ def epp_rows(config, seqs, device, dtype, args, profile_path):
         opt.zero_grad(set_to_none=True)
         return out
 
-    row, out = gc_.timed_steps(step, device, sum(len(s) for s in seqs), warmup=args.warmup, steps=args.steps)
+    plan_facts = {"planning_s": planning_s, "num_units": len(plan.units), "unit_tokens": [u.num_tokens for u in plan.units],
+                  "unit_kinds": [u.kind(plan.sequences).value for u in plan.units]}
+    if sim is not None:
+        plan_facts["predicted_peak_gib"] = sim.peak_memory_bytes[0] / 2**30
+    try:
+        row, out = gc_.timed_steps(step, device, sum(len(s) for s in seqs), warmup=args.warmup, steps=args.steps)
+    except Exception as exc:  # an OOM row keeps what was planned, to compare with what was reached
+        raise gc_.RowError(exc, {**plan_facts, **gc_.memory_at_failure(device)}) from exc
     actions = timer.take()[-2 * len(plan.units):]  # the last step's actions
     ck = plan.checkpoint_layers.get(0, {})
     row.update(
         loss=out.loss, planning_s=planning_s, num_units=len(plan.units),
         num_slices=plan.info.get("num_slices"), checkpointed_layers={str(k): v for k, v in sorted(ck.items())},
-        layers=engine.layers_per_stage[0],
+        checkpoint_levels={str(k): v for k, v in sorted(plan.checkpoint_levels.get(0, {}).items())},
+        layers=engine.layers_per_stage[0], attention=backend_name(engine.runner.backend),
         unit_tokens=[u.num_tokens for u in plan.units],
+        unit_kinds=[u.kind(plan.sequences).value for u in plan.units],
         timeline=actions, forward_ms=sum(a["ms"] for a in actions if a["action"][0] == "F"),
         backward_ms=sum(a["ms"] for a in actions if a["action"][0] == "B"),
     )
     if sim is not None:
-        row.update(predicted_step_s=sim.step_time_s, predicted_peak_gib=sim.peak_memory_bytes[0] / 2**30)
+        row.update(predicted_step_s=sim.step_time_s, predicted_peak_gib=sim.peak_memory_bytes[0] / 2**30,
+                   predicted_timeline=[{"action": e.action, "ms": (e.end_s - e.start_s) * 1e3,
+                                        "recompute_ms": e.recompute_s * 1e3} for e in sim.events])
         if "peak_gib" in row:
             row["peak_predicted_over_measured"] = row["predicted_peak_gib"] / row["peak_gib"]
     return row
@@ -214,6 +234,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-slices", default=None, help="force candidate slice counts, e.g. 4,8")
     p.add_argument("--loss-chunk-tokens", type=int, default=4096)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "single_gpu.json"))
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG beside --out")
+    p.add_argument("--memory-budget-gib", type=float, default=None,
+                   help="the engine's planning budget (default: the device's memory less 2 GiB)")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -238,9 +261,7 @@ def main(argv=None) -> int:
     if "single" in args.sections:
         for n in [int(x) for x in args.lengths.split(",")]:
             seqs = [gc_.random_ids(n, vocab, seed=n)]
-            for name in ("hf", "hf_ckpt", "epp"):
-                if name not in methods:
-                    continue
+            for name in [m for m in methods if m in ("hf", "hf_ckpt", "epp")]:
                 fn = {"hf": lambda: hf_rows(config, seqs, device, dtype, args, ckpt=False),
                       "hf_ckpt": lambda: hf_rows(config, seqs, device, dtype, args, ckpt=True),
                       "epp": lambda: epp_rows(config, seqs, device, dtype, args, profile_path)}[name]
@@ -249,16 +270,15 @@ def main(argv=None) -> int:
         lengths = longtail_lengths(args)
         results["longtail_lengths"] = lengths
         seqs = [gc_.random_ids(n, vocab, seed=i) for i, n in enumerate(lengths)]
-        for name in ("hf_ckpt", "hf_packed", "hf_packed_ckpt", "epp"):
-            if name not in methods:
-                continue
+        for name in [m for m in methods if m in ("hf_ckpt", "hf_packed", "hf_packed_ckpt", "epp")]:
             fn = {"hf_ckpt": lambda: hf_rows(config, seqs, device, dtype, args, ckpt=True),
                   "hf_packed": lambda: hf_packed_rows(config, seqs, device, dtype, args, ckpt=False),
                   "hf_packed_ckpt": lambda: hf_packed_rows(config, seqs, device, dtype, args, ckpt=True),
                   "epp": lambda: epp_rows(config, seqs, device, dtype, args, profile_path)}[name]
             record("longtail", name, fn, tokens_requested=sum(lengths), num_sequences=len(lengths))
     try:
-        plot(results, out.with_suffix(".png"))
+        if not args.no_plot:
+            plot(results, out.with_suffix(".png"))
     except Exception as exc:  # noqa: BLE001 - a missing plot must not lose the measurements
         print(f"plot failed: {exc}", file=sys.stderr)
     out.write_text(json.dumps(results, indent=1))

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionSegments, register_backend, sdpa_backend
+from .attention import AttentionSegments, register_backend, sdpa_backend, square_causal
 
 _HALF = (torch.float16, torch.bfloat16)
 _CU_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -195,17 +195,26 @@ def self_check(kernel: VarlenKernel, device: torch.device, dtype: torch.dtype) -
     return bool(torch.allclose(got, want, atol=tol, rtol=tol))
 
 
+def whole_causal_sequence(a: AttentionSegments) -> bool:
+    """One segment with no context: plain causal attention over the whole unit."""
+    return len(a.keys) == 1 and square_causal(a.q_offsets[1] - a.q_offsets[0], a.context_lens[0],
+                                              a.sliding_window)
+
+
 def make_backend(name: str, kernel_factory: Callable[[], VarlenKernel], *, check: bool = True,
-                 device_types: tuple[str, ...] = ("cuda",), dtypes: tuple[torch.dtype, ...] = _HALF):
+                 device_types: tuple[str, ...] = ("cuda",), dtypes: tuple[torch.dtype, ...] = _HALF,
+                 whole_sequences_to_sdpa: bool = False):
     """An ``AttentionBackend`` running the kernel where it applies, else ``sdpa_backend``.
 
     ``kernel_factory`` is called on the first call the kernel can serve (so importing this module
-    never imports flash-attn); ``device_types``/``dtypes`` say where it may run."""
+    never imports flash-attn); ``device_types``/``dtypes`` say where it may run.
+    ``whole_sequences_to_sdpa`` sends units of one whole sequence to SDPA's causal kernel, which
+    beat torch 2.11's ``varlen_attn`` on an H100 (docs/gpu.md)."""
     kernel: list[VarlenKernel] = []
     usable: dict[tuple, bool] = {}
 
     def backend(a: AttentionSegments) -> torch.Tensor:
-        if not kernel_can_run(a, device_types, dtypes):
+        if not kernel_can_run(a, device_types, dtypes) or (whole_sequences_to_sdpa and whole_causal_sequence(a)):
             return sdpa_backend(a)
         if not kernel:
             kernel.append(kernel_factory())
@@ -244,7 +253,7 @@ def flash_available(device: torch.device) -> bool:
     return True
 
 
-varlen_backend = make_backend("varlen", torch_varlen_kernel)
+varlen_backend = make_backend("varlen", torch_varlen_kernel, whole_sequences_to_sdpa=True)
 flash_backend = make_backend("flash", flash_attn_kernel)
 
 

@@ -146,9 +146,11 @@ def self_check(kernel: KeptKernel, device: torch.device | str, dtype: torch.dtyp
         leaf = lambda t: t.detach().to(up).requires_grad_(True)
         ref = AttentionSegments(leaf(a.query), [leaf(k) for k in a.keys], [leaf(v) for v in a.values],
                                 a.q_offsets, a.context_lens, a.scaling, 0.0, window)
-        want = sdpa_backend(ref)
-        g = torch.randn(want.shape, device=device, dtype=up, generator=torch.Generator(device=device).manual_seed(1))
-        want_grads = torch.autograd.grad(want, [ref.query, *ref.keys, *ref.values], g)
+        with torch.enable_grad():  # the first ask may come from evaluation, under no_grad
+            want = sdpa_backend(ref)
+            g = torch.randn(want.shape, device=device, dtype=up,
+                            generator=torch.Generator(device=device).manual_seed(1))
+            want_grads = torch.autograd.grad(want, [ref.query, *ref.keys, *ref.values], g)
         try:
             with torch.no_grad():
                 out, lse, aux = kernel.forward(a)

@@ -196,7 +196,7 @@ class PipelineEngine:
             return self.config.memory_budget_gib * 2**30
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
-            return total - self.config.memory_reserve_gib * 2**30
+            return total * (1.0 - self.config.memory_margin) - self.config.memory_reserve_gib * 2**30
         return None
 
     def _default_plan(self, lengths: list[int]):

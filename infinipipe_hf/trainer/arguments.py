@@ -104,14 +104,17 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
         if self.auto_find_batch_size:
             raise ValueError("auto_find_batch_size is not supported by EPPTrainer; lower "
                              "tokens_per_step or set memory_budget_gib instead")
-        if self.activation_checkpointing:
+        # transformers >= 5.18 names it activation_checkpointing (gradient_checkpointing an alias).
+        if getattr(self, "activation_checkpointing", False) or self.gradient_checkpointing:
             warnings.warn(
                 f"activation_checkpointing/gradient_checkpointing=True is ignored by EPPTrainer: "
                 f"checkpointing={self.checkpointing!r} decides which decoder layers are recomputed per "
                 f"(stage, unit); use checkpointing='full' to checkpoint every layer or 'adaptive' to let "
                 f"the planner fit the memory budget with the least recompute", UserWarning, stacklevel=3)
             # Trainer.train would otherwise switch on HF's own checkpointing on the full model.
-            self.activation_checkpointing = self.gradient_checkpointing = False
+            self.gradient_checkpointing = False
+            if hasattr(self, "activation_checkpointing"):
+                self.activation_checkpointing = False
         if self.dataloader_drop_last:
             warnings.warn("dataloader_drop_last=True is ignored: the token-budget sampler trains every "
                           "token of an epoch exactly once", UserWarning, stacklevel=3)

@@ -59,3 +59,10 @@ def test_bf16_with_fused_attention_close_to_reference():
         num += float((g - w).pow(2).sum())
         den += float(w.pow(2).sum())
     assert (num / den) ** 0.5 < 5e-2
+
+
+def test_default_budget_holds_back_the_memory_margin():
+    ref = tiny_model("llama", num_layers=2, tie=True, seed=5)
+    engine = _engine(ref, torch.float32, memory_margin=0.1, memory_reserve_gib=1.0)
+    total = torch.cuda.get_device_properties(engine.device).total_memory
+    assert engine._memory_budget_bytes() == pytest.approx(total * 0.9 - 2**30)

@@ -71,13 +71,16 @@ def label_token_count(batch) -> int:
 
 
 def reference_loss_and_grads(model, batch):
-    """Mean token loss over the batch of the unsplit model, and every parameter's gradient."""
+    """Mean token loss over the batch of the unsplit model, and every parameter's gradient (on
+    the model's device: a CUDA reference for CUDA runs, since HF's rotary tables are float32 and
+    differ between CPU and CUDA kernels by float32 rounding)."""
     model.zero_grad(set_to_none=True)
     total = label_token_count(batch)
     loss_sum = 0.0
+    device = next(model.parameters()).device
     for item in batch:
-        ids = torch.tensor(item["input_ids"]).unsqueeze(0)
-        labels = torch.tensor(item.get("labels", item["input_ids"])).unsqueeze(0)
+        ids = torch.tensor(item["input_ids"], device=device).unsqueeze(0)
+        labels = torch.tensor(item.get("labels", item["input_ids"]), device=device).unsqueeze(0)
         logits = model(input_ids=ids).logits
         shift_logits = logits[0, :-1]
         shift_labels = labels[0, 1:]

@@ -114,6 +114,27 @@ def test_guards_fall_back_to_sdpa_without_building_the_kernel():
     assert built == []  # the kernel was never built for a problem it cannot compute
 
 
+def test_whole_sequences_can_go_to_sdpa_and_the_rest_to_the_kernel():
+    calls = []
+
+    def counting_kernel():
+        k = KERNELS["varlen"]()
+        return ac.VarlenKernel(k.name, lambda *args: calls.append(1) or k.call(*args), k.grouped)
+
+    backend = ac.make_backend("varlen", counting_kernel, whole_sequences_to_sdpa=True, **CPU64)
+    whole = _problem([9], [0])
+    torch.testing.assert_close(backend(whole), sdpa_backend(whole), rtol=0, atol=0)
+    assert calls == [] and ac.whole_causal_sequence(whole)
+    for problem in ("packed", "slice_with_context"):
+        a = _problem(*PROBLEMS[problem])
+        assert not ac.whole_causal_sequence(a)
+        torch.testing.assert_close(backend(a), sdpa_backend(a))
+    assert len(calls) == 3  # the first call's self-check, then one per unit with several segments or a context
+    windowed = _problem([9], [0])
+    windowed.sliding_window = 4
+    assert not ac.whole_causal_sequence(windowed)
+
+
 def test_slices_through_kv_store_with_the_varlen_backend_equal_unsplit_causal():
     """The attention function + KV store + backend: three slices of one sequence, the middle one
     packed with a short document, equal the unsplit causal attention (values and grads)."""

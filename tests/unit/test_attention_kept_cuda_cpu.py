@@ -93,6 +93,12 @@ def test_self_check_accepts_the_right_pair_and_refuses_wrong_ones():
                                                                                               torch.float64)
 
 
+def test_self_check_runs_under_no_grad():
+    """The first ask for the pair can come from evaluation (``torch.no_grad``), as on a GPU."""
+    with torch.no_grad():
+        assert kk.self_check(FLASH_ON_CPU, torch.device("cpu"), torch.float64) is None
+
+
 def test_kernel_choice_and_reasons():
     assert kk.kernel_for("cpu", torch.float64) is kk.CPU_KERNEL
     assert kk.kernel_for("cpu", torch.bfloat16, 100) is kk.CPU_KERNEL

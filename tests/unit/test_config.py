@@ -14,6 +14,7 @@ def test_defaults_are_valid():
     (dict(checkpointing="some"), "checkpointing='some'"),
     (dict(pp_degree=2, layer_split=[3]), "layer_split"),
     (dict(memory_budget_gib=0), "memory_budget_gib"),
+    (dict(memory_margin=0.6), "memory_margin must be in \\[0, 0.5\\)"),
     (dict(sp_degree=0), "sp_degree must be a positive integer"),
     (dict(shard="zero3"), "shard='zero3' is not known"),
     (dict(checkpoint_levels=("mlp", "attention")), "unknown level\\(s\\) \\['attention'\\]"),
