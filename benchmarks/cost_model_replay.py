@@ -47,8 +47,8 @@ def replay_stages(model, plan, pp: int, repeats: int) -> dict[tuple[int, str], f
     """Median thread CPU seconds of every (stage, action), the stages run one after another."""
     import torch
 
-    from infinipipe_hf.runtime.stage import build_stage
-    from infinipipe_hf.runtime.stage_runner import StageRunner
+    from infinipipe_hf.runtime.stage.module import build_stage
+    from infinipipe_hf.runtime.stage.runner import StageRunner
 
     counts = layers_per_stage(pp)
     starts = [sum(counts[:i]) for i in range(pp)]
@@ -83,8 +83,8 @@ def run_case(pp: int, schedule: str, repeats: int, profile, budget: float, log=p
     import torch
     import transformers
 
-    from infinipipe_hf.planner.api import plan_step
-    from infinipipe_hf.planner.runtime_fit import rescale_compute, speed_factor
+    from infinipipe_hf.planner.search.api import plan_step
+    from infinipipe_hf.profiling.runtime_fit import rescale_compute, speed_factor
 
     spec = spec_of(MODEL)
     plan = plan_step(LENGTHS, spec, pp_degree=pp, schedule=schedule, cost=cost_for(profile, pp, 1, budget)).plan
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from infinipipe_hf.planner.hardware import HardwareProfile
+    from infinipipe_hf.planner.cost.profile import HardwareProfile
 
     torch.set_num_threads(1)
     source = json.loads(Path(args.source).read_text())

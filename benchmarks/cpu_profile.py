@@ -62,7 +62,7 @@ FIT_EMB, HELD_OUT_EMB = (128, 512, 2048), (1024,)
 
 
 def spec_of(model_cfg: dict):
-    from infinipipe_hf.planner.model_spec import ModelSpec
+    from infinipipe_hf.ir.model_spec import ModelSpec
 
     return ModelSpec.from_config_dict({"model_type": "llama", **model_cfg})
 
@@ -85,8 +85,8 @@ def measure_rows(model_cfg: dict, *, repeat: int, held_out: bool, log=print) -> 
     import torch
     import transformers
 
-    from infinipipe_hf.profiling.runtime_rows import (UnitCase, measure_elementwise_rows, measure_embedding_rows,
-                                                      measure_loss_rows, measure_memory_rows, measure_unit_rows)
+    from infinipipe_hf.profiling.runtime_rows import (UnitCase, measure_elementwise_rows,
+        measure_embedding_rows, measure_loss_rows, measure_memory_rows, measure_unit_rows)
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -110,8 +110,8 @@ def measure_rows(model_cfg: dict, *, repeat: int, held_out: bool, log=print) -> 
 
 def fit_cpu_profile(quick: bool = False, log=print, model_cfg: dict | None = None):
     """``(profile, report)``: the fitted profile and a JSON-able report (rows, held-out errors, load)."""
-    from infinipipe_hf.planner.checkpoint_levels import act_elements
-    from infinipipe_hf.planner.runtime_fit import fit_runtime_profile, row_errors, worst_error
+    from infinipipe_hf.ir.levels import act_elements
+    from infinipipe_hf.profiling.runtime_fit import fit_runtime_profile, row_errors, worst_error
 
     model_cfg = model_cfg or MODEL
     spec = spec_of(model_cfg)

@@ -160,7 +160,7 @@ def bench_profile_path(base_profile: str | None, dtype: torch.dtype, device: tor
     the states take ``4 * element size`` bytes per parameter, not the mixed-precision default of
     16; the memory budget is the device's memory.  Timing and activation figures are kept.
     """
-    from infinipipe_hf.planner.hardware import HardwareProfile, default_profile
+    from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
 
     prof = HardwareProfile.load(base_profile) if base_profile else default_profile()
     esize = torch.empty((), dtype=dtype).element_size()

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import gpu_common as gc_
 
-from infinipipe_hf.planner.cost_model import CostModel
-from infinipipe_hf.planner.hardware import HardwareProfile, default_profile
-from infinipipe_hf.planner.model_spec import ModelSpec
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+from infinipipe_hf.ir.model_spec import ModelSpec
 
 
 def _layer_ms(cost: CostModel, tokens: int) -> tuple[float, float]:
@@ -53,7 +53,7 @@ def compare_rows(config: dict, fitted: HardwareProfile, rows: list[dict]) -> lis
 
 
 def profile_model(name: str, config: dict, args) -> dict:
-    from infinipipe_hf.profile import run_profile
+    from infinipipe_hf.cli.profile import run_profile
 
     t0 = time.perf_counter()
     prof, doc = run_profile(config, device=args.device, dtype=args.dtype,

@@ -43,8 +43,8 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from infinipipe_hf.planner.hardware import HardwareProfile
-    from infinipipe_hf.planner.runtime_fit import row_errors
+    from infinipipe_hf.planner.cost.profile import HardwareProfile
+    from infinipipe_hf.profiling.runtime_fit import row_errors
     from infinipipe_hf.profiling.runtime_rows import UnitCase, measure_unit_rows
 
     torch.set_num_threads(1)

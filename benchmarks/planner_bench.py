@@ -26,10 +26,10 @@ from pathlib import Path
 
 from infinipipe_hf.data import synthetic
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.api import SCHEDULES, plan_step
-from infinipipe_hf.planner.cost_model import GIB, CostModel
-from infinipipe_hf.planner.hardware import HardwareProfile
-from infinipipe_hf.planner.model_spec import ModelSpec
+from infinipipe_hf.planner.search.api import SCHEDULES, plan_step
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.cost.profile import HardwareProfile
+from infinipipe_hf.ir.model_spec import ModelSpec
 from planner_tables import TABLES
 
 SETUPS = [("llama2-7b", 4), ("llama2-13b", 8)]

@@ -47,8 +47,8 @@ def stdlib_batch(longest: int = 3072, count: int = 48) -> list[int]:
 
 def memory_budget_gib(profile, lengths: list[int], pp: int) -> float:
     """Model states of the fullest stage + activations of half the longest document, uncheckpointed."""
-    from infinipipe_hf.planner.cost_model import CostModel
-    from infinipipe_hf.planner.model_spec import ModelSpec
+    from infinipipe_hf.planner.cost.model import CostModel
+    from infinipipe_hf.ir.model_spec import ModelSpec
 
     spec = ModelSpec.from_config_dict({"model_type": "llama", **MODEL})
     cost = CostModel(spec, profile, pp_degree=pp)
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
 
 
 def _bubble(timeline: dict) -> float:
-    from infinipipe_hf.runtime.timeline import Timeline
+    from infinipipe_hf.runtime.engine.timeline import Timeline
 
     return Timeline.from_dict(timeline).bubble_fraction()
 

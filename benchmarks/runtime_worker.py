@@ -128,7 +128,7 @@ def main(spec_path: str) -> None:
     import transformers
 
     from infinipipe_hf import InfiniPipeConfig
-    from infinipipe_hf.runtime.engine import PipelineEngine
+    from infinipipe_hf.runtime.engine.engine import PipelineEngine
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)

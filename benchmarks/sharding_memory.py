@@ -34,7 +34,7 @@ def worker(model_path: str, out: str) -> None:
     import transformers
 
     from infinipipe_hf import InfiniPipeConfig, PipelineEngine
-    from infinipipe_hf.runtime.sharding import local_tensor
+    from infinipipe_hf.runtime.parallel.fsdp import local_tensor
     from tests.distributed.plans import make_plan
 
     torch.set_num_threads(1)
@@ -85,8 +85,8 @@ def main(argv=None) -> int:
                     args.model, str(raw)], cwd=REPO, env=env, check=True, timeout=1800)
     rows = json.loads(raw.read_text())
     raw.unlink()
-    from infinipipe_hf.planner.model_spec import ModelSpec
-    from infinipipe_hf.planner.model_states import FP32_ADAM, stage_state_bytes_per_rank
+    from infinipipe_hf.ir.model_spec import ModelSpec
+    from infinipipe_hf.planner.cost.states import FP32_ADAM, stage_state_bytes_per_rank
 
     spec = ModelSpec.from_json_file(args.model)
     table = []

@@ -33,7 +33,7 @@ from collections import defaultdict
 def _actions_work(plan, cost):
     """``duration(stage, action)`` (the action's own compute, what its thread's CPU seconds
     measure) and ``transfer(action)`` exactly as the simulator prices them."""
-    from infinipipe_hf.planner.simulator import ActionCosts
+    from infinipipe_hf.planner.simulate.simulator import ActionCosts
 
     costs = ActionCosts(plan, cost)
     return costs.duration, costs.transfer
@@ -44,12 +44,12 @@ def measured_work_replay(plan, cost, timeline) -> float:
     busiest SP rank of the stage), plus on shared cores its modelled share of its messages' CPU
     (spent on gloo's threads, outside the action's own thread); one DP replica (the benchmark's
     layouts)."""
-    from infinipipe_hf.planner.replay import replay
-    from infinipipe_hf.planner.shared_replay import shared_replay
+    from infinipipe_hf.planner.simulate.replay import replay
+    from infinipipe_hf.planner.simulate.shared_replay import shared_replay
 
     if plan.dp_degree != 1:
         raise ValueError(f"measured_work_replay handles one DP replica, the plan has {plan.dp_degree}")
-    from infinipipe_hf.planner.simulator import ActionCosts
+    from infinipipe_hf.planner.simulate.simulator import ActionCosts
 
     cpu: dict[tuple[int, str], float] = defaultdict(float)
     for e in timeline.events:
@@ -139,7 +139,7 @@ def cpu_outside_actions(run: dict, timelines) -> dict | None:
 def bracketed_steps(plan, step_costs, spans) -> list[dict]:
     """Each timed step against the simulation priced at the machine's speed measured right
     around it (``step_costs[k]``: the profile rescaled to the probes before and after step k)."""
-    from infinipipe_hf.planner.simulator import simulate
+    from infinipipe_hf.planner.simulate.simulator import simulate
 
     if len(step_costs) != len(spans):
         raise ValueError(f"one cost model per timed step: got {len(step_costs)} for {len(spans)} steps")
@@ -158,9 +158,9 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=No
     cost model per timed step, rescaled to the probes bracketing that step) the headline
     ``relative_difference`` is the median over the steps of each step against its own
     simulation, and the pooled comparison sits beside it (``pooled_relative_difference``)."""
-    from infinipipe_hf.planner.plan import Plan
-    from infinipipe_hf.planner.simulator import simulate
-    from infinipipe_hf.runtime.timeline import Timeline
+    from infinipipe_hf.ir.plan import Plan
+    from infinipipe_hf.planner.simulate.simulator import simulate
+    from infinipipe_hf.runtime.engine.timeline import Timeline
 
     plan = Plan.from_dict(run["plan"])
     sim = simulate(plan, cost)
@@ -176,7 +176,7 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=No
                             x.rank for x in last.events if x.stage == s and x.dp_rank == r)]
             orders_equal &= executed == [str(a) for a in acts]
     replayed = statistics.median(measured_work_replay(plan, cost, tl) for tl in timelines)
-    from infinipipe_hf.planner.memory import stage_timeline
+    from infinipipe_hf.planner.checkpointing.timeline import stage_timeline
 
     mem = {}
     for stage in range(plan.pp_degree):
@@ -207,7 +207,7 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=No
         # Diagnostic only: the same replay on the cores other jobs left free on average.
         import dataclasses
 
-        from infinipipe_hf.planner.cost_model import CostModel
+        from infinipipe_hf.planner.cost.model import CostModel
 
         free = max(cost.profile.shared_cores - background, 0.5)
         busy_cost = CostModel(cost.spec, dataclasses.replace(cost.profile, shared_cores=free),

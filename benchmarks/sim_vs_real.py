@@ -62,7 +62,7 @@ MEMORY_TOLERANCE = 0.10
 
 def layers_per_stage(pp: int) -> list[int]:
     """The engine's split (``PipelineEngine``: ``partition_layers`` with the LM head as extra)."""
-    from infinipipe_hf.runtime.partition import partition_layers
+    from infinipipe_hf.ir.partition import partition_layers
 
     spec = spec_of(MODEL)
     return [len(r) for r in partition_layers(spec.num_layers, pp,
@@ -70,7 +70,7 @@ def layers_per_stage(pp: int) -> list[int]:
 
 
 def cost_for(profile, pp: int, sp: int, budget_bytes: float | None = None):
-    from infinipipe_hf.planner.cost_model import CostModel
+    from infinipipe_hf.planner.cost.model import CostModel
 
     return CostModel(spec_of(MODEL), profile, pp_degree=pp, sp_degree=sp, layers_per_stage=layers_per_stage(pp),
                      memory_budget_bytes=budget_bytes, loss_chunk_tokens=LOSS_CHUNK_TOKENS)
@@ -79,7 +79,7 @@ def cost_for(profile, pp: int, sp: int, budget_bytes: float | None = None):
 def tight_budget(profile, pp: int, sp: int, schedule: str, slack: float, iterations: int = 8) -> tuple[float, dict]:
     """``slack`` x the smallest budget (bytes) at which ``plan_step`` finds a plan, and that plan's
     summary at the returned budget."""
-    from infinipipe_hf.planner.api import plan_step
+    from infinipipe_hf.planner.search.api import plan_step
 
     def feasible(b):
         return plan_step(LENGTHS, spec_of(MODEL), pp_degree=pp, schedule=schedule,
@@ -105,7 +105,7 @@ def tight_budget(profile, pp: int, sp: int, schedule: str, slack: float, iterati
 def step_costs(run: dict, profile, pp: int, sp: int, budget_bytes: float) -> list | None:
     """One cost model per timed step, at the speed factor of the two probes around it (the rows of
     probe k, just before step k, and of probe k + 1); None unless the run probed every step."""
-    from infinipipe_hf.planner.runtime_fit import rescale_compute, speed_factor
+    from infinipipe_hf.profiling.runtime_fit import rescale_compute, speed_factor
 
     probes = run.get("speed_probes") or []
     if not run.get("speed_probe_every_step") or len(probes) != len(run["step_span_s"]) + 1:
@@ -209,8 +209,8 @@ def main(argv=None) -> int:
     layouts = ["pp2"] if args.quick else args.layouts.split(",")
     schedules = args.schedules.split(",")
     repeats, steps = (1, 1) if args.quick else (args.repeats, args.steps)
-    from infinipipe_hf.planner.hardware import HardwareProfile
-    from infinipipe_hf.planner.runtime_fit import rescale_compute, speed_factor
+    from infinipipe_hf.planner.cost.profile import HardwareProfile
+    from infinipipe_hf.profiling.runtime_fit import rescale_compute, speed_factor
 
     if args.profile_report:
         report = json.loads(Path(args.profile_report).read_text())

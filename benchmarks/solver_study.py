@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_bench import SETUPS, batches  # noqa: E402
 
 from infinipipe_hf.models.model_configs import config_path  # noqa: E402
-from infinipipe_hf.planner import checkpoint_solver as cs  # noqa: E402
-from infinipipe_hf.planner.api import plan_step  # noqa: E402
-from infinipipe_hf.planner.checkpoint_problem import build_problem  # noqa: E402
-from infinipipe_hf.planner.cost_model import GIB, CostModel  # noqa: E402
-from infinipipe_hf.planner.model_spec import ModelSpec  # noqa: E402
-from infinipipe_hf.planner.simulator import simulate  # noqa: E402
+from infinipipe_hf.planner.checkpointing import solver as cs  # noqa: E402
+from infinipipe_hf.planner.search.api import plan_step  # noqa: E402
+from infinipipe_hf.planner.checkpointing.problem import build_problem  # noqa: E402
+from infinipipe_hf.planner.cost.model import GIB, CostModel  # noqa: E402
+from infinipipe_hf.ir.model_spec import ModelSpec  # noqa: E402
+from infinipipe_hf.planner.simulate.simulator import simulate  # noqa: E402
 
 MILP_LIMITS_S = (0.25, 2.0, 10.0)
 

@@ -4,17 +4,17 @@ Heavy imports (torch, transformers) happen lazily so the planner stays importabl
 """
 from __future__ import annotations
 
-from .config import InfiniPipeConfig
+from infinipipe_hf.config import InfiniPipeConfig
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "PipelineEngine": ("infinipipe_hf.runtime.engine", "PipelineEngine"),
+    "PipelineEngine": ("infinipipe_hf.runtime.engine.engine", "PipelineEngine"),
     "EPPTrainer": ("infinipipe_hf.trainer.trainer", "EPPTrainer"),
     "EPPTrainingArguments": ("infinipipe_hf.trainer.arguments", "EPPTrainingArguments"),
     # TRL-style SFT (needs the optional `trl`: pip install 'infinipipe_hf[sft]')
-    "EPPSFTTrainer": ("infinipipe_hf.trainer.sft_trainer", "EPPSFTTrainer"),
-    "EPPSFTConfig": ("infinipipe_hf.trainer.sft_config", "EPPSFTConfig"),
+    "EPPSFTTrainer": ("infinipipe_hf.trainer.sft.trainer", "EPPSFTTrainer"),
+    "EPPSFTConfig": ("infinipipe_hf.trainer.sft.config", "EPPSFTConfig"),
 }
 
 __all__ = ["InfiniPipeConfig", "__version__", *_LAZY]

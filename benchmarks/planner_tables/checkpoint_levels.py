@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from infinipipe_hf.planner.api import plan_step
-from infinipipe_hf.planner.cost_model import GIB, CostModel
+from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.cost.model import GIB, CostModel
 
 from .common import spec_of
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.alternatives import ALTERNATIVES, FlatCost, plan_alternative
-from infinipipe_hf.planner.api import plan_step
-from infinipipe_hf.planner.cost_model import GIB, CostModel
-from infinipipe_hf.planner.model_spec import ModelSpec
+from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.ir.model_spec import ModelSpec
 
 
 def spec_of(model: str) -> ModelSpec:

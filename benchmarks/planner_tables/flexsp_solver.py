@@ -14,7 +14,7 @@ from infinipipe_hf.data import synthetic
 from infinipipe_hf.planner.alternatives import FlatCost, plan_alternative
 from infinipipe_hf.planner.alternatives.flexsp import MILP_BUCKETS, round_problem
 from infinipipe_hf.planner.alternatives.flexsp_solver import greedy_groups, milp_groups
-from infinipipe_hf.planner.cost_model import GIB
+from infinipipe_hf.planner.cost.model import GIB
 
 from .common import spec_of
 

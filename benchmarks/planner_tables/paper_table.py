@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from infinipipe_hf.data import synthetic
-from infinipipe_hf.planner.hardware import default_profile
+from infinipipe_hf.planner.cost.profile import default_profile
 
 from .runs import fmt_k, plan_run, run_tps
 

@@ -7,8 +7,8 @@ simulator's memory verdict.  gpipe equals packed-1f1b for a single sequence (one
 """
 from __future__ import annotations
 
-from infinipipe_hf.planner.cost_model import GIB, CostModel
-from infinipipe_hf.planner.limits import largest_trainable_length
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.search.limits import largest_trainable_length
 
 from .common import spec_of
 

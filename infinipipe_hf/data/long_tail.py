@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from .corpus import kjv_documents, shakespeare_documents, stdlib_documents
+from infinipipe_hf.data.corpus import kjv_documents, shakespeare_documents, stdlib_documents
 
 # Hardly any text averages more bytes per SmolLM2 token than this (long runs of spaces do, a
 # little); used only to skip files that are surely too long without tokenizing them.

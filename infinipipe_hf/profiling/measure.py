@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .modules import ProfiledModules
-from .timer import forward_peak_bytes, saved_bytes, time_fn
+from infinipipe_hf.profiling.modules import ProfiledModules
+from infinipipe_hf.profiling.timer import forward_peak_bytes, saved_bytes, time_fn
 
 
 def _layer_flops_fwd_bwd(m: ProfiledModules, tokens: int) -> float:

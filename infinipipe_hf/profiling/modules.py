@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..planner.model_spec import ModelSpec
+from infinipipe_hf.ir.model_spec import ModelSpec
 
 
 @dataclass

@@ -41,10 +41,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..planner.actions import Action
-from ..planner.checkpoint_levels import FINER_LEVELS, FULL, MLP_LEVELS
-from ..planner.plan import Plan
-from ..planner.units import Segment, Unit
+from infinipipe_hf.ir.actions import Action
+from infinipipe_hf.ir.levels import FINER_LEVELS, FULL, MLP_LEVELS
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.units import Segment, Unit
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,8 @@ def measure_unit_rows(model, cases: Sequence[UnitCase], *, repeat: int = 7, warm
 
     ``model`` is a float32 HF causal LM with at least 3 decoder layers (it is pruned in place to
     layer 1: pass a copy)."""
-    from ..runtime.stage import build_stage
-    from ..runtime.stage_runner import StageRunner
+    from infinipipe_hf.runtime.stage.module import build_stage
+    from infinipipe_hf.runtime.stage.runner import StageRunner
 
     if repeat < 1 or warmup < 0:
         raise ValueError(f"repeat must be >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
@@ -161,8 +161,8 @@ def measure_loss_rows(model, token_counts: Sequence[int], *, loss_chunk_tokens: 
                       warmup: int = 1, seed: int = 0) -> list[dict]:
     """``unit_loss`` rows: final norm + ``chunked_lm_loss`` forward (with graph) and backward on
     ``tokens`` label tokens, with the runtime's chunking.  ``model`` is pruned in place."""
-    from ..runtime.loss import chunked_lm_loss
-    from ..runtime.stage import build_stage
+    from infinipipe_hf.runtime.stage.loss import chunked_lm_loss
+    from infinipipe_hf.runtime.stage.module import build_stage
 
     n = len(model.model.layers)
     stage = build_stage(model, 1, range(n - 1, n))
@@ -192,7 +192,7 @@ def measure_loss_rows(model, token_counts: Sequence[int], *, loss_chunk_tokens: 
 def measure_embedding_rows(model, token_counts: Sequence[int], *, repeat: int = 7, warmup: int = 1,
                            seed: int = 0) -> list[dict]:
     """``embedding`` rows: the first stage's lookup forward (with graph) and backward."""
-    from ..runtime.stage import build_stage
+    from infinipipe_hf.runtime.stage.module import build_stage
 
     stage = build_stage(model, 0, range(0, 1))
     vocab, hidden = int(stage.config.vocab_size), stage.hidden_size
@@ -248,9 +248,9 @@ def measure_memory_rows(model, tokens: int, levels: Sequence[str | None] = (None
                         *, seed: int = 0) -> list[dict]:
     """``unit_memory`` rows of a ``tokens``-token sequence on a one-layer middle stage of ``model``
     (pruned in place) at each of ``levels`` (module docstring).  Byte counts do not depend on load."""
-    from ..runtime.stage import build_stage
-    from ..runtime.stage_runner import StageRunner
-    from .memory_events import MemoryProbe
+    from infinipipe_hf.runtime.stage.module import build_stage
+    from infinipipe_hf.runtime.stage.runner import StageRunner
+    from infinipipe_hf.profiling.memory_events import MemoryProbe
 
     runner = StageRunner(build_stage(model, 1, range(1, 2)))
     g = torch.Generator().manual_seed(seed)

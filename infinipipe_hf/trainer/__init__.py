@@ -9,8 +9,8 @@ _LAZY = {
     "EPPTrainer": ("infinipipe_hf.trainer.trainer", "EPPTrainer"),
     "EPPTrainingArguments": ("infinipipe_hf.trainer.arguments", "EPPTrainingArguments"),
     # TRL-style SFT (needs the optional `trl`: pip install 'infinipipe_hf[sft]')
-    "EPPSFTTrainer": ("infinipipe_hf.trainer.sft_trainer", "EPPSFTTrainer"),
-    "EPPSFTConfig": ("infinipipe_hf.trainer.sft_config", "EPPSFTConfig"),
+    "EPPSFTTrainer": ("infinipipe_hf.trainer.sft.trainer", "EPPSFTTrainer"),
+    "EPPSFTConfig": ("infinipipe_hf.trainer.sft.config", "EPPSFTConfig"),
 }
 
 __all__ = list(_LAZY)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..config import InfiniPipeConfig
-from .pipeline_arguments import PipelineArguments, config_kwargs, rename_in_message
+from infinipipe_hf.config import InfiniPipeConfig
+from infinipipe_hf.trainer.pipeline_arguments import PipelineArguments, config_kwargs, rename_in_message
 
 LONG_DOCUMENT_POLICIES = ("split", "reject")
 

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from ..runtime.engine import PipelineEngine
+from infinipipe_hf.runtime.engine.engine import PipelineEngine
 
 # Dense bf16 peak TFLOP/s per device, for the MFU estimate when peak_tflops is not given.
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from transformers import TrainingArguments
 
-from ..config import InfiniPipeConfig
+from infinipipe_hf.config import InfiniPipeConfig
 
 RENAMED: dict[str, str] = {"schedule": "epp_schedule"}
 """Config field -> argument name (``schedule`` reads as the LR schedule next to the Trainer's)."""

@@ -33,15 +33,16 @@ import transformers
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
-from . import checkpoint_io as ckio
-from .arguments import EPPTrainingArguments
-from .compat import check_transformers
-from .data import (GlobalBatchCollator, build_global_batch_loader, document_lengths, label_token_count,
-                   prepare_token_dataset)
-from .launch_check import check_launch
-from .model_setup import build_engine, count_parameters, hf_model_of, is_peft_model, peak_flops_per_device
-from .plan_ahead import PlanAhead
-from .step_metrics import StepMetrics, TrainingCounts
+from infinipipe_hf.trainer.checkpoints import io as ckio
+from infinipipe_hf.trainer.arguments import EPPTrainingArguments
+from infinipipe_hf.trainer.compat import check_transformers
+from infinipipe_hf.trainer.data.batches import (GlobalBatchCollator, build_global_batch_loader,
+    document_lengths, label_token_count, prepare_token_dataset)
+from infinipipe_hf.trainer.launch_check import check_launch
+from infinipipe_hf.trainer.model_setup import (build_engine, count_parameters, hf_model_of, is_peft_model,
+    peak_flops_per_device)
+from infinipipe_hf.trainer.plan_ahead import PlanAhead
+from infinipipe_hf.trainer.step_metrics import StepMetrics, TrainingCounts
 
 check_transformers(transformers.__version__, Trainer)
 

@@ -25,12 +25,12 @@ from pathlib import Path
 from IPython.display import Image, display
 
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.actions import Action, format_actions, parse_actions
-from infinipipe_hf.planner.api import SCHEDULES, plan_step
-from infinipipe_hf.planner.cost_model import GIB, CostModel
-from infinipipe_hf.planner.model_spec import ModelSpec
-from infinipipe_hf.planner.plan import Plan
-from infinipipe_hf.planner.validator import PlanValidationError, validate
+from infinipipe_hf.ir.actions import Action, format_actions, parse_actions
+from infinipipe_hf.planner.search.api import SCHEDULES, plan_step
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.planner.simulate.validator import PlanValidationError, validate
 
 spec = ModelSpec.from_json_file(config_path("llama2-7b"))
 PP, BUDGET = 4, 80 * GIB
@@ -146,8 +146,8 @@ print(f"batch: {len(batch)} files, {sum(batch)} tokens, longest {max(batch)}; th
       f"{sum(top) / sum(batch):.0%} of the tokens")
 
 # %%
-from infinipipe_hf.plan import format_table
-from infinipipe_hf.viz import plot_plan
+from infinipipe_hf.cli.plan import format_table
+from infinipipe_hf.cli.viz import plot_plan
 
 cost = CostModel(spec, pp_degree=PP, memory_budget_bytes=BUDGET)
 results = [plan_step(batch, spec, pp_degree=PP, schedule=name, cost=cost) for name in SCHEDULES]

@@ -4,7 +4,7 @@
 # What actually flows through the pipeline. We take real documents (an excerpt of a Shakespeare
 # play, an excerpt of Genesis, and four whole Python standard-library files), tokenize them with
 # SmolLM2's tokenizer, plan them, and look at what the unit builder
-# (`infinipipe_hf.runtime.unit_tensors.build_unit_tensors`) emits for a **slice**, a **hybrid** and
+# (`infinipipe_hf.runtime.stage.unit_tensors.build_unit_tensors`) emits for a **slice**, a **hybrid** and
 # a **packed** unit:
 #
 # - `input_ids` of the unit's segments, concatenated;
@@ -25,10 +25,10 @@ import torch
 from infinipipe_hf.data.corpus import kjv_documents, load_tokenizer
 from infinipipe_hf.data.long_tail import long_tailed_mix
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.api import plan_step
-from infinipipe_hf.planner.model_spec import ModelSpec
-from infinipipe_hf.planner.units import UnitKind
-from infinipipe_hf.runtime.unit_tensors import build_unit_tensors
+from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.ir.units import UnitKind
+from infinipipe_hf.runtime.stage.unit_tensors import build_unit_tensors
 
 tok = load_tokenizer()
 # A 128-token Shakespeare excerpt and whole stdlib files of at most 40 tokens...
@@ -129,7 +129,7 @@ assert all(int(packed_t.position_ids[0, s]) == 0 for s in packed_t.cu_seqlens_q[
 # the **lower right** for a slice, and packed sequences never see each other.
 
 # %%
-from infinipipe_hf.runtime.attention import segment_mask
+from infinipipe_hf.runtime.attention.hf import segment_mask
 
 segs = hybrid_t.segments
 cols = sum(s.end for s in segs)
@@ -164,9 +164,9 @@ import copy
 import transformers
 
 from infinipipe_hf.models.smollm2 import load_smollm2
-from infinipipe_hf.runtime.local_pipeline import run_plan_locally
-from infinipipe_hf.runtime.partition import partition_layers
-from infinipipe_hf.runtime.stage import build_stage
+from infinipipe_hf.runtime.stage.local import run_plan_locally
+from infinipipe_hf.ir.partition import partition_layers
+from infinipipe_hf.runtime.stage.module import build_stage
 
 transformers.utils.logging.disable_progress_bar()
 t0 = time.perf_counter()

@@ -9,9 +9,9 @@ backward of a sequence's slices runs last slice first, FIFO across sequences.
 """
 from __future__ import annotations
 
-from infinipipe_hf.planner.actions import Action
-from infinipipe_hf.planner.plan import Plan
-from infinipipe_hf.planner.units import Segment, Unit
+from infinipipe_hf.ir.actions import Action
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.units import Segment, Unit
 
 
 def _chains(units: list[Unit], lengths: list[int]) -> list[list[int]]:

@@ -3,8 +3,8 @@ gradients, packed units, slices with context and hybrids, bf16 (tolerance) and f
 import pytest
 import torch
 
-from infinipipe_hf.runtime import attention_cuda as ac
-from infinipipe_hf.runtime.attention import AttentionSegments, sdpa_backend, select_backend
+from infinipipe_hf.runtime.attention import varlen as ac
+from infinipipe_hf.runtime.attention.hf import AttentionSegments, sdpa_backend, select_backend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -11,8 +11,8 @@ import math
 import pytest
 
 from infinipipe_hf.planner.alternatives import FlatCost, FlatLayout, plan_alternative
-from infinipipe_hf.planner.hardware import HardwareProfile, TimeCoefficients
-from infinipipe_hf.planner.model_spec import ModelSpec
+from infinipipe_hf.planner.cost.profile import HardwareProfile, TimeCoefficients
+from infinipipe_hf.ir.model_spec import ModelSpec
 
 LAYERS = 8
 SPEC = ModelSpec(model_type="llama", num_layers=LAYERS, hidden_size=64, intermediate_size=128,

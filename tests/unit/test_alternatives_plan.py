@@ -6,13 +6,13 @@ import pytest
 
 from infinipipe_hf.data.synthetic import commoncrawl_like, github_like, slimpajama_like
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.plan import main
+from infinipipe_hf.cli.plan import main
 from infinipipe_hf.planner.alternatives import ALTERNATIVES, FlatCost, plan_alternative
 from infinipipe_hf.planner.alternatives.round_plan import check_plan
-from infinipipe_hf.planner.api import plan_step
-from infinipipe_hf.planner.cost_model import GIB, CostModel
-from infinipipe_hf.planner.model_spec import ModelSpec
-from infinipipe_hf.planner.static_settings import static_alternative, static_pipeline_baseline
+from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.planner.search.static_settings import static_alternative, static_pipeline_baseline
 
 SPEC = ModelSpec.from_json_file(config_path("llama2-7b"))
 MODEL = str(config_path("llama2-7b"))

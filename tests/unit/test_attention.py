@@ -3,10 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infinipipe_hf.planner.units import Segment
-from infinipipe_hf.runtime.attention import (EPPUnitContext, epp_attention_forward, sdpa_backend,
-                                             segment_mask, select_backend)
-from infinipipe_hf.runtime.kv_store import KVStore
+from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.runtime.attention.hf import (EPPUnitContext, epp_attention_forward, sdpa_backend,
+    segment_mask, select_backend)
+from infinipipe_hf.runtime.attention.kv_store import KVStore
 
 H, KV, D = 4, 2, 8
 

@@ -13,12 +13,12 @@ import warnings
 import pytest
 import torch
 
-from infinipipe_hf.planner.units import Segment
-from infinipipe_hf.runtime import attention as attn
-from infinipipe_hf.runtime import attention_cuda as ac
-from infinipipe_hf.runtime.attention import (AttentionSegments, EPPUnitContext, epp_attention_forward,
-                                             sdpa_backend, select_backend)
-from infinipipe_hf.runtime.kv_store import KVStore
+from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.runtime.attention import hf as attn
+from infinipipe_hf.runtime.attention import varlen as ac
+from infinipipe_hf.runtime.attention.hf import (AttentionSegments, EPPUnitContext, epp_attention_forward,
+    sdpa_backend, select_backend)
+from infinipipe_hf.runtime.attention.kv_store import KVStore
 from tests.helpers.varlen_reference import (sdpa_flash_attn_varlen_func, sdpa_varlen_attn,
                                             sdpa_varlen_attn_torch29, upper_left_varlen_attn)
 

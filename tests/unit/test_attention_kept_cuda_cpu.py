@@ -15,9 +15,9 @@ import functools
 import pytest
 import torch
 
-from infinipipe_hf.runtime import attention_kept_kernels as kk
-from infinipipe_hf.runtime.attention import AttentionSegments, sdpa_backend
-from infinipipe_hf.runtime.checkpointing import runnable_levels
+from infinipipe_hf.runtime.attention import kept_kernels as kk
+from infinipipe_hf.runtime.attention.hf import AttentionSegments, sdpa_backend
+from infinipipe_hf.runtime.recompute.layers import runnable_levels
 from tests.helpers.reference import random_batch, tiny_model
 from tests.helpers.varlen_reference import sdpa_flash_attention_backward, sdpa_flash_attention_forward
 from tests.unit.test_checkpoint_levels_runtime import MIX_CYCLE, with_levels

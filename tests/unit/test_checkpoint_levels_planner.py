@@ -11,18 +11,17 @@ import random
 import numpy as np
 import pytest
 
-from infinipipe_hf.planner.api import plan_step
-from infinipipe_hf.planner.checkpoint_levels import (FINER_LEVELS, CheckpointMix, LevelCosts, act_elements,
-                                                     check_levels)
-from infinipipe_hf.planner.checkpoint_problem import build_problem
-from infinipipe_hf.planner.checkpoint_solver import greedy_counts, solve_checkpointing
-from infinipipe_hf.planner.cost_model import CostModel, UnitShape
-from infinipipe_hf.planner.memory import stage_peak_bytes, stage_timeline
-from infinipipe_hf.planner.model_spec import ModelSpec
-from infinipipe_hf.planner.plan import Plan
-from infinipipe_hf.planner.simulator import simulate
-from infinipipe_hf.planner.units import Segment
-from infinipipe_hf.planner.validator import PlanValidationError, validate
+from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.ir.levels import FINER_LEVELS, CheckpointMix, LevelCosts, act_elements, check_levels
+from infinipipe_hf.planner.checkpointing.problem import build_problem
+from infinipipe_hf.planner.checkpointing.solver import greedy_counts, solve_checkpointing
+from infinipipe_hf.planner.cost.model import CostModel, UnitShape
+from infinipipe_hf.planner.checkpointing.timeline import stage_peak_bytes, stage_timeline
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.planner.simulate.simulator import simulate
+from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.planner.simulate.validator import PlanValidationError, validate
 from tests.unit.test_checkpoint_solver import TINY, epp_plan
 
 LEVELS = FINER_LEVELS  # keep_attn, mlp, mlp_act

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from infinipipe_hf.planner.checkpoint_levels import CheckpointMix
-from infinipipe_hf.runtime.local_pipeline import run_plan_locally
-from infinipipe_hf.runtime.mlp_levels import install_mlp_levels, mlp_level, supports_levels
+from infinipipe_hf.ir.levels import CheckpointMix
+from infinipipe_hf.runtime.stage.local import run_plan_locally
+from infinipipe_hf.runtime.recompute.mlp_levels import install_mlp_levels, mlp_level, supports_levels
 from tests.helpers.reference import FAMILIES, random_batch, reference_loss_and_grads, tiny_model
 from tests.unit.test_local_pipeline import LENGTHS, NUM_LAYERS, build_stages, check, make_plan
 
@@ -157,7 +157,8 @@ def test_keep_attn_replays_the_layer_but_not_the_attention_core(monkeypatch):
     """Layer 0 of every unit at keep_attn: the layer is replayed in backward (its attention module
     runs twice per unit) but the attention kernel runs once per segment, in the first forward;
     every store is empty after backward (nothing kept past the unit's backward)."""
-    from infinipipe_hf.runtime import attention_kept_kernels, checkpointing
+    from infinipipe_hf.runtime.attention import kept_kernels as attention_kept_kernels
+    from infinipipe_hf.runtime.recompute import layers as checkpointing
 
     model = tiny_model("llama", num_layers=NUM_LAYERS, seed=29)
     stages = build_stages(model, 2)
@@ -191,7 +192,7 @@ def test_keep_attn_replays_the_layer_but_not_the_attention_core(monkeypatch):
 
 
 def test_levels_the_device_or_model_cannot_run_are_dropped_with_the_reason():
-    from infinipipe_hf.runtime.checkpointing import runnable_levels
+    from infinipipe_hf.runtime.recompute.layers import runnable_levels
 
     model = tiny_model("llama", num_layers=NUM_LAYERS, seed=30)
     layers = [layer for st in build_stages(model, 1) for _, layer in st.decoder_layers()]
@@ -214,8 +215,8 @@ def test_forward_only_ignores_levels():
     plan = with_levels(make_plan(1), MIX_CYCLE)
     calls = _act_calls(stages)
     ref_loss, _ = reference_loss_and_grads(model, random_batch(LENGTHS, seed=26))
-    from infinipipe_hf.runtime.stage_runner import StageRunner
-    from infinipipe_hf.runtime.unit_tensors import label_token_count
+    from infinipipe_hf.runtime.stage.runner import StageRunner
+    from infinipipe_hf.runtime.stage.unit_tensors import label_token_count
 
     batch = random_batch(LENGTHS, seed=26)
     runner = StageRunner(stages[0])

@@ -10,15 +10,15 @@ import time
 import numpy as np
 import pytest
 
-from infinipipe_hf.planner import checkpoint_solver as cs
-from infinipipe_hf.planner.actions import B, F
-from infinipipe_hf.planner.checkpoint_problem import build_problem
-from infinipipe_hf.planner.checkpoint_solver import greedy_counts, solve_checkpointing
-from infinipipe_hf.planner.cost_model import CostModel, UnitShape
-from infinipipe_hf.planner.memory import memory_points, stage_peak_bytes
-from infinipipe_hf.planner.model_spec import ModelSpec
-from infinipipe_hf.planner.plan import Plan
-from infinipipe_hf.planner.units import Segment, Unit
+from infinipipe_hf.planner.checkpointing import solver as cs
+from infinipipe_hf.ir.actions import B, F
+from infinipipe_hf.planner.checkpointing.problem import build_problem
+from infinipipe_hf.planner.checkpointing.solver import greedy_counts, solve_checkpointing
+from infinipipe_hf.planner.cost.model import CostModel, UnitShape
+from infinipipe_hf.planner.checkpointing.timeline import memory_points, stage_peak_bytes
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.units import Segment, Unit
 
 TINY = ModelSpec(model_type="llama", num_layers=6, hidden_size=512, intermediate_size=1408,
                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1000,
@@ -348,8 +348,8 @@ def test_replica_without_units():
 
 
 def test_dropped_points_are_dominated_by_kept_ones():
-    from infinipipe_hf.planner.checkpoint_problem import undominated
-    from infinipipe_hf.planner.live_windows import live_windows
+    from infinipipe_hf.planner.checkpointing.problem import undominated
+    from infinipipe_hf.planner.checkpointing.live_windows import live_windows
 
     rng = random.Random(3)
     for trial in range(20):

@@ -5,11 +5,11 @@ import math
 import pytest
 
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.collectives import all_gather_time, all_reduce_time
-from infinipipe_hf.planner.cost_model import _act_elements, GIB, CostModel, UnitShape
-from infinipipe_hf.planner.hardware import default_profile
-from infinipipe_hf.planner.model_spec import ModelSpec
-from infinipipe_hf.planner.units import Segment
+from infinipipe_hf.planner.cost.collectives import all_gather_time, all_reduce_time
+from infinipipe_hf.planner.cost.model import _act_elements, GIB, CostModel, UnitShape
+from infinipipe_hf.planner.cost.profile import default_profile
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.ir.units import Segment
 
 LLAMA2_7B = ModelSpec.from_json_file(config_path("llama2-7b"))  # 32 heads, 32 K/V heads
 LLAMA_30B = ModelSpec.from_json_file(config_path("llama-30b"))  # 52 heads
@@ -173,7 +173,7 @@ def test_dp_shard_crossing_nodes_uses_the_inter_node_bandwidth():
 
 
 def test_largest_trainable_length_grows_with_sp():
-    from infinipipe_hf.planner.limits import largest_trainable_length
+    from infinipipe_hf.planner.search.limits import largest_trainable_length
 
     one = largest_trainable_length(CostModel(LLAMA2_7B, pp_degree=4, memory_budget_bytes=80 * GIB))
     eight = largest_trainable_length(CostModel(LLAMA2_7B, pp_degree=4, sp_degree=8, memory_budget_bytes=80 * GIB))

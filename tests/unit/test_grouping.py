@@ -5,7 +5,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from infinipipe_hf.planner.grouping import group_pipelines
+from infinipipe_hf.planner.schedules.grouping import group_pipelines
 
 
 def _brute(blocks, time):

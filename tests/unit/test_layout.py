@@ -2,8 +2,8 @@
 import pytest
 
 from infinipipe_hf.config import SHARD_MODES as CONFIG_SHARD_MODES
-from infinipipe_hf.planner.layout import SHARD_MODES, LayoutSpec
-from infinipipe_hf.runtime.mesh import ParallelLayout
+from infinipipe_hf.layout import SHARD_MODES, LayoutSpec
+from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 
 
 def test_shard_modes_match_the_config():

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from transformers.trainer_pt_utils import LabelSmoother  # noqa: E402
 
-from infinipipe_hf.runtime.loss import chunked_lm_loss  # noqa: E402
+from infinipipe_hf.runtime.stage.loss import chunked_lm_loss  # noqa: E402
 
 V, H, T = 23, 8, 19
 

@@ -34,16 +34,16 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from infinipipe_hf.planner.actions import Action  # noqa: E402
-from infinipipe_hf.planner.cost_model import CostModel, _act_elements  # noqa: E402
-from infinipipe_hf.planner.hardware import default_profile, reference_spec  # noqa: E402
-from infinipipe_hf.planner.model_spec import ModelSpec  # noqa: E402
-from infinipipe_hf.planner.plan import Plan  # noqa: E402
-from infinipipe_hf.planner.units import Segment, Unit  # noqa: E402
-from infinipipe_hf.planner.checkpoint_levels import CheckpointMix  # noqa: E402
-from infinipipe_hf.runtime import checkpointing, mlp_levels  # noqa: E402
-from infinipipe_hf.runtime.stage import build_stage  # noqa: E402
-from infinipipe_hf.runtime.stage_runner import StageRunner  # noqa: E402
+from infinipipe_hf.ir.actions import Action  # noqa: E402
+from infinipipe_hf.planner.cost.model import CostModel, _act_elements  # noqa: E402
+from infinipipe_hf.planner.cost.profile import default_profile, reference_spec  # noqa: E402
+from infinipipe_hf.ir.model_spec import ModelSpec  # noqa: E402
+from infinipipe_hf.ir.plan import Plan  # noqa: E402
+from infinipipe_hf.ir.units import Segment, Unit  # noqa: E402
+from infinipipe_hf.ir.levels import CheckpointMix  # noqa: E402
+from infinipipe_hf.runtime.recompute import layers as checkpointing, mlp_levels  # noqa: E402
+from infinipipe_hf.runtime.stage.module import build_stage  # noqa: E402
+from infinipipe_hf.runtime.stage.runner import StageRunner  # noqa: E402
 
 NUM_LAYERS = 4
 SPLIT = [3, 1]  # stage 0: layers 0-2 (embeddings), stage 1: layer 3 + norm + head + loss

@@ -1,7 +1,7 @@
 """partition_layers: balance, extras, explicit splits and error messages."""
 import pytest
 
-from infinipipe_hf.runtime.partition import partition_layers
+from infinipipe_hf.ir.partition import partition_layers
 
 
 def _sizes(ranges):

@@ -2,11 +2,11 @@
 
 import pytest
 
-from infinipipe_hf.planner.api import SCHEDULES, largest_trainable_length, plan_step
-from infinipipe_hf.planner.cost_model import GIB, CostModel
-from infinipipe_hf.planner.model_spec import ModelSpec
-from infinipipe_hf.planner.plan import Plan
-from infinipipe_hf.planner.validator import validate
+from infinipipe_hf.planner.search.api import SCHEDULES, largest_trainable_length, plan_step
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.planner.simulate.validator import validate
 
 LLAMA_7B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=11008,
                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
@@ -82,7 +82,7 @@ def test_sequence_too_long_names_length_and_limit():
 
 
 def test_baselines_respect_max_tokens_per_unit_or_say_why():
-    from infinipipe_hf.planner.api import plan_step
+    from infinipipe_hf.planner.search.api import plan_step
 
     lengths = [3000, 700, 300, 90, 40]
     sliced = plan_step(lengths, SPEC, pp_degree=2, schedule="seq1f1b", max_tokens_per_unit=512)

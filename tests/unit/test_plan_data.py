@@ -1,9 +1,9 @@
 """Plan, unit and action data: string and JSON round trips, classification, errors."""
 import pytest
 
-from infinipipe_hf.planner.actions import Action, B, F, format_actions, parse_actions
-from infinipipe_hf.planner.plan import Plan
-from infinipipe_hf.planner.units import Segment, Unit, UnitKind
+from infinipipe_hf.ir.actions import Action, B, F, format_actions, parse_actions
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.units import Segment, Unit, UnitKind
 
 
 def test_action_string_round_trip():

@@ -7,11 +7,11 @@ import copy
 
 import pytest
 
-from infinipipe_hf.planner.cost_model import UnitShape
-from infinipipe_hf.planner.hardware import TimeCoefficients
-from infinipipe_hf.planner.model_spec import ModelSpec
-from infinipipe_hf.planner.runtime_fit import (fit_layer, fit_p2p, fit_runtime_profile, fit_working_memory,
-                                               row_errors, row_segments, worst_error)
+from infinipipe_hf.planner.cost.model import UnitShape
+from infinipipe_hf.planner.cost.profile import TimeCoefficients
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.profiling.runtime_fit import (fit_layer, fit_p2p, fit_runtime_profile, fit_working_memory,
+    row_errors, row_segments, worst_error)
 
 SPEC = ModelSpec("llama", 4, 256, 688, 8, 4, 32, 2048, False)
 FWD = TimeCoefficients(2e-8, 4e-5, 2e-3)
@@ -85,8 +85,8 @@ def test_p2p_and_working_memory_need_their_rows():
 def test_tiny_model_rows_have_the_fitters_shapes():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from infinipipe_hf.profiling.runtime_rows import (UnitCase, measure_elementwise_rows, measure_embedding_rows,
-                                                      measure_loss_rows, measure_memory_rows, measure_unit_rows)
+    from infinipipe_hf.profiling.runtime_rows import (UnitCase, measure_elementwise_rows,
+        measure_embedding_rows, measure_loss_rows, measure_memory_rows, measure_unit_rows)
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -109,8 +109,8 @@ def test_tiny_model_rows_have_the_fitters_shapes():
 
 
 def test_speed_factor_recovers_a_uniform_slowdown_and_rescale_compute_applies_it():
-    from infinipipe_hf.planner.cost_model import CostModel
-    from infinipipe_hf.planner.runtime_fit import rescale_compute, speed_factor
+    from infinipipe_hf.planner.cost.model import CostModel
+    from infinipipe_hf.profiling.runtime_fit import rescale_compute, speed_factor
 
     p2p = [{"kind": "p2p", "bytes": b, "seconds": 1e-4 + b / 1e9} for b in (65536, 1 << 20, 4 << 20)]
     profile = fit_runtime_profile(_layer_rows() + _loss_rows() + p2p, SPEC, name="synthetic", bytes_per_element=4)

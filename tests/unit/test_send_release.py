@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from infinipipe_hf.planner.actions import Action
-from infinipipe_hf.planner.schedule import build_pipeline_actions, one_f_one_b_warmup
-from infinipipe_hf.runtime.send_release import send_release_points
+from infinipipe_hf.ir.actions import Action
+from infinipipe_hf.planner.schedules.pipeline import build_pipeline_actions, one_f_one_b_warmup
+from infinipipe_hf.runtime.parallel.send_release import send_release_points
 
 
 def _run(stages: list[list[Action]], rng: random.Random) -> list[dict[Action, float]]:
@@ -116,8 +116,8 @@ def test_an_unsafe_release_is_caught_by_the_timing_check():
 def test_planned_schedules_release_safely(schedule):
     """Plans the planner makes (several pipelines, slices run backward last first, packs)."""
     from infinipipe_hf.models.model_configs import config_path
-    from infinipipe_hf.planner.api import plan_step
-    from infinipipe_hf.planner.model_spec import ModelSpec
+    from infinipipe_hf.planner.search.api import plan_step
+    from infinipipe_hf.ir.model_spec import ModelSpec
 
     spec = ModelSpec.from_json_file(config_path("llama2-7b"))
     lengths = [16384, 12000, 9000, 4000, 2500, 1200, 800, 600, 300, 200, 100]

@@ -11,9 +11,9 @@ checked the same way in ``tests/gpu/test_sp_attention_cuda.py``.
 import pytest
 import torch
 
-from infinipipe_hf.runtime import attention_cuda as ac
-from infinipipe_hf.runtime.attention import AttentionSegments, sdpa_backend
-from infinipipe_hf.runtime.sp_shards import head_shards
+from infinipipe_hf.runtime.attention import varlen as ac
+from infinipipe_hf.runtime.attention.hf import AttentionSegments, sdpa_backend
+from infinipipe_hf.runtime.parallel.sp_shards import head_shards
 from tests.helpers.varlen_reference import sdpa_varlen_attn, sdpa_varlen_attn_torch29
 
 D = 8

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinipipe_hf.runtime.sp_shards import head_shards, token_shards
+from infinipipe_hf.runtime.parallel.sp_shards import head_shards, token_shards
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 7, 8, 37, 1000, 1001])
@@ -99,8 +99,8 @@ def test_bad_head_configurations():
 
 
 def test_unit_tensors_shard_is_the_rank_token_range_with_pads_only_for_empty_ranks():
-    from infinipipe_hf.planner.units import Segment, Unit
-    from infinipipe_hf.runtime.unit_tensors import build_unit_tensors
+    from infinipipe_hf.ir.units import Segment, Unit
+    from infinipipe_hf.runtime.stage.unit_tensors import build_unit_tensors
 
     batch = [{"input_ids": list(range(10, 30)), "labels": [-100] * 5 + list(range(15, 30))},
              {"input_ids": [7, 8, 9]}]

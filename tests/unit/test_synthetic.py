@@ -3,8 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from infinipipe_hf.data.synthetic import (
-    long_tailed_batch, prolong_like, short_only, slimpajama_like)
+from infinipipe_hf.data.synthetic import long_tailed_batch, prolong_like, short_only, slimpajama_like
 
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
 

@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from infinipipe_hf.runtime.comm import HIDDEN, StageComm, Transfer, wait_collective  # noqa: E402
-from infinipipe_hf.runtime.mesh import ParallelLayout  # noqa: E402
+from infinipipe_hf.runtime.parallel.comm import HIDDEN, StageComm, Transfer, wait_collective  # noqa: E402
+from infinipipe_hf.runtime.parallel.mesh import ParallelLayout  # noqa: E402
 
 
 class _StuckWork:

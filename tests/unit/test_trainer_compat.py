@@ -5,8 +5,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from infinipipe_hf.trainer.compat import (ALLOW_ENV, PRIVATE_OVERRIDES, TESTED,  # noqa: E402
-                                          check_transformers)
+from infinipipe_hf.trainer.compat import ALLOW_ENV, PRIVATE_OVERRIDES, TESTED, check_transformers
 
 
 class _Trainer:
@@ -47,6 +46,6 @@ def test_setup_py_declares_the_same_range():
 
     setup = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
     assert f'"transformers>={TESTED[0]},<{TESTED[1]}"' in setup
-    from infinipipe_hf.trainer.sft_config import TRL_TESTED
+    from infinipipe_hf.trainer.sft.config import TRL_TESTED
 
     assert f'"trl>={TRL_TESTED[0]},<{TRL_TESTED[1]}"' in setup

@@ -9,9 +9,8 @@ import pytest
 datasets = pytest.importorskip("datasets")
 torch = pytest.importorskip("torch")
 
-from infinipipe_hf.trainer.data import (GlobalBatchCollator, Piece, TokenBudgetBatchSampler,  # noqa: E402
-                                        best_fit_decreasing, build_global_batch_loader, label_token_count,
-                                        prepare_token_dataset, split_documents)
+from infinipipe_hf.trainer.data.batches import (GlobalBatchCollator, Piece, TokenBudgetBatchSampler,
+    best_fit_decreasing, build_global_batch_loader, label_token_count, prepare_token_dataset, split_documents)
 
 
 def _lengths(n=200, seed=0):

@@ -3,9 +3,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infinipipe_hf.planner.units import Segment, Unit
-from infinipipe_hf.runtime.loss import chunked_lm_loss
-from infinipipe_hf.runtime.unit_tensors import build_unit_tensors, label_token_count
+from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.runtime.stage.loss import chunked_lm_loss
+from infinipipe_hf.runtime.stage.unit_tensors import build_unit_tensors, label_token_count
 from tests.helpers import reference
 
 

@@ -7,13 +7,14 @@ import random
 
 import pytest
 
-from infinipipe_hf.planner.checkpoint_levels import CheckpointMix
-from infinipipe_hf.planner.cost_model import CostModel
-from infinipipe_hf.planner.hardware import default_profile
-from infinipipe_hf.planner.memory import memory_points, point_bytes, stage_peak_bytes, stage_timeline
-from infinipipe_hf.planner.model_spec import ModelSpec
-from infinipipe_hf.planner.simulator import simulate
-from infinipipe_hf.planner.units import Segment
+from infinipipe_hf.ir.levels import CheckpointMix
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.cost.profile import default_profile
+from infinipipe_hf.planner.checkpointing.timeline import (memory_points, point_bytes, stage_peak_bytes,
+    stage_timeline)
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.planner.simulate.simulator import simulate
+from infinipipe_hf.ir.units import Segment
 
 SPEC = ModelSpec(model_type="llama", num_layers=4, hidden_size=512, intermediate_size=1408,
                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1000,
@@ -77,7 +78,7 @@ def test_bound_is_never_below_the_exact_phases(seed):
 def test_timeline_applies_the_phases_everywhere(schedule):
     """Array timeline, point list and peak agree bit for bit, and equal the definition: base with
     the bound swapped for the unit's exact phases, plus live activations."""
-    from infinipipe_hf.planner.api import plan_step
+    from infinipipe_hf.planner.search.api import plan_step
 
     rng = random.Random(3)
     lengths = [rng.choice([40, 90, 300, 700, 1500]) for _ in range(12)]

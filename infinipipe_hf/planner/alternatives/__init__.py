@@ -19,13 +19,14 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from ..hardware import HardwareProfile
-from ..model_spec import ModelSpec
-from .flat_cost import FlatCost, FlatLayout
-from .flexsp import plan_flexsp
-from .ring_cp import plan_ring_cp
-from .round_plan import AlternativeResult, GroupRun, RoundPlan, simulate_rounds
-from .ulysses_zero3 import plan_ulysses_zero3
+from infinipipe_hf.planner.cost.profile import HardwareProfile
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost, FlatLayout
+from infinipipe_hf.planner.alternatives.flexsp import plan_flexsp
+from infinipipe_hf.planner.alternatives.ring_cp import plan_ring_cp
+from infinipipe_hf.planner.alternatives.round_plan import (AlternativeResult, GroupRun, RoundPlan,
+    simulate_rounds)
+from infinipipe_hf.planner.alternatives.ulysses_zero3 import plan_ulysses_zero3
 
 ALTERNATIVES = ("ulysses-zero3", "ring-cp", "flexsp")
 _PLANNERS = {"ulysses-zero3": plan_ulysses_zero3, "ring-cp": plan_ring_cp, "flexsp": plan_flexsp}
@@ -46,15 +47,15 @@ def plan_alternative(lengths: Sequence[int], spec: ModelSpec, schedule: str, *, 
     (``greedy`` / ``milp``) and ``milp_time_limit_s`` (flexsp).  ``cost`` may be passed to reuse
     one :class:`FlatCost` over many batches (it must be for this ``spec`` and ``world_size``).
     """
-    from ..api import check_batch  # api is the pipeline planner; imported lazily to keep this light
+    from infinipipe_hf.planner.search.api import check_batch  # api is the pipeline planner; imported lazily to keep this light
 
     t0 = time.perf_counter()
     if schedule not in _PLANNERS:
         raise ValueError(f"schedule={schedule!r} is not a non-pipeline schedule; use one of {', '.join(ALTERNATIVES)}")
     check_batch(lengths)
     if cost is None:
-        from ..cost_model import GIB
-        from ..hardware import default_profile
+        from infinipipe_hf.planner.cost.model import GIB
+        from infinipipe_hf.planner.cost.profile import default_profile
 
         profile = profile or default_profile()
         budget = profile.memory_gib * GIB if memory_budget_bytes is None else memory_budget_bytes

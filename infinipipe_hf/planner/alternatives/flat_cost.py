@@ -7,7 +7,7 @@ into groups that each run one micro-batch at a time.  This module prices that sh
 numbers the pipeline planner uses, so the schedules compare on equal terms:
 
 - compute of a micro-batch on one group (:class:`UlyssesGroup`, :class:`RingGroup`): the profile's
-  per-layer fit through :class:`~infinipipe_hf.planner.cost_model.CostModel` (one stage holding
+  per-layer fit through :class:`~infinipipe_hf.planner.cost.model.CostModel` (one stage holding
   every layer, embeddings and head), per GPU of the group;
 - activations: the cost model's per-token bytes on the busiest GPU, with uniform checkpointing of
   ``c`` of the ``L`` layers, plus the transient working set of the backward;
@@ -15,7 +15,7 @@ numbers the pipeline planner uses, so the schedules compare on equal terms:
   ``FULL_SHARD`` layout), gathered per layer for every forward and again for every backward, the
   gradients reduce-scattered after every micro-batch's backward (what ZeRO-3 does, and FSDP2 with
   gradient sync on): no unsharded gradient outlives a micro-batch;
-- collectives: :mod:`~infinipipe_hf.planner.collectives` at the profile's intra-node (NVLink) and
+- collectives: :mod:`~infinipipe_hf.planner.cost.collectives` at the profile's intra-node (NVLink) and
   inter-node (InfiniBand) bandwidths; a group of ``g`` GPUs placed at a multiple of ``g`` stays in
   one node when ``g <= gpus_per_node`` (powers of two), and the all-GPU shard group crosses nodes
   whenever the world does.
@@ -33,12 +33,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..collectives import all_gather_time, reduce_scatter_time
-from ..cost_model import CostModel, UnitShape
-from ..hardware import HardwareProfile, default_profile
-from ..model_spec import ModelSpec
-from ..model_states import StatePrecision, sharded_numel, stage_param_shapes
-from ..ulysses_cost import check_sp_degree
+from infinipipe_hf.planner.cost.collectives import all_gather_time, reduce_scatter_time
+from infinipipe_hf.planner.cost.model import CostModel, UnitShape
+from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.planner.cost.states import StatePrecision, sharded_numel, stage_param_shapes
+from infinipipe_hf.planner.cost.ulysses import check_sp_degree
 
 
 def _positive_int(name: str, value) -> int:
@@ -144,7 +144,7 @@ class UlyssesGroup(_Group):
     """A group of ``size`` GPUs running a packed micro-batch with DeepSpeed-Ulysses SP.
 
     Every time and byte is the pipeline cost model's for a one-stage pipeline whose stage is this
-    SP group (:mod:`~infinipipe_hf.planner.ulysses_cost`: per-GPU linear layers, head-sharded
+    SP group (:mod:`~infinipipe_hf.planner.cost.ulysses`: per-GPU linear layers, head-sharded
     attention, four all-to-alls per layer and direction, two-level when the group spans nodes).
     A micro-batch is padded to a multiple of ``size`` tokens; the padding is its own document.
     """

@@ -30,10 +30,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .flat_cost import FlatCost
-from .flexsp_solver import RoundProblem, greedy_groups, milp_groups
-from .round_plan import AlternativeResult, GroupRun, RoundPlan, simulate_rounds
-from .search import longest_fit_hint, resolve_checkpointing
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
+from infinipipe_hf.planner.alternatives.flexsp_solver import RoundProblem, greedy_groups, milp_groups
+from infinipipe_hf.planner.alternatives.round_plan import (AlternativeResult, GroupRun, RoundPlan,
+    simulate_rounds)
+from infinipipe_hf.planner.alternatives.search import longest_fit_hint, resolve_checkpointing
 
 NAME = "flexsp"
 ATTENTION = "ulysses"

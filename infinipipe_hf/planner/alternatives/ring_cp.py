@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .flat_cost import FlatCost
-from .round_plan import AlternativeResult, RoundPlan
-from .search import check_sizes, equal_group_plan, longest_fit_hint, tune
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
+from infinipipe_hf.planner.alternatives.round_plan import AlternativeResult, RoundPlan
+from infinipipe_hf.planner.alternatives.search import check_sizes, equal_group_plan, longest_fit_hint, tune
 
 NAME = "ring-cp"
 ATTENTION = "ring"

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .flat_cost import FlatCost
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Sequence
 
-from .flat_cost import FlatCost
-from .round_plan import AlternativeResult, GroupRun, RoundPlan, simulate_rounds
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
+from infinipipe_hf.planner.alternatives.round_plan import (AlternativeResult, GroupRun, RoundPlan,
+    simulate_rounds)
 
 CHECKPOINTING = ("adaptive", "none", "full")
 

@@ -133,7 +133,7 @@ def pp2() -> None:
 
 def default_planner(name: str, *, pp: int, family: str, tie: bool) -> None:
     """The engine's own planner (plan_step) on a batch long enough to be sliced."""
-    from infinipipe_hf.planner.units import UnitKind
+    from infinipipe_hf.ir.units import UnitKind
 
     lengths = [700, 130, 90, 60, 300, 20]
     batch = random_batch(lengths, seed=41, with_labels=True)

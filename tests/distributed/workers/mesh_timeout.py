@@ -10,7 +10,7 @@ import time
 
 from common import dist, exit_now, init, torch
 
-from infinipipe_hf.runtime.mesh import ParallelLayout
+from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 
 TIMEOUT_S = float(sys.argv[1]) if len(sys.argv) > 1 else 3.0
 

@@ -16,7 +16,7 @@ import time
 from common import (CKPT, LENGTHS, UNITS_DP2, InfiniPipeConfig, PipelineEngine, dist, expect_value_error, init, log,
                     make_plan, random_batch, reference, tiny_model, torch)
 
-from infinipipe_hf.runtime.sharding import full_tensor, is_dtensor, local_tensor
+from infinipipe_hf.runtime.parallel.fsdp import full_tensor, is_dtensor, local_tensor
 from tests.helpers.reference import assert_grads_close, reference_loss_and_grads
 
 # Both replicas run one 3-slice chain and one packed unit: identical action sequences, which the
@@ -238,7 +238,7 @@ def idle_replica() -> None:
 
 
 def default_planner() -> None:
-    from infinipipe_hf.planner.units import UnitKind
+    from infinipipe_hf.ir.units import UnitKind
 
     lengths = [700, 130, 90, 60, 300, 20]
     batch = random_batch(lengths, seed=41, with_labels=True)

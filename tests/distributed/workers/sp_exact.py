@@ -107,7 +107,7 @@ def accumulation_and_clip(name, *, pp, sp):
 def default_planner(name, *, schedule, pp, sp, family="llama", tie=False):
     """The engine's own planner, every schedule: EPP under a memory budget small enough for its
     solver to checkpoint some layers; baselines with every layer checkpointed."""
-    from infinipipe_hf.planner.units import UnitKind
+    from infinipipe_hf.ir.units import UnitKind
 
     lengths = [300, 130, 91, 61, 17, 5]
     batch = random_batch(lengths, seed=41, with_labels=True)

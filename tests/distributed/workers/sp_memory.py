@@ -18,11 +18,11 @@ import sys
 
 from common import InfiniPipeConfig, PipelineEngine, dist, init, log, saved_bytes, storage_key, torch
 
-from infinipipe_hf.planner.actions import Action
-from infinipipe_hf.planner.plan import Plan
-from infinipipe_hf.planner.units import Segment, Unit
-from infinipipe_hf.runtime.stage import build_stage
-from infinipipe_hf.runtime.stage_runner import StageRunner
+from infinipipe_hf.ir.actions import Action
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.runtime.stage.module import build_stage
+from infinipipe_hf.runtime.stage.runner import StageRunner
 
 T = 512
 VOCAB = 512

@@ -23,7 +23,7 @@ from trainer_common import (GA_RTOL, LOSS_RTOL, SCENARIOS, EVAL_LENGTHS, Recordi
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from infinipipe_hf.runtime.sharding import full_tensor, is_dtensor  # noqa: E402
+from infinipipe_hf.runtime.parallel.fsdp import full_tensor, is_dtensor  # noqa: E402
 from infinipipe_hf.trainer.arguments import EPPTrainingArguments  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)

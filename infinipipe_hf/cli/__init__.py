@@ -1,0 +1,1 @@
+"""Command-line entry points: plan, profile, demo, and the plan's charts."""

@@ -1,0 +1,238 @@
+"""``python -m infinipipe_hf.plan``: plan one global batch and compare schedules (docs/contracts.md).
+
+Reads an HF ``config.json`` and a file of sequence lengths (one per line), plans the batch with one
+schedule or all of them under the same cost model, and prints a table (or ``--json``: one object
+per schedule, a list for ``all``).  ``--emit-plan`` writes the plan as JSON; with ``--schedule all``
+the EPP plan goes to the given path and each baseline's next to it as ``<stem>.<schedule>.json``.
+``--plot`` draws the Gantt chart with memory curves (one PNG per schedule likewise).
+
+Layout: ``--sp`` GPUs per stage share every unit (Ulysses sequence parallelism), ``--shard``
+shards model states (FSDP2) over the stage's SP group, DP replicas or both, ``--gpus-per-node``
+says which groups cross nodes; ``--world-size`` checks ``pp x sp`` against a job's world and
+derives ``--dp``.  ``--schedule all`` plans every schedule with the same layout.  Times, bytes
+and the memory budget are per GPU.
+
+The users' alternatives that are not pipelines (``ulysses-zero3``, ``ring-cp``, ``flexsp``; see
+``infinipipe_hf.planner.alternatives``) are planned on the same ``pp x sp x dp`` GPUs, every GPU
+running every layer with ZeRO-3 states; ``--schedule all`` includes them after the pipeline
+schedules.  Their ``--emit-plan`` is their own round form (``RoundPlan.to_dict``: groups of GPUs
+and the sequences each runs per round); ``--plot`` draws pipelines only and skips them.
+
+Input errors (missing files, a directory without ``config.json``, invalid JSON, unsupported model,
+missing config keys, bad lengths) exit with status 2 and a message on stderr naming the file;
+``--model`` may be an HF checkpoint directory (its ``config.json`` is read).  A batch that no plan
+fits is not an input error: it is reported as ``feasible: false`` with an ``error`` naming what
+does not fit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from infinipipe_hf.config import InfiniPipeConfig
+from infinipipe_hf.planner.alternatives import ALTERNATIVES, AlternativeResult, FlatCost, plan_alternative
+from infinipipe_hf.planner.search.api import SCHEDULES, PlanResult, plan_step
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.cost.profile import HardwareProfile
+from infinipipe_hf.layout import SHARD_MODES
+from infinipipe_hf.ir.model_spec import ModelSpec
+
+
+def _read_text(path: str, what: str) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{what} {path} does not exist")
+    if p.is_dir():
+        raise ValueError(f"{what} {path} is a directory; pass a file")
+    try:
+        return p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from None
+
+
+def read_json(path: str, what: str) -> dict:
+    """The JSON object in ``path``; a ValueError naming the file (and line) when it is not one."""
+    try:
+        data = json.loads(_read_text(path, what))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                         f"{exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path} must hold a JSON object, got a {type(data).__name__}")
+    return data
+
+
+def read_model_spec(path: str) -> ModelSpec:
+    """``--model``: an HF ``config.json``, or a checkpoint directory holding one."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json; pass an HF config.json or a "
+                             f"checkpoint directory that holds one")
+        p = p / "config.json"
+    cfg = read_json(str(p), "model config")
+    try:
+        return ModelSpec.from_config_dict(cfg)
+    except KeyError as exc:
+        raise ValueError(f"model config {p} lacks {exc.args[0]!r}; is it an HF config.json of a "
+                         f"decoder-only model?") from None
+    except ValueError as exc:
+        raise ValueError(f"model config {p}: {exc}") from None
+
+
+def read_lengths(path: str) -> list[int]:
+    text = _read_text(path, "lengths file")
+    lengths = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            lengths.append(int(line))
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: expected one integer sequence length per line, got {line!r}") from None
+    return lengths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infinipipe_hf.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF config.json of the model, or a checkpoint directory")
+    p.add_argument("--lengths", required=True, help="text file: one sequence length per line (one global batch)")
+    p.add_argument("--pp", type=int, required=True, help="pipeline stages (pp_degree)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (dp_degree; default 1, "
+                   "or world size / (pp x sp) with --world-size)")
+    p.add_argument("--sp", type=int, default=1, help="GPUs per stage sharing each unit (sp_degree, Ulysses)")
+    p.add_argument("--shard", default="none", choices=SHARD_MODES,
+                   help="shard model states (FSDP2) over the stage's SP group (sp), DP replicas (dp), "
+                        "both (sp+dp), or over SP replicated over DP (hybrid)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node (default: the profile's, 8): groups crossing nodes use the "
+                        "inter-node bandwidth")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="total GPUs of the job: checked against pp x sp (x dp)")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory budget per GPU in GiB")
+    p.add_argument("--profile", default=None, help="cost profile JSON (default: shipped H100/bf16)")
+    p.add_argument("--schedule", default="epp", choices=[*SCHEDULES, *ALTERNATIVES, "all"],
+                   help="a pipeline schedule, a non-pipeline alternative on the same GPUs, or all of them")
+    p.add_argument("--max-tokens-per-unit", type=int, default=None)
+    p.add_argument("--checkpointing", default="adaptive", choices=["adaptive", "none", "full"])
+    p.add_argument("--checkpoint-levels", default="keep_attn,mlp,mlp_act", metavar="LEVELS",
+                   help="levels inside a decoder layer adaptive checkpointing may use beside whole "
+                        "layers: comma-separated among keep_attn, mlp, mlp_act, or 'none' (whole layers only)")
+    p.add_argument("--emit-plan", default=None, metavar="PLAN.json", help="write the plan as JSON")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart + memory per stage")
+    p.add_argument("--json", action="store_true", help="print machine-readable results")
+    return p
+
+
+def run(args: argparse.Namespace) -> list[PlanResult | AlternativeResult]:
+    spec = read_model_spec(args.model)
+    lengths = read_lengths(args.lengths)
+    dp = resolve_layout(args)
+    profile = None
+    if args.profile:
+        data = read_json(args.profile, "profile")
+        try:
+            profile = HardwareProfile.from_dict(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"profile {args.profile} is not a usable cost profile ({type(exc).__name__}: "
+                             f"{exc}); write one with python -m infinipipe_hf.profile") from None
+    cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.gpu_memory_gib * GIB,
+                     sp_degree=args.sp, shard=args.shard, dp_degree=dp, gpus_per_node=args.gpus_per_node)
+    schedules = (*SCHEDULES, *ALTERNATIVES) if args.schedule == "all" else (args.schedule,)
+    levels = () if args.checkpoint_levels.strip() in ("", "none") else tuple(
+        lv.strip() for lv in args.checkpoint_levels.split(","))
+    results = []
+    flat = None
+    for s in schedules:
+        if s in ALTERNATIVES:
+            if flat is None:
+                flat = FlatCost.of(spec, args.pp * args.sp * dp, args.gpu_memory_gib * GIB, cost.profile,
+                                   cost.layout.gpus_per_node)
+                if args.max_tokens_per_unit is not None:
+                    print(f"warning: --max-tokens-per-unit caps pipeline units; {', '.join(ALTERNATIVES)} "
+                          f"do not cut sequences and ignore it", file=sys.stderr)
+            results.append(plan_alternative(lengths, spec, s, world_size=flat.world_size, cost=flat,
+                                            checkpointing=args.checkpointing))
+            continue
+        results.append(plan_step(lengths, spec, pp_degree=args.pp, dp_degree=dp, schedule=s, cost=cost,
+                                 sp_degree=args.sp, shard=args.shard,
+                                 max_tokens_per_unit=args.max_tokens_per_unit, checkpointing=args.checkpointing,
+                                 checkpoint_levels=levels))
+    return results
+
+
+def resolve_layout(args: argparse.Namespace) -> int:
+    """Check the degrees (and ``--world-size``); return ``dp_degree``."""
+    for flag, value in (("--pp", args.pp), ("--dp", args.dp), ("--sp", args.sp),
+                        ("--gpus-per-node", args.gpus_per_node), ("--world-size", args.world_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.world_size is None:
+        return 1 if args.dp is None else args.dp
+    # The runtime's own check, so the CLI and a launched job give the same message.
+    config = InfiniPipeConfig(pp_degree=args.pp, sp_degree=args.sp, dp_degree=args.dp, shard=args.shard)
+    return config.resolve_dp_degree(args.world_size)
+
+
+def _sibling(path: str, schedule: str, first: bool) -> Path:
+    p = Path(path)
+    return p if first else p.with_name(f"{p.stem}.{schedule}{p.suffix}")
+
+
+def format_table(results: list[PlanResult]) -> str:
+    rows = [("schedule", "fits", "step s", "tokens/s", "bubble", "recompute s", "peak GiB", "units", "pipes", "plan s")]
+    for r in results:
+        d = r.summary()
+        if r.feasible:
+            rows.append((r.schedule, "yes", f"{d['step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
+                         f"{d['bubble_fraction']:.3f}", f"{d['recompute_time_s']:.3f}",
+                         f"{max(d['peak_memory_bytes']) / GIB:.1f}", str(d["num_units"]),
+                         str(d["num_pipelines"]), f"{r.planning_time_s:.2f}"))
+        else:
+            rows.append((r.schedule, "NO", "-", "0", "-", "-", "-", "-", "-", f"{r.planning_time_s:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    epp = next((r for r in results if r.schedule == "epp" and r.feasible), None)
+    for label, names in (("the best pipeline baseline", SCHEDULES), ("the best non-pipeline alternative", ALTERNATIVES)):
+        best = max((r.summary()["tokens_per_s"] for r in results
+                    if r.schedule != "epp" and r.schedule in names and r.feasible), default=0)
+        if epp is not None and best > 0:
+            lines.append(f"EPP speedup over {label}: {epp.summary()['tokens_per_s'] / best:.2f}x")
+    for r in results:
+        if r.error:
+            lines.append(f"{r.schedule}: {r.error}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        results = run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for i, r in enumerate(results):
+        if r.plan is not None and args.emit_plan:
+            _sibling(args.emit_plan, r.schedule, i == 0).write_text(r.plan.to_json(indent=1))
+        if r.plan is not None and args.plot and isinstance(r, AlternativeResult):
+            print(f"note: --plot draws pipeline schedules; {r.schedule} is not one (skipped)", file=sys.stderr)
+        elif r.plan is not None and args.plot:
+            from infinipipe_hf.cli.viz import plot_plan
+
+            plot_plan(r.plan, r.simulation, str(_sibling(args.plot, r.schedule, i == 0)),
+                      title=f"{r.schedule}: {Path(args.model).name}, pp={args.pp}, dp={r.plan.dp_degree}"
+                            + (f", sp={args.sp}" if args.sp != 1 else "")
+                            + (f", shard={args.shard}" if args.shard != "none" else ""))
+    if args.json:
+        out = [r.summary() for r in results]
+        print(json.dumps(out if args.schedule == "all" else out[0], indent=1))
+    else:
+        print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Pictures and text of a simulated plan: a Gantt chart of every stage plus its memory curve.
+
+Design: one row per (dp replica, stage); forwards in a blue family, backwards in an orange family,
+the shade chosen by the unit's first sequence so a long sequence's slices share a colour and
+neighbouring sequences differ; the recompute part of a backward is drawn darker and hatched at its
+start (recompute runs before the layer's backward).  Under it, each stage's memory (GiB) over time
+with the budget dashed.  Boxes are drawn with ``broken_barh`` per row (one artist per row, not per
+box) so a 512-sequence batch with thousands of boxes renders quickly; labels are only written
+into boxes wide enough to hold them.
+
+Trade-off: colours identify sequences only modulo the palette size; the unit ids are in the
+labels and in :func:`format_timeline`'s text, which is exact.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily so the planner never pulls matplotlib in
+    from infinipipe_hf.planner.cost.model import CostModel
+    from infinipipe_hf.ir.plan import Plan
+    from infinipipe_hf.planner.simulate.simulator import SimulationResult
+
+GIB = 1024 ** 3
+
+
+def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | None = None,
+              cost: "CostModel | None" = None) -> dict:
+    """Write a Gantt + memory PNG (or any matplotlib format, by ``path``'s suffix) of ``plan``.
+
+    Returns what was drawn: ``boxes`` (action boxes per Gantt row), ``recompute_boxes``,
+    ``labels`` (boxes wide enough to carry their action's name), ``memory_curves`` and
+    ``size_px`` (width, height) of the image."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
+    from matplotlib.patches import Patch
+
+    from infinipipe_hf.ir.actions import Action
+
+    p, dp = plan.pp_degree, plan.dp_degree
+    rows = p * dp
+    fig_w = 14.0
+    fig, (ax, axm) = plt.subplots(2, 1, figsize=(fig_w, 2.2 + 0.45 * rows + 2.6), sharex=True,
+                                  gridspec_kw={"height_ratios": [max(1.5, 0.45 * rows), 2.6]})
+    step = sim.step_time_s or 1.0
+    fwd_cmap, bwd_cmap = colormaps["Blues"], colormaps["Oranges"]
+    by_id = plan.unit_by_id
+
+    def shade(uid: int) -> float:
+        unit = by_id.get(uid)
+        seq = unit.segments[0].seq if unit else uid
+        return 0.45 + 0.4 * ((seq * 0.618034) % 1.0)  # golden-ratio spread: neighbours differ
+
+    min_label_w = step * 0.012 * max(1, len(str(max(by_id, default=0))))
+    boxes: dict[tuple[int, str], tuple[list, list]] = {}
+    recompute: dict[int, list] = {}
+    labels = []
+    for e in sim.events:
+        row = e.dp_rank * p + e.stage
+        a = Action.parse(e.action)
+        spans, colours = boxes.setdefault((row, a.kind), ([], []))
+        spans.append((e.start_s, e.end_s - e.start_s))
+        colours.append((fwd_cmap if a.is_forward else bwd_cmap)(shade(a.unit)))
+        if e.recompute_s > 0:
+            recompute.setdefault(row, []).append((e.start_s, e.recompute_s))
+        if e.end_s - e.start_s >= min_label_w:
+            labels.append(((e.start_s + e.end_s) / 2, row, e.action))
+    thin = len(sim.events) > 400
+    for (row, _kind), (spans, colours) in boxes.items():
+        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colours, edgecolor="white" if not thin else "none",
+                       linewidth=0.3)
+    for row, spans in recompute.items():
+        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=(0.35, 0.1, 0.0, 0.55), edgecolor="black",
+                       linewidth=0.0, hatch="////")
+    for x, row, text in labels:
+        ax.text(x, row, text, ha="center", va="center", fontsize=7, color="black")
+    ax.set_yticks(range(rows))
+    ax.set_yticklabels([f"dp{r} stage {s}" if dp > 1 else f"stage {s}" for r in range(dp) for s in range(p)])
+    ax.set_ylim(rows - 0.5, -0.5)
+    ax.grid(axis="x", linewidth=0.3, alpha=0.5)
+    ax.legend(handles=[Patch(color=fwd_cmap(0.65), label="forward"), Patch(color=bwd_cmap(0.65), label="backward"),
+                       Patch(facecolor=(0.35, 0.1, 0.0, 0.55), hatch="////", label="recompute")],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=3, frameon=False)
+    head = title or f"{plan.schedule} plan"
+    fig.suptitle(f"{head}: pp={p} dp={dp}, {len(plan.sequences)} sequences, {len(plan.units)} units, "
+                 f"{plan.num_pipelines} pipeline(s); step {sim.step_time_s * 1e3:.1f} ms, "
+                 f"bubbles {sim.bubble_fraction:.1%}, recompute {sim.recompute_time_s * 1e3:.1f} ms",
+                 fontsize=11)
+    stage_colours = colormaps["viridis"]
+    for (r, s), pts in sorted(sim.memory_timeline.items()):
+        if not pts:
+            continue
+        xs = [t for t, _ in pts] + [step]
+        ys = [b / GIB for _, b in pts] + [pts[-1][1] / GIB]
+        axm.step(xs, ys, where="post", linewidth=1.0, color=stage_colours(s / max(1, p - 1) * 0.9),
+                 label=f"stage {s}" if r == 0 else None, alpha=1.0 if r == 0 else 0.5)
+    budget = sim.memory_budget_bytes / GIB
+    axm.axhline(budget, linestyle="--", color="red", linewidth=1.0, label=f"budget {budget:.0f} GiB")
+    peak = max(sim.peak_memory_bytes, default=0.0) / GIB
+    axm.set_ylim(0, max(budget, peak) * 1.1 or 1.0)
+    axm.set_ylabel("memory (GiB)")
+    axm.set_xlabel("time (s)")
+    axm.set_xlim(0, step)
+    axm.grid(linewidth=0.3, alpha=0.5)
+    axm.legend(loc="lower right", fontsize=8, ncol=min(6, p + 1), framealpha=0.9)
+    fig.tight_layout()
+    dpi = 120
+    fig.savefig(path, dpi=dpi)
+    size = tuple(int(round(x * dpi)) for x in fig.get_size_inches())
+    plt.close(fig)
+    counts: dict[int, int] = {}
+    for (row, _kind), (spans, _) in boxes.items():
+        counts[row] = counts.get(row, 0) + len(spans)
+    return {"boxes": counts, "recompute_boxes": sum(len(v) for v in recompute.values()),
+            "labels": len(labels), "memory_curves": sum(1 for pts in sim.memory_timeline.values() if pts),
+            "size_px": size}
+
+
+def format_timeline(sim: "SimulationResult", *, max_events_per_stage: int = 40) -> str:
+    """Text timeline: summary line, then per (dp, stage) its actions with start/end in ms."""
+    lines = [f"step {sim.step_time_s * 1e3:.3f} ms, {sim.tokens_per_s:,.0f} tokens/s, bubbles "
+             f"{sim.bubble_fraction:.1%}, recompute {sim.recompute_time_s * 1e3:.3f} ms, "
+             f"{'feasible' if sim.feasible else 'OVER MEMORY BUDGET'}"]
+    rows: dict[tuple[int, int], list] = {}
+    for e in sim.events:
+        rows.setdefault((e.dp_rank, e.stage), []).append(e)
+    for (r, s), events in sorted(rows.items()):
+        events.sort(key=lambda e: e.start_s)
+        peak = sim.peak_memory_bytes[s] / GIB if s < len(sim.peak_memory_bytes) else float("nan")
+        cells = [f"{e.action}@{e.start_s * 1e3:.2f}-{e.end_s * 1e3:.2f}"
+                 + (f"(rc {e.recompute_s * 1e3:.2f})" if e.recompute_s > 0 else "")
+                 for e in events[:max_events_per_stage]]
+        more = f" ... (+{len(events) - max_events_per_stage} more)" if len(events) > max_events_per_stage else ""
+        lines.append(f"dp{r} stage {s} (peak {peak:.2f} GiB): " + " ".join(cells) + more)
+    return "\n".join(lines)

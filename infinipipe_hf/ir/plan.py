@@ -1,0 +1,180 @@
+"""The plan of one training step, as plain data (docs/contracts.md, plan JSON).
+
+A ``Plan`` holds everything decided before a step runs: the units, which pipeline and DP replica
+each belongs to, every stage's action list per DP replica, and the number of checkpointed decoder
+layers per (stage, unit): ``checkpoint_layers`` counts layers recomputed whole, the optional
+``checkpoint_levels`` layers recomputed in part (planner/checkpoint_levels.py).  It is computed identically on every rank and serialises to the JSON of
+the ``--emit-plan`` contract, so a plan can be printed, diffed, stored and replayed.
+
+With sequence parallelism (``sp_degree > 1``) a stage is a group of ``sp_degree`` GPUs: units and
+actions are those of the group as a whole (how a unit's tokens are split over its ranks is the
+runtime's business).  ``sp_degree`` and ``shard`` are written to JSON only when they differ from
+their defaults (1 and ``"none"``), so plans of unsharded single-GPU stages keep their old form and
+a JSON without them reads back with the defaults.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from infinipipe_hf.ir.actions import Action
+from infinipipe_hf.ir.levels import CheckpointMix
+from infinipipe_hf.ir.units import Segment, Unit
+
+
+@dataclass
+class Plan:
+    """One step's plan.  ``actions[dp_rank][stage_index]`` is that stage's ordered action list."""
+
+    schedule: str
+    pp_degree: int
+    dp_degree: int
+    sequences: list[int]
+    units: list[Unit]
+    actions: dict[int, list[list[Action]]]
+    checkpoint_layers: dict[int, dict[int, int]]
+    layers_per_stage: list[int] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    """Free-form planner facts (chosen slice count, token budget...); serialised, never required."""
+    sp_degree: int = 1
+    """GPUs per stage sharing every unit (Ulysses sequence parallelism)."""
+    shard: str = "none"
+    """Model-state sharding the plan was costed with (``none``, ``sp``, ``dp``, ``sp+dp``, ``hybrid``)."""
+    checkpoint_levels: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)
+    """stage -> unit id -> finer level -> layers (``{"mlp": n, "mlp_act": n}``), beside the whole
+    layers of ``checkpoint_layers``; missing entries are 0.  JSON key ``checkpoint_levels``,
+    written only when some count is non-zero."""
+
+    def __post_init__(self) -> None:
+        assert len(self.actions) == self.dp_degree, (len(self.actions), self.dp_degree)
+        for per_stage in self.actions.values():
+            assert len(per_stage) == self.pp_degree, (len(per_stage), self.pp_degree)
+
+    # --- lookups -------------------------------------------------------------------------
+    @cached_property
+    def unit_by_id(self) -> dict[int, Unit]:
+        return {u.id: u for u in self.units}
+
+    def units_of(self, dp_rank: int) -> list[Unit]:
+        return [u for u in self.units if u.dp_rank == dp_rank]
+
+    def stage_actions(self, dp_rank: int, stage_index: int) -> list[Action]:
+        return self.actions[dp_rank][stage_index]
+
+    def checkpointed(self, stage_index: int, unit_id: int) -> int:
+        return self.checkpoint_layers.get(stage_index, {}).get(unit_id, 0)
+
+    def checkpoint_mix(self, stage_index: int, unit_id: int) -> CheckpointMix:
+        """Whole and finer checkpointed layers of the unit on the stage."""
+        finer = self.checkpoint_levels.get(stage_index, {}).get(unit_id)
+        return CheckpointMix.of(self.checkpointed(stage_index, unit_id), finer)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.sequences)
+
+    @property
+    def num_pipelines(self) -> int:
+        return len({(u.dp_rank, u.pipeline) for u in self.units})
+
+    def continues_after(self, segment: Segment) -> bool:
+        """True when a later slice of the same sequence needs this segment's K/V."""
+        return segment.end < self.sequences[segment.seq]
+
+    # --- serialisation (docs/contracts.md) --------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {
+            "schedule": self.schedule,
+            "pp_degree": self.pp_degree,
+            "dp_degree": self.dp_degree,
+        }
+        if self.sp_degree != 1:
+            d["sp_degree"] = self.sp_degree
+        if self.shard != "none":
+            d["shard"] = self.shard
+        d.update({
+            "sequences": list(self.sequences),
+            "units": [u.to_dict() for u in self.units],
+            "actions": {
+                str(r): [[str(a) for a in stage] for stage in per_stage]
+                for r, per_stage in sorted(self.actions.items())
+            },
+            "checkpoint_layers": {
+                str(s): {str(u): int(n) for u, n in sorted(per_unit.items())}
+                for s, per_unit in sorted(self.checkpoint_layers.items())
+            },
+            "layers_per_stage": list(self.layers_per_stage),
+            "info": self.info,
+        })
+        levels = self._levels_dict()
+        if levels:  # absent when no finer level is used: such plans serialise as before
+            d["checkpoint_levels"] = levels
+        return d
+
+    def _levels_dict(self) -> dict:
+        out = {}
+        for s, per_unit in sorted(self.checkpoint_levels.items()):
+            units = {str(u): {lv: int(n) for lv, n in sorted(per.items()) if n}
+                     for u, per in sorted(per_unit.items()) if any(per.values())}
+            if units:
+                out[str(s)] = units
+        return out
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @staticmethod
+    def from_dict(d: dict) -> "Plan":
+        return Plan(
+            schedule=d["schedule"],
+            pp_degree=int(d["pp_degree"]),
+            dp_degree=int(d["dp_degree"]),
+            sequences=[int(x) for x in d["sequences"]],
+            units=[Unit.from_dict(u) for u in d["units"]],
+            actions={
+                int(r): [[Action.parse(a) for a in stage] for stage in per_stage]
+                for r, per_stage in d["actions"].items()
+            },
+            checkpoint_layers={
+                int(s): {int(u): int(n) for u, n in per_unit.items()}
+                for s, per_unit in d.get("checkpoint_layers", {}).items()
+            },
+            layers_per_stage=[int(x) for x in d.get("layers_per_stage", [])],
+            info=dict(d.get("info", {})),
+            sp_degree=int(d.get("sp_degree", 1)),
+            shard=str(d.get("shard", "none")),
+            checkpoint_levels={
+                int(s): {int(u): {str(lv): int(n) for lv, n in per.items()} for u, per in per_unit.items()}
+                for s, per_unit in d.get("checkpoint_levels", {}).items()
+            },
+        )
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        return Plan.from_dict(json.loads(text))
+
+    def __str__(self) -> str:
+        lines = [
+            f"Plan[{self.schedule}] pp={self.pp_degree} dp={self.dp_degree} "
+            + (f"sp={self.sp_degree} " if self.sp_degree != 1 else "")
+            + (f"shard={self.shard} " if self.shard != "none" else "")
+            + f"sequences={len(self.sequences)} tokens={self.num_tokens} units={len(self.units)} "
+            f"pipelines={self.num_pipelines}"
+        ]
+        for u in self.units:
+            segs = " ".join(f"{s.seq}[{s.start}:{s.end}]" for s in u.segments)
+            lines.append(f"  unit {u.id:>3} dp{u.dp_rank} pipe{u.pipeline}: {segs}")
+        for r, per_stage in sorted(self.actions.items()):
+            for s, acts in enumerate(per_stage):
+                lines.append(f"  dp{r} stage{s}: " + " ".join(
+                    f"{a}" + (self._ckpt_tag(s, a.unit) if a.is_forward else "") for a in acts))
+        return "\n".join(lines)
+
+    def _ckpt_tag(self, stage_index: int, unit_id: int) -> str:
+        """``(c2)`` for two whole layers, ``(c2+k1+m1+a3)`` with finer levels (``k``: keep_attn), empty for none."""
+        mix = self.checkpoint_mix(stage_index, unit_id)
+        parts = [f"{tag}{n}" for tag, n in (("c", mix.full), ("k", mix.keep_attn), ("m", mix.mlp),
+                                             ("a", mix.mlp_act)) if n]
+        return f"({'+'.join(parts)})" if parts else ""

@@ -1,0 +1,1 @@
+"""A batch becomes units: elastic slices and packs, uniform baselines, DP assignment."""

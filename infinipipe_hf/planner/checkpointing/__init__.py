@@ -1,0 +1,1 @@
+"""Which layers each (stage, unit) recomputes: memory walk and solvers."""

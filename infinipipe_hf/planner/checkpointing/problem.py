@@ -1,0 +1,313 @@
+"""The checkpointing problem of one DP replica as a sparse linear system (docs/algorithms.md).
+
+Cells are (stage, unit) pairs.  A cell's checkpointed-layer count ``c`` lowers the memory of every
+point where its unit is live by ``slope * c`` (activation bytes are affine in ``c``).  Each memory
+point of a stage's timeline (planner/memory.py) is one row ``sum slope * c >= need`` with
+``need = point bytes with nothing checkpointed - budget``.
+
+Finer levels inside a layer (planner/checkpoint_levels.py) give a cell one *column* per level
+holding cumulative counts ``y_full <= y_keep_attn <= y_mlp <= y_mlp_act <= layers``; a row's coefficient of
+``y_l`` is what level ``l`` saves beyond the next finer one, positive, so the rows stay covering
+constraints (raising any count never breaks one) and rounding an LP answer up keeps it feasible
+once each chain is closed upwards.  The chains are the only other constraints.
+
+Variables: ``sharing="cell"`` gives every column its own.  ``"diagonal"`` shares them along
+backward-order diagonals (paper Alg. 2): the cell of stage ``p`` whose unit is the ``k``-th
+backward there sits on diagonal ``d = k + (pp_degree - 1 - p)``, and cells on one diagonal run back
+to back across stages, so recompute on one shows up as the same bubble on the others.  Stages may
+hold different layer counts: the shared count would be ``min(x_d, layers_p)``, which is not
+linear, so a diagonal gets one variable *per distinct layer count* among its stages (every cell
+can still reach full checkpointing; the adaptive policy is feasible exactly when full
+checkpointing is).  Trade-off, measured (benchmarks/solver_study.py): sharing makes the problem
+O(n + pp) instead of O(n * pp) but forces recompute on stages with memory to spare; per-cell
+counts save 14-38% of the recompute on real-text batches and their memory rows separate by stage
+(:meth:`ReplicaProblem.stage_blocks`), which keeps them fast to solve.
+
+Only points that can bind are kept: a point whose live set is contained in another's and whose
+base bytes are not larger is dominated for every choice of counts (activations are non-negative),
+found with live windows and a range-maximum table in O(P log P).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from scipy import sparse
+
+from infinipipe_hf.ir.actions import Action
+from infinipipe_hf.ir.levels import FULL, check_levels
+from infinipipe_hf.planner.cost.model import CostModel, UnitShape
+from infinipipe_hf.planner.checkpointing.live_windows import live_windows
+from infinipipe_hf.planner.checkpointing.timeline import MemoryPoint, memory_points
+from infinipipe_hf.ir.plan import Plan
+
+
+@dataclass
+class ReplicaProblem:
+    """Cells, their level columns, the variables and the binding memory rows of one DP replica.
+
+    A *column* is one level of one cell, holding the cell's *cumulative* count of that level:
+    ``y_full`` = whole layers, ``y_mlp`` = layers with at least the MLP recomputed, ``y_mlp_act``
+    = layers with at least ``act * mul`` recomputed, so ``y_full <= y_mlp <= y_mlp_act <= layers``
+    and a row's coefficient of ``y_l`` is the bytes level ``l`` saves beyond the next finer one
+    (positive).  Without finer levels there is one column per cell, ``y_full``.
+    """
+
+    dp_rank: int
+    levels: tuple[str, ...]  # the levels of a cell's columns, heaviest first ("full" always first)
+    cell_stage: np.ndarray  # int, per cell
+    cell_unit: np.ndarray  # int, per cell
+    cell_layers: np.ndarray  # layers of the cell's stage (upper bound of its counts)
+    cell_layer_s: np.ndarray  # forward time of one layer on the unit: whole-layer recompute per count
+    col_cell: np.ndarray  # cell of each column (columns of a cell are adjacent, heaviest first)
+    col_level: np.ndarray  # index into ``levels`` of each column
+    col_var: np.ndarray  # variable of each column
+    col_cost_s: np.ndarray  # recompute seconds per unit of the column's cumulative count
+    var_ub: np.ndarray  # layer count of the variable's cells
+    var_cost_s: np.ndarray  # recompute seconds per unit of the variable (sum over its columns)
+    var_parent: np.ndarray  # the variable that must be >= this one (next finer level), or -1
+    rows: sparse.csr_matrix  # points x columns: bytes saved per unit of the cumulative count
+    need: np.ndarray  # bytes over budget with nothing checkpointed (<= 0: fits already)
+    row_stage: np.ndarray
+    row_action: list[Action]
+    row_action_index: np.ndarray
+    budget: float
+    stage_points: dict[int, list[MemoryPoint]]  # every point of every stage, for verification
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.var_ub)
+
+    @property
+    def chained(self) -> bool:
+        """Some variable is bounded by another (finer levels are on)."""
+        return bool((self.var_parent >= 0).any())
+
+    def var_rows(self) -> sparse.csr_matrix:
+        """Points x variables.  Exact because all columns of a variable have its layer count, so a
+        column's count *is* the variable (and one point's cells lie on distinct diagonals anyway)."""
+        n = len(self.col_var)
+        m = sparse.csr_matrix((np.ones(n), (np.arange(n), self.col_var)), shape=(n, self.num_vars))
+        return (self.rows @ m).tocsr()
+
+    def columns_from_vars(self, x: np.ndarray) -> np.ndarray:
+        return np.minimum(np.asarray(x)[self.col_var], self.cell_layers[self.col_cell])
+
+    def overshoot(self, columns: np.ndarray) -> np.ndarray:
+        """Bytes over budget at every kept point (<= 0 where it fits)."""
+        return self.need - self.rows @ columns
+
+    def recompute_s(self, columns: np.ndarray) -> float:
+        return float(np.dot(columns, self.col_cost_s))
+
+    def full_columns(self, counts: np.ndarray) -> np.ndarray:
+        """Columns giving every cell ``counts`` whole layers (and no finer level beyond them)."""
+        return np.asarray(counts)[self.col_cell]
+
+    def stage_blocks(self) -> list[tuple["ReplicaProblem", np.ndarray]]:
+        """Independent sub-problems, one per stage, with each one's variables' indices here.
+
+        Memory rows are per stage, so when no variable spans stages (``cell`` sharing) the
+        problem separates; solving the blocks apart is several times faster than the whole (LP
+        cost grows faster than its size).  With ``diagonal`` sharing: the whole problem, once."""
+        var_stage = np.full(self.num_vars, -1, dtype=np.int64)
+        col_stage = self.cell_stage[self.col_cell]
+        var_stage[self.col_var] = col_stage
+        if len(self.col_var) and (var_stage[self.col_var] != col_stage).any():
+            return [(self, np.arange(self.num_vars))]
+        blocks = []
+        for stage in np.unique(self.cell_stage).tolist():
+            cells = np.flatnonzero(self.cell_stage == stage)
+            cols = np.flatnonzero(col_stage == stage)
+            vars_ = np.flatnonzero(var_stage == stage)
+            rows = np.flatnonzero(self.row_stage == stage)
+            cell_new = np.full(len(self.cell_stage), -1, dtype=np.int64)
+            cell_new[cells] = np.arange(len(cells))
+            var_new = np.full(self.num_vars, -1, dtype=np.int64)
+            var_new[vars_] = np.arange(len(vars_))
+            parent = self.var_parent[vars_]
+            blocks.append((ReplicaProblem(
+                dp_rank=self.dp_rank, levels=self.levels, cell_stage=self.cell_stage[cells],
+                cell_unit=self.cell_unit[cells], cell_layers=self.cell_layers[cells],
+                cell_layer_s=self.cell_layer_s[cells], col_cell=cell_new[self.col_cell[cols]],
+                col_level=self.col_level[cols], col_var=var_new[self.col_var[cols]],
+                col_cost_s=self.col_cost_s[cols], var_ub=self.var_ub[vars_], var_cost_s=self.var_cost_s[vars_],
+                var_parent=np.where(parent >= 0, var_new[np.maximum(parent, 0)], -1),
+                rows=self.rows[rows][:, cols].tocsr(), need=self.need[rows], row_stage=self.row_stage[rows],
+                row_action=[self.row_action[i] for i in rows.tolist()],
+                row_action_index=self.row_action_index[rows], budget=self.budget,
+                stage_points={stage: self.stage_points.get(stage, [])}), vars_))
+        return blocks
+
+    def counts_per_level(self, columns: np.ndarray) -> np.ndarray:
+        """Cells x levels: layers of each level per cell (differences of the cumulative columns)."""
+        y = np.zeros((len(self.cell_stage), len(self.levels)), dtype=np.int64)
+        y[self.col_cell, self.col_level] = columns
+        out = y.copy()
+        out[:, 1:] -= y[:, :-1]
+        return out
+
+
+def _range_max_table(values: np.ndarray) -> list[np.ndarray]:
+    table = [values]
+    span = 1
+    while 2 * span <= len(values):
+        prev = table[-1]
+        table.append(np.maximum(prev[:-span], prev[span:]))
+        span *= 2
+    return table
+
+
+def _range_max(table: list[np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Max of ``values[lo..hi]`` (inclusive) per query; ``-inf`` for empty ranges."""
+    out = np.full(len(lo), -np.inf)
+    ok = hi >= lo
+    if not ok.any():
+        return out
+    lo_, hi_ = lo[ok], hi[ok]
+    k = np.floor(np.log2(hi_ - lo_ + 1)).astype(np.int64)
+    res = np.empty(len(lo_))
+    for level in np.unique(k):
+        sel = k == level
+        t = table[level]
+        res[sel] = np.maximum(t[lo_[sel]], t[hi_[sel] - (1 << level) + 1])
+    out[ok] = res
+    return out
+
+
+def undominated(base: np.ndarray, firsts: np.ndarray, lasts: np.ndarray) -> np.ndarray:
+    """Mask of points no other point dominates (live superset with base at least as large).
+
+    Ties (same base, containing live set) keep the earlier point, so of mutually dominating
+    points exactly one survives.
+    """
+    n = len(base)
+    idx = np.arange(n)
+    firsts = np.minimum(firsts, idx)  # an invalid plan's windows may not contain the point itself
+    lasts = np.maximum(lasts, idx)
+    table = _range_max_table(base)
+    before = _range_max(table, firsts, idx - 1)
+    after = _range_max(table, idx + 1, lasts)
+    return ~((before >= base) | (after > base))
+
+
+SHARING = ("cell", "diagonal")
+
+
+def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence[str] = (),
+                  sharing: str = "diagonal") -> ReplicaProblem:
+    """The replica's problem; ``levels``: finer levels allowed beside whole layers (in any order);
+    ``sharing``: ``diagonal`` (one variable per backward diagonal and layer count, paper Alg. 2)
+    or ``cell`` (one per cell)."""
+    if sharing not in SHARING:
+        raise ValueError(f"sharing={sharing!r} is not known; use one of {', '.join(SHARING)}")
+    finer = check_levels(levels)
+    all_levels = (FULL, *finer)
+    nl = len(all_levels)
+    pp = plan.pp_degree
+    by_id = plan.unit_by_id
+    budget = cost.memory_budget_bytes
+    lc = cost.levels if finer else None
+    cell_stage: list[int] = []
+    cell_unit: list[int] = []
+    cell_layers: list[int] = []
+    cell_layer_s: list[float] = []
+    cell_key: list[tuple] = []
+    saves: list[list[float]] = []  # per cell: bytes one layer at each level saves (heaviest first)
+    redos: list[list[float]] = []  # per cell: seconds one layer at each level costs to redo
+    zero_act: list[float] = []
+    row_chunks: list[np.ndarray] = []
+    cell_chunks: list[np.ndarray] = []
+    base_chunks: list[np.ndarray] = []
+    stage_chunks: list[np.ndarray] = []
+    index_chunks: list[np.ndarray] = []
+    row_action: list[Action] = []
+    n_rows = 0
+    unit_facts: dict[int, tuple] = {}  # segments, shape, recompute seconds of one layer
+    stage_points: dict[int, list[MemoryPoint]] = {}
+    for p in range(pp):
+        actions = plan.stage_actions(dp_rank, p)
+        layers = cost.num_layers(p)
+        back_pos: dict[int, int] = {}
+        for a in actions:
+            if not a.is_forward and a.unit not in back_pos:
+                back_pos[a.unit] = len(back_pos)
+        cell_here: dict[int, int] = {}
+        for uid in dict.fromkeys(a.unit for a in actions):
+            if uid not in unit_facts:
+                unit = by_id[uid]
+                shape = UnitShape.of(unit.segments)
+                unit_facts[uid] = (unit.segments, shape, cost.recompute_time(p, shape, 1))
+            segments, shape, layer_s = unit_facts[uid]
+            cell_here[uid] = len(cell_stage)
+            cell_stage.append(p)
+            cell_unit.append(uid)
+            cell_layers.append(layers)
+            cell_layer_s.append(layer_s)
+            k = back_pos.get(uid)
+            if sharing == "cell":
+                cell_key.append(("c", p, uid))
+            else:
+                # A unit with no backward here (invalid plan) gets a variable of its own.
+                cell_key.append(("d", k + (pp - 1 - p), layers) if k is not None else ("orphan", p, uid))
+            a0 = cost.unit_activation_bytes(p, segments, 0)
+            zero_act.append(a0)
+            saves.append([a0 - cost.unit_activation_bytes(p, segments, 1)]
+                         + [lc.layer_saved_bytes(lv, p, segments) for lv in finer])
+            redos.append([layer_s] + [lc.layer_recompute_s(lv, shape) for lv in finer])
+        points = stage_points[p] = memory_points(plan, cost, dp_rank, p)
+        if not points:
+            continue
+        firsts, lasts = live_windows(points, actions)
+        base = np.array([pt.base_bytes for pt in points])
+        kept = np.flatnonzero(undominated(base, np.array(firsts), np.array(lasts)))
+        lives = [points[i].live_units for i in kept]
+        counts = np.fromiter(map(len, lives), dtype=np.int64, count=len(lives))
+        cell_chunks.append(np.fromiter((cell_here[u] for live in lives for u in live), dtype=np.int64,
+                                       count=int(counts.sum())))
+        row_chunks.append(np.repeat(np.arange(n_rows, n_rows + len(kept)), counts))
+        base_chunks.append(base[kept])
+        stage_chunks.append(np.full(len(kept), p, dtype=np.int64))
+        index_chunks.append(np.array([points[i].action_index for i in kept], dtype=np.int64))
+        row_action.extend(actions[points[i].action_index] for i in kept)
+        n_rows += len(kept)
+    n_cells = len(cell_stage)
+    # Columns: each cell's levels, heaviest first; cumulative coefficients are differences.
+    save_arr = np.array(saves, dtype=float).reshape(n_cells, nl)
+    redo_arr = np.array(redos, dtype=float).reshape(n_cells, nl)
+    col_save = save_arr - np.concatenate([save_arr[:, 1:], np.zeros((n_cells, 1))], axis=1)
+    col_redo = redo_arr - np.concatenate([redo_arr[:, 1:], np.zeros((n_cells, 1))], axis=1)
+    col_cell = np.repeat(np.arange(n_cells, dtype=np.int64), nl)
+    col_level = np.tile(np.arange(nl, dtype=np.int64), n_cells)
+    col_key = cell_key if nl == 1 else [(key, j) for key in cell_key for j in range(nl)]
+    keys = sorted(set(col_key), key=repr)
+    var_of = {key: i for i, key in enumerate(keys)}
+    col_var = np.array([var_of[k] for k in col_key], dtype=np.int64)
+    layers_arr = np.array(cell_layers, dtype=np.int64)
+    var_ub = np.zeros(len(keys), dtype=np.int64)
+    var_ub[col_var] = layers_arr[col_cell]  # all columns of a variable share the layer count
+    col_cost = col_redo.reshape(-1)
+    var_cost = np.bincount(col_var, weights=col_cost, minlength=len(keys)).astype(float)
+    var_parent = np.full(len(keys), -1, dtype=np.int64)
+    if nl > 1:
+        finer_col = np.flatnonzero(col_level < nl - 1)
+        var_parent[col_var[finer_col]] = col_var[finer_col + 1]
+
+    def cat(chunks: list[np.ndarray], dtype) -> np.ndarray:
+        return np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype=dtype)
+
+    r_row, r_cell = cat(row_chunks, np.int64), cat(cell_chunks, np.int64)
+    zero_arr = np.array(zero_act, dtype=float)
+    need = cat(base_chunks, float) - budget + np.bincount(r_row, weights=zero_arr[r_cell], minlength=n_rows)
+    # Every live cell contributes all its columns to the row.
+    rr = np.repeat(r_row, nl)
+    rc = (r_cell[:, None] * nl + np.arange(nl)).reshape(-1)
+    rows = sparse.csr_matrix((col_save.reshape(-1)[rc], (rr, rc)), shape=(n_rows, n_cells * nl))
+    return ReplicaProblem(
+        dp_rank=dp_rank, levels=all_levels, cell_stage=np.array(cell_stage, dtype=np.int64),
+        cell_unit=np.array(cell_unit, dtype=np.int64), cell_layers=layers_arr,
+        cell_layer_s=np.array(cell_layer_s, dtype=float), col_cell=col_cell, col_level=col_level,
+        col_var=col_var, col_cost_s=col_cost, var_ub=var_ub, var_cost_s=var_cost, var_parent=var_parent,
+        rows=rows, need=need, row_stage=cat(stage_chunks, np.int64), row_action=row_action,
+        row_action_index=cat(index_chunks, np.int64), budget=budget, stage_points=stage_points)

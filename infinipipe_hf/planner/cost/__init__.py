@@ -1,0 +1,1 @@
+"""What a unit costs: the hardware profile, time, bytes, collectives."""

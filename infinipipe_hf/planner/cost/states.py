@@ -1,0 +1,228 @@
+"""Model states of a stage per rank, sharded or not, and the collectives sharding adds.
+
+Bytes.  A stage's parameters are the tensors the runtime keeps on it: each decoder layer's
+q/k/v/o and gate/up/down projections and two norms, the embedding on the first stage, the final
+norm and LM head on the last (a tied head on a one-stage pipeline is the embedding itself).
+Unsharded, a rank holds ``state_bytes_per_param`` per parameter (fp32 weights + fp32 gradients +
+two fp32 Adam moments = 16; bf16 mixed precision keeps fp32 masters, so also 16: the profile's
+figure).  FSDP2 (``fully_shard``) splits every tensor along dim 0 over the shard group, padding it
+to a multiple of the group: a rank holds ``ceil(rows / g)`` rows of each (:func:`stage_state_bytes_per_rank`,
+the figure to compare with parameter + gradient + optimizer bytes summed over a rank's local
+shards after a step).
+
+Peak during a step (:meth:`ShardedStates.peak_static_bytes`), what the runtime does:
+- weights and optimizer moments stay sharded;
+- gradients accumulate over all of the step's units and are reduce-scattered once, after the
+  stage's last backward (FSDP2 with gradient sync off until then).  Until that reduce-scatter,
+  FSDP2 keeps each parameter's *unsharded* gradient in the reduce dtype (fp32): 4 bytes per
+  parameter of the whole stage, not divided by the shard degree.  This is the price of reducing
+  once per step instead of once per unit;
+- the layer running now and the next one (prefetched) are gathered unsharded in the compute dtype
+  (bf16 under mixed precision), plus, in backward, the running layer's unsharded gradient in that
+  dtype before it is added to the fp32 accumulator: three copies of the largest FSDP unit.
+
+Time.  Every forward gathers each FSDP unit (decoder layer; embedding; final norm + head) of the
+stage (reshard after forward) and every backward gathers them again.  FSDP2 issues the next unit's
+all-gather while the current one computes, so an action costs ``one gather (the largest unit's) +
+max(compute, all-gathers of the stage)`` (:meth:`ShardedStates.overlapped`): only the first
+gather shows when compute dominates, the gathers when they do.  The reduce-scatter (fp32
+gradients) of each unit, plus the all-reduce of its shard over the replica group when there is
+one, runs once per step, behind the stage's last backward: a chain of ``n`` per-unit reductions
+of ``r`` seconds each behind ``n`` units of backward compute shows ``max(r, n r - (n - 1) c)``
+(:meth:`ShardedStates.gradient_sync_time`).  Unsharded stages all-reduce their whole gradient after
+the last backward, not overlapped (the runtime's gradient sync does exactly that).  Assumed: the
+gathers of one action do not slow its compute, and gathers and reductions do not contend.
+
+Shard groups that span DP replicas (``"dp"``, ``"sp+dp"``).  Replicas run different unit lists,
+so the runtime cannot all-gather per unit over them (the collectives would not line up): it
+gathers every FSDP unit once when the step starts and reshards after the reduction.  Such a stage
+holds its whole unsharded weights (compute dtype) during the step instead of three working
+copies, and pays the gathers once per step, exposed before its first forward
+(:attr:`ShardedStates.gathers_per_step`).
+
+``grad_reduce="unit"`` is a what-if the runtime does not implement (FSDP2's default without
+gradient accumulation): every backward reduce-scatters its gradients, so no unsharded gradient
+outlives a unit (one unit's fp32 gradient is the reduce-scatter's input) at the price of a
+reduce-scatter per unit and layer, overlapped with the backward like the gathers, the last one
+exposed.  Benchmarks use it to show what per-step reduction costs in memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from infinipipe_hf.planner.cost.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
+from infinipipe_hf.planner.cost.profile import HardwareProfile
+from infinipipe_hf.layout import LayoutSpec
+from infinipipe_hf.ir.model_spec import ModelSpec
+
+GRAD_REDUCE_MODES = ("step", "unit")
+
+
+@dataclass(frozen=True)
+class StatePrecision:
+    """Bytes per parameter of the model states and of the copies sharding makes."""
+
+    state_bytes_per_param: float = 16.0
+    """Weights + gradients + optimizer states kept per parameter (fp32 AdamW: 4 + 4 + 8)."""
+    grad_bytes_per_param: float = 4.0
+    """The gradient's part of ``state_bytes_per_param`` (fp32)."""
+    compute_bytes_per_param: float = 4.0
+    """The unsharded copy a sharded unit is gathered into (4 in fp32, 2 under bf16 mixed precision)."""
+    reduce_bytes_per_param: float = 4.0
+    """Gradients as they are accumulated and reduced (fp32 reduction)."""
+
+    def __post_init__(self) -> None:
+        for name in ("state_bytes_per_param", "grad_bytes_per_param", "compute_bytes_per_param",
+                     "reduce_bytes_per_param"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"StatePrecision.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.grad_bytes_per_param > self.state_bytes_per_param:
+            raise ValueError(f"grad_bytes_per_param={self.grad_bytes_per_param} exceeds "
+                             f"state_bytes_per_param={self.state_bytes_per_param}")
+
+    @staticmethod
+    def from_profile(profile: HardwareProfile) -> "StatePrecision":
+        """The profile's states (``state_bytes_per_param``), gathered in its activation dtype."""
+        return StatePrecision(profile.state_bytes_per_param, 4.0, float(profile.bytes_per_element), 4.0)
+
+
+FP32_ADAM = StatePrecision(16.0, 4.0, 4.0, 4.0)
+"""fp32 weights, gradients and AdamW moments; layers gathered in fp32."""
+BF16_MIXED_ADAM = StatePrecision(16.0, 4.0, 2.0, 4.0)
+"""bf16 compute with fp32 masters, gradients and AdamW moments (the shipped H100 profile)."""
+
+
+def layer_param_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
+    """Shapes of one decoder layer's parameters (sums to ``spec.layer_params``)."""
+    h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+    return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i), (h,), (h,)]
+
+
+def stage_param_shapes(spec: ModelSpec, num_layers: int, *, embedding: bool, head: bool,
+                       head_is_embedding: bool = False) -> list[list[tuple[int, ...]]]:
+    """Parameter shapes of a stage grouped by FSDP unit: [embedding], layers..., [norm + head]."""
+    units: list[list[tuple[int, ...]]] = []
+    if embedding:
+        units.append([(spec.vocab_size, spec.hidden_size)])
+    units.extend(layer_param_shapes(spec) for _ in range(num_layers))
+    if head:
+        units.append([(spec.hidden_size,)] + ([] if head_is_embedding else [(spec.vocab_size, spec.hidden_size)]))
+    return units
+
+
+def sharded_numel(shapes: Sequence[tuple[int, ...]], shard_degree: int) -> int:
+    """Elements one rank holds of ``shapes`` sharded on dim 0 over ``shard_degree`` ranks (padded)."""
+    total = 0
+    for shape in shapes:
+        rest = 1
+        for d in shape[1:]:
+            rest *= d
+        total += -(-shape[0] // shard_degree) * rest
+    return total
+
+
+def stage_state_bytes_per_rank(spec: ModelSpec, num_layers: int, *, embedding: bool, head: bool,
+                               shard_degree: int = 1, precision: StatePrecision = FP32_ADAM,
+                               head_is_embedding: bool = False) -> float:
+    """Weights + gradients + optimizer states one rank holds for a stage between steps.
+
+    ``embedding`` / ``head``: the stage holds the input embedding / the final norm and LM head
+    (``head_is_embedding``: a tied head on the same stage, so no second matrix).  Dtype-aware
+    through ``precision`` (:data:`FP32_ADAM`, :data:`BF16_MIXED_ADAM` or
+    :meth:`StatePrecision.from_profile`).
+    """
+    if int(shard_degree) != shard_degree or shard_degree < 1:
+        raise ValueError(f"shard_degree must be a positive integer, got {shard_degree!r}")
+    units = stage_param_shapes(spec, num_layers, embedding=embedding, head=head,
+                               head_is_embedding=head_is_embedding)
+    return sum(sharded_numel(u, shard_degree) for u in units) * precision.state_bytes_per_param
+
+
+class ShardedStates:
+    """Memory and collective times of one stage layout's sharded states (module docstring)."""
+
+    def __init__(self, spec: ModelSpec, profile: HardwareProfile, layout: LayoutSpec,
+                 layers_per_stage: Sequence[int], precision: StatePrecision | None = None,
+                 grad_reduce: str = "step"):
+        if grad_reduce not in GRAD_REDUCE_MODES:
+            raise ValueError(f"grad_reduce={grad_reduce!r} is not known; use 'step' (reduce-scatter once "
+                             f"per step, what the runtime does) or 'unit' (after every backward; a what-if)")
+        self.grad_reduce = grad_reduce
+        self.layout = layout
+        self.precision = precision or StatePrecision.from_profile(profile)
+        pp = layout.pp_degree
+        head_is_embedding = spec.tie_word_embeddings and pp == 1
+        self.units = [stage_param_shapes(spec, n, embedding=s == 0, head=s == pp - 1,
+                                         head_is_embedding=head_is_embedding)
+                      for s, n in enumerate(layers_per_stage)]
+        self.unit_numel = [[sharded_numel(u, 1) for u in units] for units in self.units]
+        g = layout.shard_degree
+        bw = (profile.inter_node_bandwidth_bytes_per_s if layout.shard_crosses_nodes
+              else profile.intra_node_bandwidth_bytes_per_s)
+        rep_bw = (profile.inter_node_bandwidth_bytes_per_s if layout.replica_crosses_nodes
+                  else profile.intra_node_bandwidth_bytes_per_s)
+        lat = profile.collective_latency_s
+        p = self.precision
+        self.gather_s = [[all_gather_time(n * p.compute_bytes_per_param, g, bw, lat) for n in numel]
+                         for numel in self.unit_numel]
+        # Reduce-scatter of each unit's fp32 gradient, then all-reduce of the shard over the replicas.
+        self.reduce_s = [[reduce_scatter_time(n * p.reduce_bytes_per_param, g, bw, lat)
+                          + all_reduce_time(n * p.reduce_bytes_per_param / g, layout.replica_degree, rep_bw, lat)
+                          for n in numel] for numel in self.unit_numel]
+        # Unsharded: one all-reduce of the stage's gradient over its SP x DP ranks.
+        self.allreduce_s = [all_reduce_time(sum(numel) * p.reduce_bytes_per_param, layout.replica_degree,
+                                            rep_bw, lat) for numel in self.unit_numel]
+
+    @property
+    def sharded(self) -> bool:
+        return self.layout.shard_degree > 1
+
+    @property
+    def gathers_per_step(self) -> bool:
+        """The shard group spans DP replicas: parameters are gathered once per step, not per unit."""
+        return self.sharded and self.layout.shard in ("dp", "sp+dp")
+
+    def state_bytes_per_rank(self, stage_index: int) -> float:
+        """:func:`stage_state_bytes_per_rank` of the stage (between steps)."""
+        g = self.layout.shard_degree
+        return sum(sharded_numel(u, g) for u in self.units[stage_index]) * self.precision.state_bytes_per_param
+
+    def peak_static_bytes(self, stage_index: int) -> float:
+        """States alive during a step on one rank of the stage (module docstring)."""
+        p = self.precision
+        numel = self.unit_numel[stage_index]
+        if not self.sharded:
+            return sum(numel) * p.state_bytes_per_param
+        g = self.layout.shard_degree
+        shard = sum(sharded_numel(u, g) for u in self.units[stage_index])
+        working = (sum(numel) if self.gathers_per_step else 3 * max(numel)) * p.compute_bytes_per_param
+        if self.grad_reduce == "unit":
+            return shard * p.state_bytes_per_param + working + max(numel) * p.reduce_bytes_per_param
+        kept = shard * (p.state_bytes_per_param - p.grad_bytes_per_param)
+        accumulated = sum(numel) * p.reduce_bytes_per_param
+        return kept + accumulated + working
+
+    def overlapped(self, stage_index: int, compute_s: float, backward: bool = False) -> float:
+        """An action's time when its ``compute_s`` overlaps the stage's all-gathers (and, reducing
+        per unit, a backward's reduce-scatters); sharded stages only."""
+        gathers = self.gather_s[stage_index]
+        if self.gathers_per_step:
+            return compute_s  # gathered once when the step starts (gradient_sync_time counts it)
+        if backward and self.grad_reduce == "unit":
+            reduces = self.reduce_s[stage_index]
+            return max(gathers) + max(compute_s, sum(gathers) + sum(reduces)) + max(reduces)
+        return max(gathers) + max(compute_s, sum(gathers))
+
+    def gradient_sync_time(self, stage_index: int, last_backward_s: float) -> float:
+        """Exposed seconds of the step's gradient reduction after the stage's last backward (and,
+        when parameters are gathered once per step, of that gather before the first forward)."""
+        if not self.sharded:
+            return self.allreduce_s[stage_index]
+        upfront = sum(self.gather_s[stage_index]) if self.gathers_per_step else 0.0
+        if self.grad_reduce == "unit":
+            return upfront  # reduced inside every backward (overlapped)
+        r = self.reduce_s[stage_index]
+        n = len(r)
+        per_unit_compute = last_backward_s / n
+        return upfront + max(max(r), sum(r) - (n - 1) * per_unit_compute)

@@ -1,0 +1,1 @@
+"""Units become action lists: pipeline schedules, warm-ups, grouping."""

@@ -1,0 +1,1 @@
+"""Try candidate settings, keep the fastest feasible plan."""

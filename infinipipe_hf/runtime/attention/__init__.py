@@ -1,0 +1,1 @@
+"""Attention of units over their segments: backends, KV store, the HF entry point."""

@@ -1,0 +1,1 @@
+"""The engine: builds the stage, plans steps and executes their actions."""

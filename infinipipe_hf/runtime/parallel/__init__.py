@@ -1,0 +1,1 @@
+"""Process groups, point-to-point transfers, sequence parallelism, FSDP2, gradient sync."""

@@ -1,0 +1,141 @@
+"""Point-to-point transfer of hidden states and gradients between neighbouring stages, with timeouts.
+
+Design: shapes and dtypes come from the plan on both sides (the plan is identical everywhere), so
+only raw tensors cross the wire, never metadata.  Every transfer is non-blocking (``isend`` /
+``irecv`` on the layout's two-rank link group of that direction, see ``mesh.py``); the caller
+posts receives ahead and waits later,
+which overlaps communication with compute.  Messages carry a tag that encodes (unit, direction):
+hidden states of unit ``u`` use ``2u``, its gradient ``2u + 1``, so gloo matches each receive to
+its send even when receives are posted ahead in a different order than the peer's sends.
+
+Every wait has a deadline (``p2p_timeout_s``).  On timeout or a lost connection the wait raises
+``RuntimeError`` naming this rank, the peer, the step and the action: a dead or stuck rank ends the
+job with a readable error instead of a hang.  The message names the setting the user controls the
+deadline with (``layout.timeout_setting``: ``InfiniPipeConfig.p2p_timeout_s`` for the engine,
+``ddp_timeout`` under the trainer), not a hard-coded name.  Trade-off: gloo closes the connection pair after a
+timed-out wait, so a timeout is fatal for the process group; that is intended (a pipeline with a
+missing stage cannot continue), and recovery is left to the launcher (restart from checkpoint).
+Collectives go through ``wait_collective`` with the same deadline.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
+
+HIDDEN = 0
+GRAD = 1
+_WHAT = {HIDDEN: "hidden states", GRAD: "gradients"}
+
+
+def message_tag(unit_id: int, kind: int) -> int:
+    return 2 * unit_id + kind
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+@dataclass
+class Transfer:
+    """One posted send or receive; ``tensor`` is the buffer (the received data after ``wait``)."""
+
+    work: Any
+    tensor: torch.Tensor
+    peer: int
+    kind: int
+    unit_id: int
+    is_recv: bool
+    posted_at: float
+
+
+class StageComm:
+    """Non-blocking transfers between this rank and its neighbours in the same replica."""
+
+    def __init__(self, layout: ParallelLayout, *, timeout_s: float, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.timeout_s = float(timeout_s)
+        self.device = device
+        self.dtype = dtype
+        self.wait_time_s = 0.0
+        """Seconds spent blocked in ``wait`` since the last ``reset_wait_time``."""
+
+    # --- posting -------------------------------------------------------------------------
+    def post_recv(self, shape: tuple[int, ...], kind: int, unit_id: int) -> Transfer:
+        import torch.distributed as dist
+
+        peer = self.layout.prev_rank if kind == HIDDEN else self.layout.next_rank
+        assert peer is not None, f"{self.layout.describe()} has no peer for {_WHAT[kind]}"
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        work = dist.irecv(buf, src=peer, group=self.layout.link_group(peer, self.layout.rank),
+                          tag=message_tag(unit_id, kind))
+        return Transfer(work, buf, peer, kind, unit_id, True, time.perf_counter())
+
+    def post_send(self, tensor: torch.Tensor, kind: int, unit_id: int) -> Transfer:
+        import torch.distributed as dist
+
+        peer = self.layout.next_rank if kind == HIDDEN else self.layout.prev_rank
+        assert peer is not None, f"{self.layout.describe()} has no peer for {_WHAT[kind]}"
+        tensor = tensor.detach().to(self.dtype).contiguous()
+        work = dist.isend(tensor, dst=peer, group=self.layout.link_group(self.layout.rank, peer),
+                          tag=message_tag(unit_id, kind))
+        return Transfer(work, tensor, peer, kind, unit_id, False, time.perf_counter())
+
+    # --- waiting -------------------------------------------------------------------------
+    def wait(self, transfer: Transfer, *, step: int, action: str) -> torch.Tensor:
+        """Block until ``transfer`` completes or its deadline passes; return its tensor."""
+        t0 = time.perf_counter()
+        # The deadline counts from posting: a receive posted ahead has been waiting all along.
+        remaining = max(self.timeout_s - (t0 - transfer.posted_at), 0.001)
+        try:
+            if self.device.type == "cuda":
+                # NCCL's wait() only orders streams (its timeout is enforced by a watchdog that
+                # aborts the process without naming the action), so poll completion ourselves.
+                deadline = t0 + remaining
+                while not transfer.work.is_completed():
+                    if time.perf_counter() > deadline:
+                        raise RuntimeError("timed out")
+                    time.sleep(1e-4)
+            transfer.work.wait(timeout=timedelta(seconds=remaining))
+        except Exception as exc:  # gloo raises RuntimeError; keep its text for diagnosis
+            raise RuntimeError(self._failure_message(transfer, step, action, exc)) from exc
+        finally:
+            self.wait_time_s += time.perf_counter() - t0
+        return transfer.tensor
+
+    def _failure_message(self, t: Transfer, step: int, action: str, exc: BaseException) -> str:
+        me = self.layout.describe()
+        peer = self.layout.describe(t.peer)
+        what = _WHAT[t.kind]
+        where = f"{me}: step {step}, action {action}"
+        if _is_timeout(exc):
+            if t.is_recv:
+                return (f"{where}: no {what} of unit {t.unit_id} from {peer} within "
+                        f"{self.timeout_s:g} s; that rank has died or is stuck "
+                        f"(raise {self.layout.timeout_setting} if it is only slow)")
+            return (f"{where}: {peer} did not take the {what} of unit {t.unit_id} within "
+                    f"{self.timeout_s:g} s; that rank has died or is stuck "
+                    f"(raise {self.layout.timeout_setting} if it is only slow)")
+        direction = "from" if t.is_recv else "to"
+        return (f"{where}: lost the connection to {peer} while transferring {what} of unit "
+                f"{t.unit_id} {direction} it; that rank has died or stopped on an error of its own "
+                f"({type(exc).__name__}: {exc})")
+
+
+def wait_collective(work: Any, *, timeout_s: float, layout: ParallelLayout, ranks: list[int],
+                    what: str, step: int) -> None:
+    """Wait for an async collective with a deadline; on failure name the ranks involved."""
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise RuntimeError(
+            f"{layout.describe()}: step {step}, {what} over ranks {ranks} did not complete within "
+            f"{timeout_s:g} s; one of those ranks has died or is stuck (raise "
+            f"{layout.timeout_setting} if it is only slow) ({type(exc).__name__}: {exc})") from exc

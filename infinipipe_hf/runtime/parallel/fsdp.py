@@ -1,0 +1,335 @@
+"""``StageSharding``: a pipeline stage's model states sharded with torch's FSDP2 (``fully_shard``).
+
+Design.  Every rank of a stage holds only its shard of the stage's parameters, gradients and
+optimizer states (ZeRO-3 at rest); the parameters are ``DTensor`` s.  The shard group is a
+sub-mesh of the layout's ``DeviceMesh``:
+
+- ``shard="sp"``: the stage's SP ranks (``mesh["sp"]``), as InfiniPipe shards inside a node;
+- ``shard="dp"``: the stage's DP replicas (``mesh["dp"]``);
+- ``shard="sp+dp"``: both (``mesh["dp", "sp"]`` flattened);
+- ``shard="hybrid"``: FSDP2's HSDP on the 2-D ``mesh["dp", "sp"]`` (replicate over DP, shard
+  over SP: reduce-scatter inside the node, all-reduce across).
+
+What FSDP does not reduce (the SP ranks' partial gradients under ``"dp"``, the DP replicas' under
+``"sp"``) is summed over local shards by ``GradientSync`` over ``extra_group``.
+
+Wrapping: ``fully_shard`` on each decoder layer, the embeddings, the final norm and the LM head
+(one group with the embeddings when a tied head sits on the same stage), then on the stage's HF
+model as root.  The root holds no parameters and never runs forward (the runner drives the
+pieces); it is initialised explicitly so all groups share FSDP's communication state.
+Mixed precision: with ``compute_dtype`` (bf16) FSDP all-gathers parameters in it and reduces
+gradients in float32; the shards (master weights) keep the model's dtype.
+
+Loading: parameters go to the meta device before ``fully_shard``, ``to_empty`` then allocates
+only each rank's shard on the device and the shard is copied from the full host tensor (which
+transformers memory-maps from safetensors).  A whole unsharded stage never reaches the device.
+
+One gradient reduction per step.  FSDP's gradient sync is off while the step's units run:
+unsharded gradients accumulate over every unit's backward; after the last one ``reduce_gradients``
+reduce-scatters them once (as ``torch.distributed.pipelining`` does for FSDP stages).  Gradients
+are summed, not averaged: every rank's loss is already divided by the global label count.
+
+When parameters are all-gathered.  FSDP all-gathers are collectives over the shard group, so
+every rank of the group must unshard the same modules in the same order.  SP ranks of a stage run
+the same action list, so under ``"sp"``/``"hybrid"`` parameters are gathered per unit (ZeRO-3:
+resharded after each forward, re-gathered for its backward).  DP replicas run *different* unit
+lists (elastic units are dealt to replicas by cost), so when the shard group spans replicas
+(``"dp"``, ``"sp+dp"``) every module is gathered once when the step starts and resharded after
+the reduction.  Trade-off: during a step the stage then holds full parameters (and, in every
+mode, full gradients, the price of one reduction per step); between steps everything is sharded.
+The final norm and LM head stay gathered from their first use to the end of the step in every
+mode, so a unit's chunked loss does not all-gather the head once per chunk.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
+
+SHARDED_MODES = ("sp", "dp", "sp+dp", "hybrid")
+
+
+def check_shard_mode(shard: str, dp_degree: int, sp_degree: int) -> None:
+    """``ValueError`` when the world has no group for ``shard`` (pure arithmetic, no torch calls)."""
+    if shard == "none":
+        return
+    if shard not in SHARDED_MODES:
+        raise ValueError(f"shard={shard!r} is not known; use one of none, {', '.join(SHARDED_MODES)}")
+    world = f"dp_degree={dp_degree}, sp_degree={sp_degree}"
+    alt = [m for m, ok in (("sp", sp_degree > 1), ("dp", dp_degree > 1)) if ok]
+    instead = f"use shard={alt[0]!r} or 'none'" if alt else "use shard='none'"
+    if shard == "dp" and dp_degree < 2:
+        raise ValueError(f"shard='dp' shards each stage over its data-parallel replicas, but this "
+                         f"run has {world}: there is no DP group; launch more processes "
+                         f"(world = dp x pp x sp with dp >= 2) or {instead}")
+    if shard == "sp" and sp_degree < 2:
+        raise ValueError(f"shard='sp' shards each stage over its sequence-parallel ranks, but this "
+                         f"run has {world}: there is no SP group; set sp_degree >= 2 or {instead}")
+    if shard in ("sp+dp", "hybrid") and (dp_degree < 2 or sp_degree < 2):
+        what = "shards over SP x DP" if shard == "sp+dp" else "shards over SP and replicates over DP"
+        raise ValueError(f"shard={shard!r} {what}, which needs dp_degree >= 2 and sp_degree >= 2, "
+                         f"but this run has {world}; {instead}")
+
+
+# What this module calls on FSDP2: the public FSDPModule controls, and the two root-state hooks
+# torch.distributed.pipelining also drives by hand (lazy init, end-of-backward callback).
+_MODULE_API = ("set_requires_gradient_sync", "set_is_last_backward", "set_reshard_after_backward",
+               "set_reshard_after_forward", "set_gradient_divide_factor",
+               "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params",
+               "reset_iter_state", "unshard", "reshard")
+_STATE_API = ("_lazy_init", "_root_post_backward_final_callback")
+
+
+def fsdp2_api(shard: str):
+    """``(fully_shard, MixedPrecisionPolicy, FSDPModule)`` or a ``ValueError`` saying what is missing."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise ImportError("torch.distributed is not available")
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+        importlib.import_module("torch.distributed.tensor")  # DTensor
+    except ImportError as exc:
+        raise ValueError(f"shard={shard!r} needs torch's FSDP2 (torch.distributed.fsdp.fully_shard), "
+                         f"which this torch {torch.__version__} lacks ({exc}); upgrade torch (tested "
+                         f"with 2.13) or use shard='none'") from exc
+    missing = [n for n in _MODULE_API if not hasattr(FSDPModule, n)]
+    missing += [n for n in _STATE_API if not hasattr(FSDPState, n)]
+    if missing:
+        raise ValueError(f"shard={shard!r}: this torch {torch.__version__} has FSDP2 without "
+                         f"{', '.join(missing)}; upgrade torch (tested with 2.13) or use shard='none'")
+    return fully_shard, MixedPrecisionPolicy, FSDPModule
+
+
+# --- tensors that may be DTensors ---------------------------------------------------------------
+def is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard (the storage itself, so in-place ops change the DTensor) or ``t``."""
+    if not is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor; collective over the DTensor's mesh when sharded."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+@torch.no_grad()
+def copy_full_(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``full`` (the whole tensor, on any device) into ``dst``; a DTensor takes only the rows
+    of its own shard, so only those cross to the device.  No communication."""
+    if tuple(full.shape) != tuple(dst.shape):
+        raise ValueError(f"shape {tuple(full.shape)} does not match the parameter's {tuple(dst.shape)}")
+    if not is_dtensor(dst):
+        dst.copy_(full)
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(dst.shape, dst.device_mesh, dst.placements)
+    piece = full
+    for dim, (n, start) in enumerate(zip(shape, offset)):
+        if n != full.shape[dim]:
+            piece = piece.narrow(dim, start, n)
+    local = dst.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise AssertionError(f"local shard {tuple(local.shape)} != DTensor's {tuple(shape)}")
+    local.copy_(piece)
+
+
+class StageSharding:
+    """FSDP2 wrapping of one stage and its once-per-step gradient reduction (module docstring)."""
+
+    def __init__(self, stage, layout: ParallelLayout, shard: str, device: torch.device, *,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        check_shard_mode(shard, layout.dp_degree, layout.sp_degree)
+        fully_shard, MixedPrecisionPolicy, self._fsdp_module_type = fsdp2_api(shard)
+        if layout.mesh is None:
+            raise ValueError(f"shard={shard!r} needs the layout's DeviceMesh (a world of more than one "
+                             f"rank with process groups)")
+        self.shard = shard
+        self.layout = layout
+        self.device = device
+        self.mesh = self._shard_mesh(layout, shard)
+        self.extra_group, self.extra_ranks = self._extra_group(layout, shard)
+        self.gather_per_step = shard in ("dp", "sp+dp")
+        """Gather every module once per step (shard group spans DP replicas, whose unit lists
+        differ) instead of per unit.  Tests may set it to ``False`` with plans whose replicas
+        run identical action sequences, to exercise the per-unit path on DP groups."""
+        self.compute_dtype = compute_dtype
+        mp = MixedPrecisionPolicy()
+        if compute_dtype is not None:
+            # Low-precision compute, float32 reduction; shards keep the model's dtype.
+            mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        host = self._to_meta(stage.hf_model)
+        self.modules, self.keep_gathered = self._wrap(stage, fully_shard, mp)
+        self.root = fully_shard(stage.hf_model, mesh=self.mesh, mp_policy=mp)
+        leftover = [n for n, p in stage.hf_model.named_parameters() if not is_dtensor(p)]
+        if leftover:
+            raise ValueError(f"parameters outside the embeddings, decoder layers, final norm and LM head "
+                             f"cannot be sharded here: {leftover[:4]}")
+        self._materialize(stage.hf_model, host)
+        # The root never runs forward, so FSDP's lazy root initialisation (shared communication
+        # state for every group) is triggered by hand, once the shards are real tensors.
+        self._root_state()._lazy_init()
+        for m in self.modules:
+            m.set_gradient_divide_factor(1.0)  # sum: losses are already globally normalised
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+            m.set_reduce_scatter_unused_params(True, recurse=False)  # idle replicas send zeros
+            # Creates each group's unsharded parameters on every rank, so a rank that runs no unit
+            # in a step still joins every reduction; also checks the groups work before step 1.
+            m.unshard()
+            m.reshard()
+
+    # --- construction --------------------------------------------------------------------
+    @staticmethod
+    def _shard_mesh(layout: ParallelLayout, shard: str):
+        mesh = layout.mesh
+        if shard == "dp":
+            return mesh["dp"]
+        if shard == "sp":
+            return mesh["sp"]
+        if shard == "hybrid":
+            return mesh["dp", "sp"]  # 2-D: FSDP2 replicates over dim 0, shards over dim 1
+        return mesh["dp", "sp"]._flatten("dp_sp")
+
+    @staticmethod
+    def _extra_group(layout: ParallelLayout, shard: str):
+        """Group whose ranks hold the same shard and partial gradients FSDP does not sum."""
+        if shard == "dp" and layout.sp_degree > 1:
+            return layout.sp_group, layout.sp_ranks_of_stage(layout.dp_rank, layout.stage_index)
+        if shard == "sp" and layout.dp_degree > 1:
+            return layout.dp_group, layout.dp_ranks_of_stage(layout.stage_index)
+        return None, []
+
+    @staticmethod
+    def _to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
+        """Replace every parameter by a meta one (sharing kept); return the host tensors by name."""
+        if any(is_dtensor(p) for p in model.parameters()):
+            raise ValueError("the model's parameters are already DTensors (sharded or tensor-parallel); "
+                             "pass an ordinary model: the engine shards its stage itself")
+        host = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+        memo: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in memo:
+                    memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                               requires_grad=p.requires_grad)
+                module._parameters[name] = memo[id(p)]
+        return host
+
+    def _wrap(self, stage, fully_shard, mp) -> tuple[list, set]:
+        hf = stage.hf_model
+        inner = hf.model
+        kw = dict(mesh=self.mesh, mp_policy=mp)
+        modules, keep = [], set()
+        embed_with_head = stage.is_first and stage.is_last and stage.tie_word_embeddings
+        if stage.is_first and not embed_with_head:
+            modules.append(fully_shard(inner.embed_tokens, reshard_after_forward=True, **kw))
+        for _, layer in stage.decoder_layers():
+            modules.append(fully_shard(layer, reshard_after_forward=True, **kw))
+        if stage.is_last:
+            modules.append(fully_shard(inner.norm, reshard_after_forward=False, **kw))
+            # A tied head on the embeddings' stage is one parameter: one group for both modules.
+            head = [inner.embed_tokens, hf.lm_head] if embed_with_head else hf.lm_head
+            fully_shard(head, reshard_after_forward=False, **kw)
+            modules.append(hf.lm_head)  # a grouped pair shares one state: either module drives it
+            keep.update(id(m) for m in modules[-2:])
+        return modules, keep
+
+    def _materialize(self, model: nn.Module, host: dict[str, torch.Tensor]) -> None:
+        buffers = {n: b for n, b in model.named_buffers(remove_duplicate=False)}
+        model.to_empty(device=self.device)  # allocates local shards (and buffers) only
+        with torch.no_grad():
+            for name, b in model.named_buffers(remove_duplicate=False):
+                b.copy_(buffers[name])
+            for name, p in model.named_parameters():
+                copy_full_(p, host[name])
+
+    def _root_state(self):
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard.state(self.root)
+
+    # --- a step --------------------------------------------------------------------------
+    def _set(self, *, sync: bool, reshard: bool) -> None:
+        for m in self.modules:
+            m.set_requires_gradient_sync(sync, recurse=False)
+            keep = id(m) in self.keep_gathered or self.gather_per_step
+            m.set_reshard_after_backward(reshard or not keep, recurse=False)
+            m.set_reshard_after_forward(not keep and not self.gather_per_step, recurse=False)
+
+    def begin_step(self) -> None:
+        """Before a training step's first unit: accumulate gradients unreduced until the end."""
+        self.root.set_is_last_backward(False)
+        self._set(sync=False, reshard=False)
+        if self.gather_per_step:
+            self._gather_all()
+
+    def begin_forward_only(self) -> None:
+        """Before an evaluation step (forwards only)."""
+        self._set(sync=False, reshard=False)
+        if self.gather_per_step:
+            self._gather_all()
+
+    def _gather_all(self) -> None:
+        # Same module order on every rank of the shard group: their all-gathers pair up.
+        for m in self.modules:
+            m.unshard()
+
+    def reduce_gradients(self) -> None:
+        """After the step's last backward: reduce-scatter the accumulated gradients into the sharded
+        ``.grad`` (plus FSDP's all-reduce over DP for ``"hybrid"``) and reshard every module.
+        Collective over the shard group: every rank calls it, with or without units this step."""
+        self._set(sync=True, reshard=True)
+        self.root.set_is_last_backward(True)
+        state = self._root_state()
+        # What torch.distributed.pipelining does for an FSDP stage after its last backward.
+        for fsdp_state in state._state_ctx.all_states:
+            for group in fsdp_state._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        for m in self.modules:
+            m.reshard()
+
+    def finish_forward_only(self) -> None:
+        """After an evaluation step: reshard everything and drop FSDP's per-pass bookkeeping."""
+        self.root.reset_iter_state()
+
+    def abort_step(self) -> None:
+        """After a failed step: reshard, and drop the step's unreduced gradients."""
+        try:
+            self.root.reset_iter_state()
+        finally:
+            for fsdp_state in self._root_state()._state_ctx.all_states:
+                for group in fsdp_state._fsdp_param_groups:
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.unsharded_accumulated_grad = None
+                        if hasattr(fsdp_param, "_unsharded_param"):
+                            fsdp_param._unsharded_param.grad = None
+
+    # --- reductions outside FSDP ----------------------------------------------------------
+    @property
+    def holds_distinct_shard(self) -> bool:
+        """Whether this rank's shards count in a global sum over ranks: ranks that hold a copy of
+        another rank's shard (other DP replicas under ``"sp"``/``"hybrid"``, other SP ranks under
+        ``"dp"``) contribute nothing, so each piece of the stage is counted once."""
+        lay = self.layout
+        spans_dp = self.shard in ("dp", "sp+dp")
+        spans_sp = self.shard in ("sp", "sp+dp", "hybrid")
+        return (spans_dp or lay.dp_rank == 0) and (spans_sp or lay.sp_rank == 0)

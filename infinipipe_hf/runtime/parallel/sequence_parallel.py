@@ -1,0 +1,240 @@
+"""Ulysses sequence parallelism inside a stage: the all-to-alls around the attention backend.
+
+Design (DeepSpeed-Ulysses): the ``sp_degree`` ranks of a stage each hold a contiguous shard of
+every unit's tokens (``sp_shards.token_shards``) and run embeddings, norms, projections, RoPE
+and the MLP on it alone.  Attention needs every token of a segment, so around the attention
+backend two all-to-alls over the stage's SP group re-shard the problem:
+
+- ``to_heads``: post-RoPE Q/K/V go from ``[1, heads, local tokens, d]`` to
+  ``[1, my heads, all tokens, d]``; one collective carries Q, K and V together.  Each rank
+  sends every peer the heads that peer owns (``sp_shards.head_shards``), K/V heads used by
+  several ranks are sent to each of them, and the backward sums their gradients.
+- ``to_sequence``: the attention output goes back from ``[1, all tokens, my heads, d]`` to
+  ``[1, local tokens, heads, d]`` for ``o_proj``.
+
+Each is an autograd ``Function`` whose backward is the inverse all-to-all, so gradients are
+exact; neither saves a tensor for backward (only split sizes).  The collective is one 1-D
+``all_to_all_single`` with explicit split sizes, so uneven token shards and uneven head ranges
+need no padding.  Every rank of a stage runs the same actions in the same order, and a
+checkpointed layer's recompute replays the same collectives on every SP rank, so the calls
+always match.
+
+Waits: on CPU (gloo) every all-to-all waits with the step's deadline and a timeout names the SP
+ranks, the unit and the layer (a dead or stuck peer is an error, never a hang).  On CUDA the
+collective is only ordered on the stream (a host-side wait per layer would stall the GPU
+queue); a stuck peer is then ended by the NCCL watchdog at the process group's timeout.
+
+Cost: per layer and unit, each rank sends ``(sp - 1) / sp`` of its Q, K, V and attention output
+(4 hidden-size tensors of its tokens with MHA; K/V are smaller with GQA, larger by the
+replication factor when ``kv_heads < sp``), forward and again in backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from infinipipe_hf.runtime.parallel.comm import wait_collective
+from infinipipe_hf.runtime.parallel.sp_shards import HeadShard, TokenShards, head_shards, token_shards
+
+
+class SequenceParallel:
+    """This rank's place in its stage's SP group, and the all-to-alls over it."""
+
+    def __init__(self, layout, *, num_heads: int, num_kv_heads: int, timeout_s: float) -> None:
+        if layout.sp_degree < 2:
+            raise ValueError(f"SequenceParallel needs sp_degree >= 2, got {layout.sp_degree}")
+        self.layout = layout
+        self.group = layout.sp_group
+        self.sp_rank = layout.sp_rank
+        self.sp_degree = layout.sp_degree
+        self.ranks = layout.sp_ranks_of_stage(layout.dp_rank, layout.stage_index)
+        self.heads: tuple[HeadShard, ...] = head_shards(num_heads, num_kv_heads, self.sp_degree)
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.timeout_s = float(timeout_s)
+        """Deadline of one all-to-all (CPU); the engine sets it from ``p2p_timeout_s``."""
+        self.step = 0
+        """Step number for error messages; the engine sets it before each step."""
+        self._expand_index: dict[torch.device, torch.Tensor] = {}
+        self._finished: tuple = ()
+
+    @property
+    def head(self) -> HeadShard:
+        return self.heads[self.sp_rank]
+
+    def tokens(self, num_tokens: int) -> TokenShards:
+        return token_shards(num_tokens, self.sp_degree)
+
+    def expand_index(self, device: torch.device) -> torch.Tensor | None:
+        """Local K/V head of each local query head, when the kernel cannot group them itself."""
+        if self.head.expand is None:
+            return None
+        idx = self._expand_index.get(device)
+        if idx is None:
+            idx = self._expand_index[device] = torch.tensor(self.head.expand, device=device)
+        return idx
+
+    # --- the collective ------------------------------------------------------------------
+    def exchange(self, per_peer: list[list[torch.Tensor]], recv_splits: list[int],
+                 what: str) -> torch.Tensor:
+        """Send the tensors ``per_peer[j]`` (back to back) to SP rank ``j``; return the flat
+        concatenation, in rank order, of what every rank sent here (``recv_splits`` elements each).
+
+        The views are copied straight into one send buffer (no intermediate concatenation)."""
+        import torch.distributed as dist
+
+        ref = per_peer[self.sp_rank][0]
+        send_splits = [sum(p.numel() for p in parts) for parts in per_peer]
+        send = torch.empty(sum(send_splits), dtype=ref.dtype, device=ref.device)
+        offset = 0
+        for parts in per_peer:
+            for p in parts:
+                send[offset:offset + p.numel()].view(p.shape).copy_(p)
+                offset += p.numel()
+        recv = torch.empty(sum(recv_splits), dtype=ref.dtype, device=ref.device)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group,
+                                      async_op=True)
+        if ref.device.type == "cuda":
+            work.wait()  # stream order only; see the module docstring
+        else:
+            wait_collective(work, timeout_s=self.timeout_s, layout=self.layout, ranks=self.ranks,
+                            what=f"sequence-parallel all-to-all ({what})", step=self.step)
+        # gloo's worker thread may hold the last reference to the buffers of a finished
+        # collective, so their memory would be freed on that thread, where a CPU allocator probe
+        # does not see it; holding them until the next exchange frees them on this one.
+        self._finished = (work, send)
+        return recv
+
+    # --- the two re-shardings, differentiable ----------------------------------------------
+    def to_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: TokenShards,
+                 what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[1, H, t_local, d]`` (and K/V heads) -> ``[1, my heads, num_tokens, d]``, pads dropped."""
+        if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+            raise ValueError(f"sequence parallelism needs equal query/key/value head sizes, got "
+                             f"{q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}")
+        qh, kh, vh = _ToHeads.apply(q, k, v, self, tokens, what)
+        if tokens.padded_total != tokens.num_tokens:  # pads are the last shards
+            n = tokens.num_tokens
+            qh, kh, vh = qh[:, :, :n], kh[:, :, :n], vh[:, :, :n]
+        return qh, kh, vh
+
+    def to_sequence(self, out: torch.Tensor, tokens: TokenShards, what: str) -> torch.Tensor:
+        """``[1, num_tokens, my heads, d]`` -> ``[1, t_local, H, d]``."""
+        pad = tokens.padded_total - tokens.num_tokens
+        if pad:
+            out = F.pad(out, (0, 0, 0, 0, 0, pad))  # pad tokens attend nothing: zero output
+        return _ToSequence.apply(out, self, tokens, what)
+
+
+def _token_offsets(tokens: TokenShards) -> list[int]:
+    offsets = [0]
+    for n in tokens.local_sizes:
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
+class _ToHeads(torch.autograd.Function):
+    """Sequence-sharded Q/K/V -> head-sharded over all (padded) tokens; backward: the inverse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sp: SequenceParallel, tokens: TokenShards, what: str):
+        ctx.sp, ctx.tokens, ctx.what = sp, tokens, what
+        me, heads, sizes = sp.sp_rank, sp.heads, tokens.local_sizes
+        d = q.shape[-1]
+        assert q.shape[2] == sizes[me] and q.shape[1] == sp.num_heads, (q.shape, sizes, me)
+        q0, k0, v0 = q[0], k[0], v[0]
+        views = [[q0[h.q_start:h.q_end], k0[h.kv_start:h.kv_end], v0[h.kv_start:h.kv_end]]
+                 for h in heads]
+        mine = heads[me]
+        rows = mine.num_q + 2 * mine.num_kv
+        flat = sp.exchange(views, [rows * n * d for n in sizes], f"{what}, Q/K/V to heads")
+        chunks, offset = [], 0
+        for n in sizes:
+            chunks.append(flat[offset:offset + rows * n * d].view(rows, n, d))
+            offset += rows * n * d
+        a, b = mine.num_q, mine.num_q + mine.num_kv
+        qh = torch.cat([c[:a] for c in chunks], dim=1).unsqueeze(0)
+        kh = torch.cat([c[a:b] for c in chunks], dim=1).unsqueeze(0)
+        vh = torch.cat([c[b:] for c in chunks], dim=1).unsqueeze(0)
+        return qh, kh, vh
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        sp, tokens = ctx.sp, ctx.tokens
+        me, heads, sizes = sp.sp_rank, sp.heads, tokens.local_sizes
+        mine = heads[me]
+        ref = next(g for g in (gq, gk, gv) if g is not None)
+        d = ref.shape[-1]
+        total = tokens.padded_total
+
+        def full(g, n_heads):
+            return g[0] if g is not None else ref.new_zeros(n_heads, total, d)
+
+        gq0, gk0, gv0 = full(gq, mine.num_q), full(gk, mine.num_kv), full(gv, mine.num_kv)
+        off = _token_offsets(tokens)
+        views = [[gq0[:, off[j]:off[j + 1]], gk0[:, off[j]:off[j + 1]], gv0[:, off[j]:off[j + 1]]]
+                 for j in range(sp.sp_degree)]
+        n = sizes[me]
+        rows = [h.num_q + 2 * h.num_kv for h in heads]
+        flat = sp.exchange(views, [r * n * d for r in rows], f"{ctx.what}, Q/K/V gradients")
+        gq_parts = []
+        gk_local = ref.new_zeros(sp.num_kv_heads, n, d)
+        gv_local = ref.new_zeros(sp.num_kv_heads, n, d)
+        offset = 0
+        for h, r in zip(heads, rows):
+            c = flat[offset:offset + r * n * d].view(r, n, d)
+            offset += r * n * d
+            gq_parts.append(c[:h.num_q])
+            # A K/V head sent to several ranks collects the gradient of each.
+            gk_local[h.kv_start:h.kv_end] += c[h.num_q:h.num_q + h.num_kv]
+            gv_local[h.kv_start:h.kv_end] += c[h.num_q + h.num_kv:]
+        return (torch.cat(gq_parts).unsqueeze(0), gk_local.unsqueeze(0), gv_local.unsqueeze(0),
+                None, None, None)
+
+
+class _ToSequence(torch.autograd.Function):
+    """Head-sharded attention output over all tokens -> this rank's tokens, every head."""
+
+    @staticmethod
+    def forward(ctx, out, sp: SequenceParallel, tokens: TokenShards, what: str):
+        ctx.sp, ctx.tokens, ctx.what = sp, tokens, what
+        me, heads, sizes = sp.sp_rank, sp.heads, tokens.local_sizes
+        o0 = out[0]  # [padded tokens, my heads, d]
+        d = o0.shape[-1]
+        off = _token_offsets(tokens)
+        views = [[o0[off[j]:off[j + 1]]] for j in range(sp.sp_degree)]
+        n = sizes[me]
+        flat = sp.exchange(views, [n * h.num_q * d for h in heads],
+                           f"{what}, attention output to sequence")
+        parts, offset = [], 0
+        for h in heads:
+            parts.append(flat[offset:offset + n * h.num_q * d].view(n, h.num_q, d))
+            offset += n * h.num_q * d
+        return torch.cat(parts, dim=1).unsqueeze(0)
+
+    @staticmethod
+    def backward(ctx, g):
+        sp, tokens = ctx.sp, ctx.tokens
+        me, heads, sizes = sp.sp_rank, sp.heads, tokens.local_sizes
+        g0 = g[0]  # [my tokens, H, d]
+        d = g0.shape[-1]
+        views = [[g0[:, h.q_start:h.q_end]] for h in heads]
+        mine = heads[me].num_q
+        flat = sp.exchange(views, [n * mine * d for n in sizes],
+                           f"{ctx.what}, attention output gradients")
+        return flat.view(tokens.padded_total, mine, d).unsqueeze(0), None, None, None
+
+
+@dataclass(frozen=True)
+class SPUnit:
+    """What the attention function needs for SP on one unit: the group and the token split."""
+
+    comm: SequenceParallel
+    tokens: TokenShards
+
+    def to_heads(self, q, k, v, what: str):
+        return self.comm.to_heads(q, k, v, self.tokens, what)
+
+    def to_sequence(self, out, what: str):
+        return self.comm.to_sequence(out, self.tokens, what)

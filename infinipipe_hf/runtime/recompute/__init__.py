@@ -1,0 +1,1 @@
+"""Per-layer activation checkpointing and its finer levels."""

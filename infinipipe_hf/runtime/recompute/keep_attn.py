@@ -1,0 +1,103 @@
+"""The ``keep_attn`` checkpoint level: a whole layer recomputed in backward except its attention core.
+
+A whole-layer checkpoint keeps only the layer's input and replays its forward in backward; on a
+long slice most of that replay is the attention core (``softmax(q k^T) v`` over the slice and its
+context).  The core's backward does not need the core's forward: a flash-style backward needs
+q, k, v (rebuilt by the cheap part of the replay: norm, projections, rotary), the output and the
+per-head log-sum-exp.  This level keeps those two beside the layer input (one hidden state and one
+float per head per token more than ``full``) and replays everything but the core.
+
+Design: :class:`KeptAttention` is a per-(unit, stage-call) store that rides in the unit context
+(``EPPUnitContext.kept_attention``) of the layers the plan gives this level, so the checkpoint's
+replay, which re-enters the layer with the same keyword arguments, finds it.  The attention
+function hands the unit's attention problem to :func:`kept_attention`, an autograd function whose
+first forward computes the output with its log-sum-exp and stores both, and whose replay (inside
+the checkpoint's recompute, during backward) pops them instead of recomputing; either way it saves
+q, k, v, output and log-sum-exp for its backward, so the checkpoint's saved-tensor bookkeeping sees
+the same tensors in both runs.  The KV store's puts, the context reads and the SP all-to-alls
+around the core replay as before (their outputs are q, k, v and the context keys, which the
+backward needs).
+
+Kernels (``attention_kept_kernels.py``): torch's flash attention for CPU, per segment, and torch's
+flash-attention varlen pair on CUDA (float16/bfloat16, checked on the device before the level is
+planned there).  Dropout inside attention is refused: a replay that skips the forward could not
+reproduce its mask.
+"""
+from __future__ import annotations
+
+import torch
+
+from infinipipe_hf.runtime.attention import kept_kernels as kernels
+from infinipipe_hf.runtime.attention.hf import AttentionSegments
+
+
+def kept_attention_supported(device: torch.device | str, dtype: torch.dtype, dropout: float = 0.0,
+                             head_dim: int | None = None) -> str | None:
+    """``None`` when the level can run here, else why not (for the engine's warning)."""
+    if dropout:
+        return f"keep_attn cannot replay attention dropout (attention_dropout={dropout})"
+    kernel = kernels.kernel_for(device, dtype, head_dim)
+    return kernel if isinstance(kernel, str) else None
+
+
+class KeptAttention:
+    """Attention outputs and log-sum-exps of one unit's ``keep_attn`` layers on one stage, kept
+    from the forward to the replay in backward (layer index -> (output, lse, the kernel's aux))."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything held now (for memory accounting)."""
+        return [t for out, lse, aux in self._entries.values() for t in (out, lse, *aux)]
+
+    def put(self, layer: int, out: torch.Tensor, lse: torch.Tensor, aux: tuple[torch.Tensor, ...] = ()) -> None:
+        self._entries[layer] = (out, lse, tuple(aux))
+
+    def pop(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        return self._entries.pop(layer, None)
+
+
+class _KeptAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, problem: AttentionSegments, store: KeptAttention, layer: int, kernel: "kernels.KeptKernel",
+                query: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
+        kept = store.pop(layer)
+        if kept is None:  # the first forward: compute, and keep for the replay
+            out, lse, aux = kernel.forward(problem)
+            out, lse, aux = out.detach(), lse.detach(), tuple(t.detach() for t in aux)
+            store.put(layer, out, lse, aux)
+        else:  # the checkpoint's replay in backward: the core's forward is skipped
+            out, lse, aux = kept
+        # Only the segment table is kept on ctx: the tensors go through save_for_backward, which
+        # the checkpoint drops after the first forward and refills from the replay.
+        ctx.layout = (problem.q_offsets, problem.context_lens, problem.scaling, problem.sliding_window)
+        ctx.kernel, ctx.num_segments, ctx.num_aux = kernel, len(kv) // 2, len(aux)
+        ctx.save_for_backward(query, *kv, out, lse, *aux)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        saved = ctx.saved_tensors
+        n, query = ctx.num_segments, saved[0]
+        keys, values = list(saved[1:1 + n]), list(saved[1 + n:1 + 2 * n])
+        out, lse, aux = saved[1 + 2 * n], saved[2 + 2 * n], saved[3 + 2 * n:]
+        assert len(aux) == ctx.num_aux
+        q_offsets, context_lens, scaling, sliding_window = ctx.layout
+        problem = AttentionSegments(query, keys, values, q_offsets, context_lens, scaling, 0.0, sliding_window)
+        dq, dks, dvs = ctx.kernel.backward(problem, grad_out, out, lse, aux)
+        return (None, None, None, None, dq, *dks, *dvs)
+
+
+def kept_attention(a: AttentionSegments, store: KeptAttention, layer: int) -> torch.Tensor:
+    """The unit's attention output ``[1, T, heads, d]`` (as a backend returns it) at ``keep_attn``."""
+    if a.dropout:
+        raise ValueError(f"layer {layer}: keep_attn cannot replay attention dropout ({a.dropout}); plan "
+                         f"without it: checkpoint_levels=('mlp', 'mlp_act')")
+    kernel = kernels.kernel_for(a.query.device, a.query.dtype, a.query.shape[-1])
+    if isinstance(kernel, str):
+        raise ValueError(f"layer {layer}: {kernel}; plan without it: checkpoint_levels=('mlp', 'mlp_act')")
+    return _KeptAttentionFunction.apply(a, store, layer, kernel, a.query, *a.keys, *a.values)

@@ -1,0 +1,86 @@
+"""Per-layer activation checkpointing, switched per (stage, unit) from the plan.
+
+Design: the stage runs its first ``num_checkpointed`` decoder layers under
+``torch.utils.checkpoint`` (non-reentrant, so keyword arguments such as the unit context pass
+through and backward works with inputs that do not require grad), the next ones at the plan's
+finer levels (``keep_attn``: the same checkpoint with the attention core's output kept,
+runtime/attention_kept.py; then ``mlp`` and ``mlp_act`` inside the MLP: runtime/mlp_levels.py)
+and the rest normally.  The planner's solver chooses the counts per unit: long units trade recompute time for
+memory, short ones keep everything.  Heaviest level first (rather than last) means the layers
+whose activations are kept are the ones backward needs first, so they are freed earliest, and the
+layers that rebuild the most rebuild when the most has been freed.
+The KV store's ``put`` is idempotent, so a checkpointed slice's recompute reuses its stored K/V.
+HF's own ``gradient_checkpointing`` stays off on stage models (the stage builder turns it off);
+nesting both would recompute twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from infinipipe_hf.ir.levels import FULL, KEEP_ATTN, CheckpointMix
+from infinipipe_hf.runtime.recompute.keep_attn import KeptAttention
+from infinipipe_hf.runtime.recompute.mlp_levels import mlp_level
+
+
+def run_decoder_layers(layers: Sequence[tuple[int, nn.Module]], hidden: torch.Tensor, *,
+                       num_checkpointed: int, position_ids: torch.Tensor,
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor], unit_ctx,
+                       finer_levels: Mapping[str, int] | None = None) -> torch.Tensor:
+    """Run ``layers`` in order; the first ``num_checkpointed`` under activation checkpointing, the
+    next ``finer_levels["keep_attn"]``, ``finer_levels["mlp"]`` and ``finer_levels["mlp_act"]``
+    at those levels."""
+    if not 0 <= num_checkpointed <= len(layers):
+        raise ValueError(f"num_checkpointed={num_checkpointed} must be between 0 and the stage's "
+                         f"{len(layers)} decoder layers; fix the plan's checkpoint_layers")
+    grad = torch.is_grad_enabled()
+    per_layer = CheckpointMix.of(num_checkpointed, finer_levels if grad else None).layer_levels(len(layers))
+    kwargs = dict(attention_mask=None, position_ids=position_ids,
+                  position_embeddings=position_embeddings, epp_unit=unit_ctx)
+    kept_kwargs = None
+    if KEEP_ATTN in per_layer:
+        # One store per unit call: the checkpoints' saved kwargs keep it alive until backward.
+        kept_kwargs = dict(kwargs, epp_unit=dataclasses.replace(unit_ctx, kept_attention=KeptAttention()))
+    for (_, layer), level in zip(layers, per_layer):
+        if grad and level == FULL:
+            hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+        elif level == KEEP_ATTN:
+            hidden = checkpoint(layer, hidden, use_reentrant=False, **kept_kwargs)
+        else:
+            with mlp_level(layer, level):
+                hidden = layer(hidden, **kwargs)
+        if isinstance(hidden, tuple):  # older decoder layers return (hidden,) tuples
+            hidden = hidden[0]
+    return hidden
+
+
+def runnable_levels(levels: Sequence[str], layers: Sequence[nn.Module], device: torch.device,
+                    dtype: torch.dtype = torch.float32) -> tuple[tuple[str, ...], str | None]:
+    """The subset of ``levels`` these decoder layers can run on ``device`` in ``dtype``, and why
+    any were dropped (``None`` when none was): the MLP levels need a switchable gated MLP,
+    ``keep_attn`` an attention kernel pair for the device and dtype (on CUDA: one that passed its
+    self-check there) and no attention dropout."""
+    from infinipipe_hf.runtime.recompute.keep_attn import kept_attention_supported
+    from infinipipe_hf.runtime.recompute.mlp_levels import supports_levels
+
+    kept, why = [], []
+    for level in levels:
+        if level == KEEP_ATTN:
+            attns = [getattr(layer, "self_attn", None) for layer in layers]
+            dropout = max((float(getattr(a, "attention_dropout", 0.0) or 0.0) for a in attns), default=0.0)
+            head_dim = max((int(getattr(a, "head_dim", 0) or 0) for a in attns), default=0) or None
+            reason = kept_attention_supported(device, dtype, dropout, head_dim)
+        elif not all(supports_levels(layer) for layer in layers):
+            reason = ("mlp and mlp_act need a gated MLP (gate_proj, up_proj, down_proj, act_fn) to "
+                      "switch, which this model's decoder layers do not have")
+        else:
+            reason = None
+        if reason is None:
+            kept.append(level)
+        else:
+            why.append(reason)
+    return tuple(kept), ("; ".join(dict.fromkeys(why)) if why else None)  # both MLP levels: one reason

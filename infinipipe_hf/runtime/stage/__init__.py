@@ -1,0 +1,1 @@
+"""A pipeline stage: the HF layers it owns, unit tensors, loss, forward/backward."""

@@ -1,0 +1,1 @@
+"""Saving and loading stage weights, adapters and optimizer states."""

@@ -1,0 +1,1 @@
+"""TRL-style supervised fine-tuning on the pipeline."""

@@ -1,0 +1,240 @@
+"""``EPPSFTTrainer``: supervised fine-tuning the way TRL users write it, on the elastic pipeline.
+
+Design: a TRL script swaps ``SFTTrainer`` -> ``EPPSFTTrainer`` and ``SFTConfig`` ->
+``EPPSFTConfig`` (which adds ``pp_degree`` and the other pipeline settings).  The trainer takes
+what ``SFTTrainer`` takes: a model id or path (loaded like TRL loads it, float32 unless
+``model_init_kwargs`` say otherwise) or a model, ``peft_config``, a tokenizer (loaded from the model
+id when omitted), ``formatting_func``, and TRL's dataset formats: plain text, prompt/completion
+(``completion_only_loss``), conversational ``messages`` with the chat template
+(``assistant_only_loss`` where the template marks generations, or with TRL's training template),
+and pre-tokenized ``input_ids`` with ``labels`` or ``completion_mask`` / ``assistant_masks``.
+
+The data is prepared by TRL's own code: ``SFTTrainer._prepare_dataset`` runs on a small stand-in
+holding the three attributes it reads (the tokenizer, the chat template, the completion-only
+decision), so tokens, loss masks and truncation to ``max_length`` are exactly those
+``SFTTrainer`` trains on; only ``input_ids`` and ``labels`` are kept.  From there it is
+``EPPTrainer``: the token-budget sampler packs and the planner slices (TRL's ``packing`` and
+``padding_free`` are what the pipeline always does, so they are ignored with a warning).
+
+Not supported, refused with a ``ValueError`` rather than silently changed: vision datasets and
+processors, ``loss_type='dft'``, ``compute_loss_func``, quantized models, MoE router losses.
+TRL's extra metrics (``entropy``, ``mean_token_accuracy``) need the logits, which stay inside the
+last stage's chunked loss; they are not logged.  Trade-off: calling a private TRL method ties
+this file to a TRL release; ``sft_config.py`` refuses an untested TRL at import.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from datasets import IterableDataset
+from transformers import AutoProcessor, PreTrainedTokenizerBase, ProcessorMixin, set_seed
+from trl import SFTTrainer
+from trl.chat_template_utils import (clone_chat_template, get_training_chat_template,
+                                     has_generation_markers, is_chat_template_stop_token_trained)
+from trl.data_utils import get_dataset_column_names, is_conversational
+from trl.trainer.utils import create_model_from_path, get_config_model_id
+
+from infinipipe_hf.trainer.model_setup import hf_model_of, is_peft_model
+from infinipipe_hf.trainer.sft.config import EPPSFTConfig
+from infinipipe_hf.trainer.trainer import EPPTrainer
+
+
+@dataclass
+class _TRLPreparation:
+    """The attributes ``SFTTrainer._prepare_dataset`` reads from its trainer."""
+
+    _tokenizer: PreTrainedTokenizerBase
+    chat_template: str | None
+    completion_only_loss: bool
+
+
+def _sample(dataset) -> dict:
+    return next(iter(dataset))
+
+
+def _warn_ignored(args: EPPSFTConfig) -> None:
+    ignored = {
+        "packing": (args.packing, "the token-budget sampler packs and the planner slices every batch"),
+        "padding_free": (args.padding_free, "the pipeline never pads"),
+        "activation_offloading": (args.activation_offloading, "the planner's checkpointing fits memory"),
+        "use_liger_kernel": (args.use_liger_kernel, "stages run the model's own layers"),
+    }
+    for name, (value, why) in ignored.items():
+        if value:
+            warnings.warn(f"{name}=True is ignored by EPPSFTTrainer: {why}", UserWarning, stacklevel=3)
+
+
+def _refuse_unsupported(args: EPPSFTConfig, compute_loss_func, quantization_config) -> None:
+    if args.loss_type != "nll":
+        raise ValueError(f"loss_type={args.loss_type!r} is not supported by EPPSFTTrainer (its chunked "
+                         f"loss is the token negative log-likelihood); use loss_type='nll'")
+    if compute_loss_func is not None:
+        raise ValueError("compute_loss_func is not supported by EPPSFTTrainer: the loss runs in chunks "
+                         "inside the last pipeline stage, where no full logits exist; remove it")
+    if quantization_config is not None:
+        raise ValueError("quantization_config is not supported by EPPSFTTrainer: pipeline stages "
+                         "train floating-point weights; load the model unquantized")
+    if args.router_aux_loss_coef:
+        raise ValueError("router_aux_loss_coef is not supported by EPPSFTTrainer (no MoE models); "
+                         "remove it")
+
+
+class EPPSFTTrainer(EPPTrainer):
+    """TRL's ``SFTTrainer`` interface on :class:`EPPTrainer`; ``args`` is an :class:`EPPSFTConfig`."""
+
+    def __init__(self, model, args: EPPSFTConfig | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None,
+                 compute_loss_func=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None,
+                 formatting_func: Callable[[dict], str] | None = None, *, planner=None):
+        if args is None:
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = EPPSFTConfig(f"{name.rstrip('/').split('/')[-1]}-SFT")
+        if not isinstance(args, EPPSFTConfig):
+            raise ValueError(f"EPPSFTTrainer needs EPPSFTConfig, got {type(args).__name__}; replace "
+                             f"SFTConfig(...) by EPPSFTConfig(..., pp_degree=N)")
+        if train_dataset is None:
+            raise ValueError("EPPSFTTrainer: train_dataset is required")
+        if isinstance(train_dataset, IterableDataset):
+            raise ValueError("train_dataset is an IterableDataset; EPPSFTTrainer plans batches from "
+                             "document lengths, so it needs a datasets.Dataset (materialise it with "
+                             "Dataset.from_generator or .take(n))")
+        _refuse_unsupported(args, compute_loss_func, quantization_config)
+        _warn_ignored(args)
+
+        set_seed(args.seed)  # PEFT initialises adapters randomly: same seed as SFTTrainer
+        model = self._load_model(model, args)
+        processing_class = self._load_tokenizer(model, processing_class, args)
+        model, processing_class = self._apply_chat_template_path(model, processing_class, args)
+        if peft_config is not None:
+            model = self._wrap_peft(model, peft_config)
+
+        sample = _sample(train_dataset)
+        if "image" in sample or "images" in sample:
+            raise ValueError("vision datasets are not supported by EPPSFTTrainer; use a text dataset")
+        if args.assistant_only_loss and not is_conversational(sample):
+            raise ValueError("assistant_only_loss=True needs a conversational dataset ('messages' or "
+                             "conversational 'prompt'/'completion'); this one is not")
+        chat_template = None
+        if args.assistant_only_loss and not has_generation_markers(processing_class.chat_template):
+            chat_template = get_training_chat_template(processing_class)
+        if args.assistant_only_loss and not is_chat_template_stop_token_trained(
+                processing_class, chat_template=chat_template):
+            warnings.warn("the chat template leaves the assistant's end-of-turn token out of the loss "
+                          "mask, so the model may not learn to stop; put it inside "
+                          "{% generation %}...{% endgeneration %}", UserWarning, stacklevel=2)
+        completion_only = (("prompt" in sample and "completion" in sample)
+                           if args.completion_only_loss is None else bool(args.completion_only_loss))
+        self._trl = _TRLPreparation(processing_class, chat_template, completion_only)
+        self._formatting_func = formatting_func
+        self._skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False))
+        if completion_only and formatting_func is not None and not self._skip_prepare:
+            raise ValueError("formatting_func turns the dataset into plain text, which has no completion "
+                             "to train on alone; apply it before, or set completion_only_loss=False")
+
+        train_dataset = self._prepare(train_dataset, processing_class, args, "train")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: self._prepare(v, processing_class, args, k) for k, v in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = self._prepare(eval_dataset, processing_class, args, "eval")
+        super().__init__(model=model, args=args, data_collator=data_collator,
+                         train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, compute_metrics=compute_metrics,
+                         callbacks=callbacks, optimizers=optimizers,
+                         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, planner=planner)
+        if hasattr(self.model, "add_model_tags"):
+            self.model.add_model_tags(["trl", "sft", "infinipipe_hf"])
+
+    # --- model and tokenizer, as SFTTrainer builds them ------------------------------------
+    @staticmethod
+    def _load_model(model, args: EPPSFTConfig):
+        if isinstance(model, str):
+            kwargs = dict(args.model_init_kwargs or {})
+            kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+            kwargs["device_map"] = None  # the pipeline places each stage itself
+            return create_model_from_path(model, **kwargs)
+        if args.model_init_kwargs is not None:
+            warnings.warn("model_init_kwargs is ignored: the model is already instantiated",
+                          UserWarning, stacklevel=3)
+        return model
+
+    @staticmethod
+    def _load_tokenizer(model, processing_class, args: EPPSFTConfig):
+        if processing_class is None:
+            revision = (args.model_init_kwargs or {}).get("revision")
+            processing_class = AutoProcessor.from_pretrained(
+                get_config_model_id(hf_model_of(model).config), revision=revision,
+                trust_remote_code=args.trust_remote_code)
+        if isinstance(processing_class, ProcessorMixin) or not isinstance(processing_class,
+                                                                          PreTrainedTokenizerBase):
+            raise ValueError(f"processing_class must be a tokenizer (text models only), got "
+                             f"{type(processing_class).__name__}")
+        if args.eos_token is not None:
+            if args.eos_token not in processing_class.get_vocab():
+                raise ValueError(f"eos_token={args.eos_token!r} is not in the tokenizer's vocabulary; "
+                                 f"use a token the tokenizer has")
+            processing_class.eos_token = args.eos_token
+            hf_model_of(model).config.get_text_config().eos_token_id = processing_class.eos_token_id
+        return processing_class
+
+    @staticmethod
+    def _apply_chat_template_path(model, tokenizer, args: EPPSFTConfig):
+        path = args.chat_template_path
+        if path is None:
+            return model, tokenizer
+        if os.path.isfile(path) and path.endswith((".jinja", ".j2")):
+            with open(path, encoding="utf-8") as fh:
+                tokenizer.chat_template = fh.read()
+            return model, tokenizer
+        if is_peft_model(model):
+            raise ValueError("chat_template_path naming a tokenizer adds tokens, which needs the base "
+                             "model; pass the base model and peft_config instead of a PeftModel")
+        model, tokenizer, _ = clone_chat_template(model, tokenizer, path)
+        return model, tokenizer
+
+    @staticmethod
+    def _wrap_peft(model, peft_config):
+        from peft import PeftConfig, get_peft_model
+
+        if not isinstance(peft_config, PeftConfig):
+            raise ValueError(f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got "
+                             f"{type(peft_config).__name__}")
+        if is_peft_model(model):
+            raise ValueError("got a PeftModel and a peft_config; pass the base model with peft_config, "
+                             "or the PeftModel alone")
+        return get_peft_model(model, peft_config)
+
+    # --- data --------------------------------------------------------------------------------
+    def _prepare(self, dataset, processing_class, args: EPPSFTConfig, name: str):
+        """TRL's preparation (tokens, labels, truncation), then only ``input_ids`` and ``labels``."""
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(f"the {name} dataset is an IterableDataset; pass a datasets.Dataset")
+        if self._skip_prepare:
+            cols = get_dataset_column_names(dataset)
+            if "labels" not in cols and any(c in cols for c in ("completion_mask", "assistant_masks")):
+                warnings.warn(f"the {name} dataset skips TRL's preparation; its mask columns become the "
+                              f"labels (a token is trained where every mask is 1)", UserWarning, stacklevel=3)
+            return dataset
+        prepared = SFTTrainer._prepare_dataset(self._trl, dataset, processing_class, args, False,
+                                               self._formatting_func, name)
+        cols = get_dataset_column_names(prepared)
+        if "completion_mask" in cols:
+            warnings.warn(f"the {name} dataset has a completion_mask that is not applied because "
+                          f"completion_only_loss is not True (as in SFTTrainer): every token is "
+                          f"trained; set completion_only_loss=True to train on completions only",
+                          UserWarning, stacklevel=3)
+        return prepared.select_columns([c for c in ("input_ids", "labels") if c in cols])
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, Any]:
+        # A dataset passed here gets the same preparation as the constructor's (like SFTTrainer).
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            tok, args = self.processing_class, self.args
+            eval_dataset = ({k: self._prepare(v, tok, args, k) for k, v in eval_dataset.items()}
+                            if isinstance(eval_dataset, dict) else self._prepare(eval_dataset, tok, args, "eval"))
+        return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys,
+                                metric_key_prefix=metric_key_prefix)
