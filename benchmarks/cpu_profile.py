@@ -85,8 +85,14 @@ def measure_rows(model_cfg: dict, *, repeat: int, held_out: bool, log=print) -> 
     import torch
     import transformers
 
-    from infinipipe_hf.profiling.runtime_rows import (UnitCase, measure_elementwise_rows,
-        measure_embedding_rows, measure_loss_rows, measure_memory_rows, measure_unit_rows)
+    from infinipipe_hf.profiling.runtime_rows import (
+        UnitCase,
+        measure_elementwise_rows,
+        measure_embedding_rows,
+        measure_loss_rows,
+        measure_memory_rows,
+        measure_unit_rows,
+    )
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -110,7 +116,7 @@ def measure_rows(model_cfg: dict, *, repeat: int, held_out: bool, log=print) -> 
 
 def fit_cpu_profile(quick: bool = False, log=print, model_cfg: dict | None = None):
     """``(profile, report)``: the fitted profile and a JSON-able report (rows, held-out errors, load)."""
-    from infinipipe_hf.ir.levels import act_elements
+    from infinipipe_hf.planner.cost.activations import act_elements
     from infinipipe_hf.profiling.runtime_fit import fit_runtime_profile, row_errors, worst_error
 
     model_cfg = model_cfg or MODEL

@@ -3,7 +3,7 @@
     python benchmarks/gpu_profile.py --models llama3.2-1b,llama2-7b --out OUT.json --profile-dir DIR
     python benchmarks/gpu_profile.py --tiny --device cpu --out OUT.json --profile-dir DIR   # smoke run
 
-For each model: ``infinipipe_hf.profile.run_profile`` on its layer shape (a short grid), the
+For each model: ``infinipipe_hf.profiling.run.run_profile`` on its layer shape (a short grid), the
 fitted profile saved as ``DIR/<model>.profile.json`` (what the later GPU steps plan with), and per
 measured row the times predicted by that fit and by the shipped default profile rescaled to the
 model's shape (``CostModel``'s FLOP scaling), so one table shows how far the shipped profile is
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import gpu_common as gc_
 
+from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
-from infinipipe_hf.ir.model_spec import ModelSpec
 
 
 def _layer_ms(cost: CostModel, tokens: int) -> tuple[float, float]:
@@ -53,7 +53,7 @@ def compare_rows(config: dict, fitted: HardwareProfile, rows: list[dict]) -> lis
 
 
 def profile_model(name: str, config: dict, args) -> dict:
-    from infinipipe_hf.cli.profile import run_profile
+    from infinipipe_hf.profiling.run import run_profile
 
     t0 = time.perf_counter()
     prof, doc = run_profile(config, device=args.device, dtype=args.dtype,

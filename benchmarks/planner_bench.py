@@ -24,41 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-from infinipipe_hf.data import synthetic
+from planner_tables import TABLES
+from planner_tables.setups import SETUPS, batches
+
+from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.search.api import SCHEDULES, plan_step
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import HardwareProfile
-from infinipipe_hf.ir.model_spec import ModelSpec
-from planner_tables import TABLES
-
-SETUPS = [("llama2-7b", 4), ("llama2-13b", 8)]
-
-
-def real_batch(corpora: tuple[str, ...], n: int, seed: int) -> list[int]:
-    """``n`` real document lengths (SmolLM2 tokenizer) drawn without replacement from the pooled corpora."""
-    import random
-
-    from infinipipe_hf.data.corpus import document_lengths
-
-    pool = [x for corpus in corpora for x in document_lengths(corpus) if x > 0]
-    rng = random.Random(seed)
-    return rng.sample(pool, min(n, len(pool)))
-
-
-def batches(quick: bool) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    n = 128 if quick else 512
-    real = [("stdlib",)] if quick else [("stdlib",), ("stdlib", "shakespeare", "kjv")]
-    for corpora in real:
-        try:
-            out["real:" + "+".join(corpora)] = real_batch(corpora, n, seed=0)
-        except Exception as exc:  # a missing optional corpus package is reported, not fatal
-            print(f"skipping real:{'+'.join(corpora)}: {exc}", file=sys.stderr)
-    out["synthetic:slimpajama-like"] = synthetic.slimpajama_like(n=n, max_len=131072, seed=0)
-    out["synthetic:prolong-like"] = synthetic.prolong_like(n=n, max_len=131072, seed=0)
-    out["synthetic:short-only"] = synthetic.short_only(n=n, max_len=2048, seed=0)
-    return out
+from infinipipe_hf.planner.registry import PIPELINE_SCHEDULES as SCHEDULES
+from infinipipe_hf.planner.search.api import plan_step
 
 
 def run(quick: bool, profile_path: str | None, memory_gib: float) -> dict:

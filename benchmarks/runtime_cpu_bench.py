@@ -47,8 +47,8 @@ def stdlib_batch(longest: int = 3072, count: int = 48) -> list[int]:
 
 def memory_budget_gib(profile, lengths: list[int], pp: int) -> float:
     """Model states of the fullest stage + activations of half the longest document, uncheckpointed."""
-    from infinipipe_hf.planner.cost.model import CostModel
     from infinipipe_hf.ir.model_spec import ModelSpec
+    from infinipipe_hf.planner.cost.model import CostModel
 
     spec = ModelSpec.from_config_dict({"model_type": "llama", **MODEL})
     cost = CostModel(spec, profile, pp_degree=pp)

@@ -34,7 +34,7 @@ def worker(model_path: str, out: str) -> None:
     import transformers
 
     from infinipipe_hf import InfiniPipeConfig, PipelineEngine
-    from infinipipe_hf.runtime.parallel.fsdp import local_tensor
+    from infinipipe_hf.runtime.parallel.fsdp_api import local_tensor
     from tests.distributed.plans import make_plan
 
     torch.set_num_threads(1)

@@ -33,7 +33,7 @@ from collections import defaultdict
 def _actions_work(plan, cost):
     """``duration(stage, action)`` (the action's own compute, what its thread's CPU seconds
     measure) and ``transfer(action)`` exactly as the simulator prices them."""
-    from infinipipe_hf.planner.simulate.simulator import ActionCosts
+    from infinipipe_hf.planner.simulate.action_costs import ActionCosts
 
     costs = ActionCosts(plan, cost)
     return costs.duration, costs.transfer
@@ -49,7 +49,7 @@ def measured_work_replay(plan, cost, timeline) -> float:
 
     if plan.dp_degree != 1:
         raise ValueError(f"measured_work_replay handles one DP replica, the plan has {plan.dp_degree}")
-    from infinipipe_hf.planner.simulate.simulator import ActionCosts
+    from infinipipe_hf.planner.simulate.action_costs import ActionCosts
 
     cpu: dict[tuple[int, str], float] = defaultdict(float)
     for e in timeline.events:

@@ -102,7 +102,7 @@ def hf_packed_rows(config, seqs, device, dtype, args, *, ckpt: bool):
 
 def backend_name(backend) -> str:
     """The attention backend's registered name (``sdpa``, ``varlen``, ``flash``) for the row."""
-    from infinipipe_hf.runtime.attention import hf as attention
+    from infinipipe_hf.runtime.attention import select as attention
 
     names = [n for n, (fn, _) in attention._BACKENDS.items() if fn is backend]
     return names[0] if names else getattr(backend, "__name__", str(backend))

@@ -26,14 +26,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from planner_bench import SETUPS, batches  # noqa: E402
+from planner_tables.setups import SETUPS, batches  # noqa: E402
 
+from infinipipe_hf.ir.model_spec import ModelSpec  # noqa: E402
 from infinipipe_hf.models.model_configs import config_path  # noqa: E402
+from infinipipe_hf.planner.checkpointing import lp  # noqa: E402
 from infinipipe_hf.planner.checkpointing import solver as cs  # noqa: E402
-from infinipipe_hf.planner.search.api import plan_step  # noqa: E402
+from infinipipe_hf.planner.checkpointing.greedy import greedy_counts  # noqa: E402
 from infinipipe_hf.planner.checkpointing.problem import build_problem  # noqa: E402
 from infinipipe_hf.planner.cost.model import GIB, CostModel  # noqa: E402
-from infinipipe_hf.ir.model_spec import ModelSpec  # noqa: E402
+from infinipipe_hf.planner.search.api import plan_step  # noqa: E402
 from infinipipe_hf.planner.simulate.simulator import simulate  # noqa: E402
 
 MILP_LIMITS_S = (0.25, 2.0, 10.0)
@@ -51,13 +53,13 @@ def _simulated(plan, cost, prob, x) -> dict:
 
 def _milp(prob, limit_s: float) -> dict:
     t0 = time.perf_counter()
-    res = cs._highs(prob, limit_s, 1e-4)
+    res = lp.run_milp(prob, limit_s, 1e-4)
     out = {"limit_s": limit_s, "wall_s": time.perf_counter() - t0, "status": int(res.status),
            "gap": getattr(res, "mip_gap", None), "message": str(res.message)[:60]}
     if res.x is not None:
-        x = cs._close_chains(prob, np.clip(np.round(res.x), 0, prob.var_ub).astype(np.int64))
+        x = lp.close_chains(prob, np.clip(np.round(res.x), 0, prob.var_ub).astype(np.int64))
         if not cs._fits(prob, prob.columns_from_vars(x)):
-            x = cs.greedy_counts(prob, x)
+            x = greedy_counts(prob, x)
         out["x"] = x
     return out
 
@@ -67,10 +69,10 @@ def study(plan, cost, levels, sharing, milp_limits) -> dict:
     out = {"levels": list(levels), "sharing": sharing, "variables": prob.num_vars,
            "binding_rows": int((prob.need > 0).sum())}
     t0 = time.perf_counter()
-    g = cs.greedy_counts(prob)
+    g = greedy_counts(prob)
     out["greedy"] = dict(_simulated(plan, cost, prob, g), wall_s=time.perf_counter() - t0)
     t0 = time.perf_counter()
-    rounded, bound = cs._lp_rounding(prob, 60.0)
+    rounded, bound = lp.lp_rounding(prob, 60.0)
     out["lp_rounding"] = dict(_simulated(plan, cost, prob, rounded), wall_s=time.perf_counter() - t0)
     out["lp_bound_s"] = bound
     for limit in milp_limits:

@@ -2,21 +2,17 @@
 
 One dataclass, one docstring per field, checks in ``__post_init__`` (``ValueError`` for users).
 Checks that need the world size or the model (``pp_degree`` dividing the world, enough layers)
-happen where those are known: ``InfiniPipeConfig.check_world`` and the stage partition.
+happen where those are known: ``resolve_dp_degree`` (``layout.py``) and the stage partition.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("epp", "packed-1f1b", "seq1f1b", "gpipe")
-CHECKPOINTING = ("adaptive", "none", "full")
+from infinipipe_hf.ir.levels import CHECKPOINTING
+from infinipipe_hf.layout import resolve_dp_degree, shard_mode
+
 CHECKPOINT_LEVELS = ("keep_attn", "mlp", "mlp_act")
-SHARD_MODES = ("none", "sp", "dp", "sp+dp", "hybrid")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash")
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass
@@ -96,12 +92,12 @@ class InfiniPipeConfig:
             raise ValueError(f"pp_degree must be a positive integer, got {self.pp_degree!r}")
         if not isinstance(self.sp_degree, int) or self.sp_degree < 1:
             raise ValueError(f"sp_degree must be a positive integer, got {self.sp_degree!r}")
-        if self.shard not in SHARD_MODES:
-            raise ValueError(f"shard={self.shard!r} is not known; use one of {', '.join(SHARD_MODES)}")
+        shard_mode(self.shard)  # ValueError naming SHARD_MODES when unknown
         if self.dp_degree is not None and (not isinstance(self.dp_degree, int) or self.dp_degree < 1):
             raise ValueError(f"dp_degree must be a positive integer or None, got {self.dp_degree!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+        from infinipipe_hf.planner.registry import get_schedule  # here: importing the config stays light
+
+        get_schedule(self.schedule, "pipeline")
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(
                 f"checkpointing={self.checkpointing!r} is not known; use one of {', '.join(CHECKPOINTING)}")
@@ -136,20 +132,4 @@ class InfiniPipeConfig:
 
     def resolve_dp_degree(self, world_size: int) -> int:
         """Check ``pp_degree``, ``sp_degree`` (and ``dp_degree``) against the world; return ``dp_degree``."""
-        stage_ranks = self.pp_degree * self.sp_degree
-        if world_size % stage_ranks != 0:
-            if self.sp_degree == 1:
-                ok = ", ".join(str(d) for d in divisors(world_size))
-                raise ValueError(f"pp_degree={self.pp_degree} does not divide world size {world_size}; "
-                                 f"use {ok}")
-            pairs = ", ".join(f"{p}x{d}" for p in divisors(world_size)
-                              for d in divisors(world_size // p))
-            raise ValueError(f"pp_degree={self.pp_degree} x sp_degree={self.sp_degree} = {stage_ranks} "
-                             f"does not divide world size {world_size}; use a pp x sp product that "
-                             f"divides it (pp x sp among {pairs})")
-        dp = world_size // stage_ranks
-        if self.dp_degree is not None and self.dp_degree != dp:
-            raise ValueError(f"dp_degree={self.dp_degree} x pp_degree={self.pp_degree} x sp_degree="
-                             f"{self.sp_degree} != world size {world_size}; set dp_degree={dp} or "
-                             f"leave it None")
-        return dp
+        return resolve_dp_degree(world_size, self.pp_degree, self.sp_degree, self.dp_degree)

@@ -1,13 +1,14 @@
-"""The parallel layout the planner prices: degrees, sharding mode, node size, and its groups.
+"""The parallel layout of a job: degrees, the shard modes, the rank groups, and every world check.
 
-The world is ``dp_degree x pp_degree x sp_degree`` ranks laid out as the runtime lays them out:
-SP ranks adjacent, then the stages of one replica, DP replicas outermost::
+The world is ``dp_degree x pp_degree x sp_degree`` ranks, SP ranks adjacent, then the stages of
+one replica, DP replicas outermost::
 
     rank = (dp_rank * pp_degree + stage_index) * sp_degree + sp_rank
 
 A stage of one replica is a group of ``sp_degree`` ranks that share every unit (Ulysses SP).
 Model states of a stage may be sharded (FSDP2) over a *shard group* and its gradients reduced
-over the ranks that hold the same shard (the *replica group*):
+over the ranks that hold the same shard (the *replica group*); :data:`SHARD_TABLE` says which
+mesh dims do which for each mode:
 
 ======== ============================ ====================================================
 shard    shard group (degree)         gradients after the step's backward
@@ -22,15 +23,79 @@ sp+dp    both (sp x dp)               reduce-scatter over all of the stage's ran
 A group whose ranks sit on more than one node (``gpus_per_node`` ranks per node, filled in rank
 order) is priced at the inter-node bandwidth, otherwise at the intra-node one.  Every group of a
 kind is checked and one crossing group decides for all of them: the step waits for the slowest.
-Trade-off: exact node membership of the real rank order, at the cost of enumerating the world's
-ranks once per cost model (a few thousand at most).
+The planner, the runtime, the trainer and the CLI all take their degrees, groups and world
+checks from here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
 
-SHARD_MODES = ("none", "sp", "dp", "sp+dp", "hybrid")
+MESH_DIMS = ("dp", "pp", "sp")
+"""The mesh dims in rank order (outermost first)."""
+
+
+@dataclass(frozen=True)
+class ShardMode:
+    """How one shard mode splits a stage's model states over the stage's DP x SP ranks."""
+
+    name: str
+    shard_dims: tuple[str, ...]
+    """Mesh dims the stage's states are split over (the shard group)."""
+    replicate_dims: tuple[str, ...]
+    """Mesh dims whose ranks hold the same shard: gradients are all-reduced over them."""
+    hsdp: bool = False
+    """FSDP2 takes the 2-D mesh (replicate dims, shard dims) and all-reduces over the replicas itself."""
+    group: str = ""
+    """The shard group in words (messages)."""
+    summary: str = ""
+    """What the mode does in words (messages)."""
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.shard_dims)
+
+    @property
+    def per_step_gather(self) -> bool:
+        """The shard group spans DP replicas, whose unit lists differ: every module is gathered
+        once per step instead of per unit."""
+        return "dp" in self.shard_dims
+
+    @property
+    def fsdp_dims(self) -> tuple[str, ...]:
+        """Mesh dims of the mesh FSDP2 is given (flattened to one dim unless ``hsdp``)."""
+        return self.replicate_dims + self.shard_dims if self.hsdp else self.shard_dims
+
+    @property
+    def extra_dims(self) -> tuple[str, ...]:
+        """Replicate dims FSDP2 does not reduce over: the runtime sums their gradients itself."""
+        return () if self.hsdp or not self.sharded else self.replicate_dims
+
+    def degree(self, sp_degree: int, dp_degree: int) -> int:
+        """Ranks one stage's states are split over (1 when unsharded)."""
+        sizes = {"sp": sp_degree, "dp": dp_degree}
+        n = 1
+        for dim in self.shard_dims:
+            n *= sizes[dim]
+        return n
+
+
+SHARD_TABLE: dict[str, ShardMode] = {m.name: m for m in (
+    ShardMode("none", (), ("dp", "sp")),
+    ShardMode("sp", ("sp",), ("dp",), group="SP group", summary="shards over SP"),
+    ShardMode("dp", ("dp",), ("sp",), group="DP replicas", summary="shards over DP"),
+    ShardMode("sp+dp", ("dp", "sp"), (), group="SP x DP ranks", summary="shards over SP x DP"),
+    ShardMode("hybrid", ("sp",), ("dp",), hsdp=True, group="SP group",
+              summary="shards over SP and replicates over DP"),
+)}
+SHARD_MODES = tuple(SHARD_TABLE)
+
+
+def shard_mode(shard: str) -> ShardMode:
+    """The row of ``shard``; ``ValueError`` when it is not known."""
+    if shard not in SHARD_TABLE:
+        raise ValueError(f"shard={shard!r} is not known; use one of {', '.join(SHARD_MODES)}")
+    return SHARD_TABLE[shard]
 
 
 def _positive_int(name: str, value) -> None:
@@ -56,20 +121,23 @@ class LayoutSpec:
     def __post_init__(self) -> None:
         for name in ("pp_degree", "sp_degree", "dp_degree", "gpus_per_node"):
             _positive_int(name, getattr(self, name))
-        if self.shard not in SHARD_MODES:
-            raise ValueError(f"shard={self.shard!r} is not known; use one of {', '.join(SHARD_MODES)}")
-        if self.shard != "none" and self.shard_degree == 1:
+        mode = shard_mode(self.shard)
+        if mode.sharded and self.shard_degree == 1:
             raise ValueError(self._no_group_message())
 
     def _no_group_message(self) -> str:
-        group = {"sp": "SP group", "hybrid": "SP group", "dp": "DP replicas", "sp+dp": "SP x DP ranks"}[self.shard]
-        options = [m for m in SHARD_MODES[1:] if _degree(m, self.sp_degree, self.dp_degree) > 1]
+        options = [m.name for m in SHARD_TABLE.values()
+                   if m.sharded and m.degree(self.sp_degree, self.dp_degree) > 1]
         hint = (f"use shard in ({', '.join(repr(m) for m in options)}) or 'none'" if options
                 else "use shard='none', or raise sp_degree or dp_degree to have ranks to shard over")
-        return (f"shard={self.shard!r} shards over the stage's {group}, which has one rank here "
+        return (f"shard={self.shard!r} shards over the stage's {self.mode.group}, which has one rank here "
                 f"(sp_degree={self.sp_degree}, dp_degree={self.dp_degree}); {hint}")
 
     # --- degrees ---------------------------------------------------------------------------
+    @property
+    def mode(self) -> ShardMode:
+        return SHARD_TABLE[self.shard]
+
     @property
     def world_size(self) -> int:
         return self.dp_degree * self.pp_degree * self.sp_degree
@@ -77,7 +145,7 @@ class LayoutSpec:
     @property
     def shard_degree(self) -> int:
         """Ranks one stage's model states are split over (1 when unsharded)."""
-        return _degree(self.shard, self.sp_degree, self.dp_degree)
+        return self.mode.degree(self.sp_degree, self.dp_degree)
 
     @property
     def replica_degree(self) -> int:
@@ -85,44 +153,61 @@ class LayoutSpec:
         all-reduced over them."""
         return self.sp_degree * self.dp_degree // self.shard_degree
 
+    # --- ranks -----------------------------------------------------------------------------
     def rank(self, dp_rank: int, stage_index: int, sp_rank: int) -> int:
         return (dp_rank * self.pp_degree + stage_index) * self.sp_degree + sp_rank
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(dp_rank, stage_index, sp_rank)`` of ``rank``: the inverse of :meth:`rank`."""
+        return (rank // (self.sp_degree * self.pp_degree), (rank // self.sp_degree) % self.pp_degree,
+                rank % self.sp_degree)
 
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
     # --- groups ----------------------------------------------------------------------------
+    def sp_group(self, dp_rank: int, stage_index: int) -> list[int]:
+        """The SP ranks of one stage of one replica."""
+        return [self.rank(dp_rank, stage_index, r) for r in range(self.sp_degree)]
+
+    def dp_group(self, stage_index: int, sp_rank: int) -> list[int]:
+        """One stage's ranks with one SP rank, one per replica."""
+        return [self.rank(d, stage_index, sp_rank) for d in range(self.dp_degree)]
+
+    def pipeline_group(self, dp_rank: int, sp_rank: int) -> list[int]:
+        """Every stage of one replica, with one SP rank."""
+        return [self.rank(dp_rank, s, sp_rank) for s in range(self.pp_degree)]
+
+    def stage_group(self, stage_index: int) -> list[int]:
+        """All SP x DP ranks of one stage (ascending)."""
+        return [self.rank(d, stage_index, r) for d in range(self.dp_degree) for r in range(self.sp_degree)]
+
     def sp_groups(self) -> list[list[int]]:
-        return [[self.rank(d, s, r) for r in range(self.sp_degree)]
-                for d in range(self.dp_degree) for s in range(self.pp_degree)]
+        return [self.sp_group(d, s) for d in range(self.dp_degree) for s in range(self.pp_degree)]
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank(d, s, r) for d in range(self.dp_degree)]
-                for s in range(self.pp_degree) for r in range(self.sp_degree)]
+        return [self.dp_group(s, r) for s in range(self.pp_degree) for r in range(self.sp_degree)]
 
     def stage_groups(self) -> list[list[int]]:
         """All SP x DP ranks of each stage."""
-        return [[self.rank(d, s, r) for d in range(self.dp_degree) for r in range(self.sp_degree)]
-                for s in range(self.pp_degree)]
+        return [self.stage_group(s) for s in range(self.pp_degree)]
+
+    def _groups_over(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """The groups spanning the mesh dims ``dims`` (subsets of ``("dp", "sp")``)."""
+        if set(dims) == {"dp", "sp"}:
+            return self.stage_groups()
+        if dims == ("sp",):
+            return self.sp_groups()
+        if dims == ("dp",):
+            return self.dp_groups()
+        return [[r] for r in range(self.world_size)]
 
     def shard_groups(self) -> list[list[int]]:
-        if self.shard in ("sp", "hybrid"):
-            return self.sp_groups()
-        if self.shard == "dp":
-            return self.dp_groups()
-        if self.shard == "sp+dp":
-            return self.stage_groups()
-        return [[r] for r in range(self.world_size)]
+        return self._groups_over(self.mode.shard_dims)
 
     def replica_groups(self) -> list[list[int]]:
         """Groups over which gradients are all-reduced after any reduce-scatter."""
-        if self.shard in ("sp", "hybrid"):
-            return self.dp_groups()
-        if self.shard == "dp":
-            return self.sp_groups()
-        if self.shard == "sp+dp":
-            return [[r] for r in range(self.world_size)]
-        return self.stage_groups()
+        return self._groups_over(self.mode.replicate_dims)
 
     def crosses_nodes(self, groups: list[list[int]]) -> bool:
         """True when some group has ranks on two or more nodes."""
@@ -159,5 +244,79 @@ class LayoutSpec:
                    for r in range(self.sp_degree))
 
 
-def _degree(shard: str, sp: int, dp: int) -> int:
-    return {"none": 1, "sp": sp, "hybrid": sp, "dp": dp, "sp+dp": sp * dp}[shard]
+# --- world checks (before any process group exists, so every rank fails alike) -----------------
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_dp_degree(world_size: int, pp_degree: int, sp_degree: int, dp_degree: int | None = None) -> int:
+    """Check ``pp_degree``, ``sp_degree`` (and ``dp_degree``) against the world; return ``dp_degree``."""
+    stage_ranks = pp_degree * sp_degree
+    if world_size % stage_ranks != 0:
+        if sp_degree == 1:
+            ok = ", ".join(str(d) for d in divisors(world_size))
+            raise ValueError(f"pp_degree={pp_degree} does not divide world size {world_size}; "
+                             f"use {ok}")
+        pairs = ", ".join(f"{p}x{d}" for p in divisors(world_size)
+                          for d in divisors(world_size // p))
+        raise ValueError(f"pp_degree={pp_degree} x sp_degree={sp_degree} = {stage_ranks} "
+                         f"does not divide world size {world_size}; use a pp x sp product that "
+                         f"divides it (pp x sp among {pairs})")
+    dp = world_size // stage_ranks
+    if dp_degree is not None and dp_degree != dp:
+        raise ValueError(f"dp_degree={dp_degree} x pp_degree={pp_degree} x sp_degree="
+                         f"{sp_degree} != world size {world_size}; set dp_degree={dp} or "
+                         f"leave it None")
+    return dp
+
+
+def check_launch(world: int, pp_degree: int, sp_degree: int) -> int:
+    """``dp_degree`` of ``world`` launched processes; a clear error when pp_degree x sp_degree
+    does not divide them (the trainer's wording: it names the launch)."""
+    ok = divisors(world)
+    if world % pp_degree != 0:
+        raise ValueError(f"pp_degree={pp_degree} does not divide the {world} processes launched; "
+                         f"use pp_degree in {ok} or launch a multiple of {pp_degree} processes")
+    group = pp_degree * sp_degree
+    if world % group != 0:
+        fits = [d for d in ok if (world // pp_degree) % d == 0]
+        raise ValueError(f"pp_degree={pp_degree} x sp_degree={sp_degree} = {group} does not divide the {world} "
+                         f"processes launched; with pp_degree={pp_degree} use sp_degree in {fits}, or "
+                         f"launch a multiple of {group} processes")
+    return world // group
+
+
+def check_sp_heads(sp_degree: int, num_heads: int, pp_degree: int, world: int) -> None:
+    """Ulysses gives each SP rank whole attention heads (unevenly when they do not divide)."""
+    if sp_degree <= num_heads:
+        return
+    ok = [d for d in divisors(world // pp_degree) if d <= num_heads] if world % pp_degree == 0 else []
+    raise ValueError(f"sp_degree={sp_degree} is larger than the model's "
+                     f"{num_heads} attention heads: each sequence-parallel "
+                     f"rank computes at least one head; use sp_degree <= {num_heads}"
+                     + (f" (with pp_degree={pp_degree} on {world} processes: "
+                        f"{', '.join(map(str, ok))})" if ok else ""))
+
+
+_NO_GROUP = {"dp": ("data-parallel replicas", "DP", "launch more processes (world = dp x pp x sp with dp >= 2)"),
+             "sp": ("sequence-parallel ranks", "SP", "set sp_degree >= 2")}
+
+
+def check_shard_mode(shard: str, dp_degree: int, sp_degree: int) -> None:
+    """``ValueError`` when the runtime has no group for ``shard``: every dim FSDP2's mesh spans
+    needs two ranks or more."""
+    if shard == "none":
+        return
+    mode = shard_mode(shard)
+    world = f"dp_degree={dp_degree}, sp_degree={sp_degree}"
+    sizes = {"dp": dp_degree, "sp": sp_degree}
+    if all(sizes[d] >= 2 for d in mode.fsdp_dims):
+        return
+    alt = [m for m, ok in (("sp", sp_degree > 1), ("dp", dp_degree > 1)) if ok]
+    instead = f"use shard={alt[0]!r} or 'none'" if alt else "use shard='none'"
+    if len(mode.fsdp_dims) == 1:
+        ranks, name, fix = _NO_GROUP[mode.fsdp_dims[0]]
+        raise ValueError(f"shard={shard!r} shards each stage over its {ranks}, but this "
+                         f"run has {world}: there is no {name} group; {fix} or {instead}")
+    raise ValueError(f"shard={shard!r} {mode.summary}, which needs dp_degree >= 2 and sp_degree >= 2, "
+                     f"but this run has {world}; {instead}")

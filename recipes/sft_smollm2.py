@@ -15,17 +15,13 @@ only the assistant replies are trained.
 """
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import datasets
+import torch
+from transformers import HfArgumentParser
 
-import datasets  # noqa: E402
-import torch  # noqa: E402
-from transformers import HfArgumentParser  # noqa: E402
-
-from infinipipe_hf import EPPSFTConfig, EPPSFTTrainer  # noqa: E402
+from infinipipe_hf import EPPSFTConfig, EPPSFTTrainer
 
 
 @dataclass

@@ -16,17 +16,13 @@ Data and model are offline by default:
 """
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import datasets
+import torch
+from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig
 
-import datasets  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig  # noqa: E402
-
-from infinipipe_hf import EPPTrainer, EPPTrainingArguments  # noqa: E402
+from infinipipe_hf import EPPTrainer, EPPTrainingArguments
 
 
 @dataclass

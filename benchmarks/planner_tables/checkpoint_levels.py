@@ -19,10 +19,11 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from infinipipe_hf.planner.search.api import plan_step
 from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.search.api import plan_step
 
 from .common import spec_of
+from .setups import SETUPS, batches
 
 NAME = "checkpoint_levels"
 DESCRIPTION = ("checkpoint levels inside a layer, before (whole layers, diagonal counts) and after (levels, "
@@ -129,9 +130,7 @@ def format_row(row: dict) -> str:
 
 
 def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:
-    """Every (model, pp) setup and batch of the planner benchmark (planner_bench.py)."""
-    from planner_bench import SETUPS, batches  # the benchmark's own batches; imported late (it imports us)
-
+    """Every (model, pp) setup and batch of the planner benchmark (``setups.py``)."""
     rows = []
     for model, pp in (SETUPS[:1] if quick else SETUPS):
         spec = spec_of(model)

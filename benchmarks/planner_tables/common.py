@@ -1,11 +1,12 @@
 """Helpers shared by the planner benchmark tables: plan a batch with several schedules, summarise."""
 from __future__ import annotations
 
-from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.alternatives import ALTERNATIVES, FlatCost, plan_alternative
-from infinipipe_hf.planner.search.api import plan_step
-from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.registry import ALTERNATIVES
+from infinipipe_hf.planner.search.api import plan_alternative, plan_step
 
 
 def spec_of(model: str) -> ModelSpec:

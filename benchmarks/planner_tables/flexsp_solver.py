@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 
 from infinipipe_hf.data import synthetic
-from infinipipe_hf.planner.alternatives import FlatCost, plan_alternative
-from infinipipe_hf.planner.alternatives.flexsp import MILP_BUCKETS, round_problem
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
+from infinipipe_hf.planner.alternatives.flexsp_build import MILP_BUCKETS, round_problem
 from infinipipe_hf.planner.alternatives.flexsp_solver import greedy_groups, milp_groups
 from infinipipe_hf.planner.cost.model import GIB
+from infinipipe_hf.planner.search.api import plan_alternative
 
 from .common import spec_of
 

@@ -67,7 +67,8 @@ def markdown(report: dict) -> str:
         s = row["schedules"]
         slices = f"{s['epp'].get('num_slices', '-')}, {s['seq1f1b'].get('num_slices', '-')}"
         fixed_tps = " | ".join(fmt_tps(s[f"seq1f1b-K{k}"]) for k in FIXED_SLICES)
-        fixed_x = " / ".join(_x(row["epp_over_seq1f1b_fixed"][k]) for k in FIXED_SLICES)
+        by_k = {str(k): v for k, v in row["epp_over_seq1f1b_fixed"].items()}  # int keys, or str from JSON
+        fixed_x = " / ".join(_x(by_k[str(k)]) for k in FIXED_SLICES)
         lines.append(f"| {row['model']} | {row['cap'] // 1024}K | {fmt_tps(s['epp'])} | {fmt_tps(s['seq1f1b'])} | "
                      f"{fmt_tps(s['packed-1f1b'])} | {_x(row['epp_over_seq1f1b'])} "
                      f"({row['paper_epp_over_seq1f1b']:.2f}x) | {fixed_tps} | {fixed_x} | {slices} |")

@@ -4,7 +4,8 @@ Shared by the paper table and the static-vs-tuned table.  For one model, one pip
 list of batches it plans, per batch: EPP (as the runtime runs it, and optionally with the
 what-if per-unit gradient reduction), the pipeline baselines tuned per batch, and the non-pipeline
 alternatives tuned per batch on the same GPUs; then the best static setting of each baseline and
-alternative over the whole run (``infinipipe_hf.planner.search.static_settings``).  A run's throughput is
+alternative over the whole run (``infinipipe_hf.planner.search.static_pipeline`` / ``static_alternative``).
+A run's throughput is
 its total tokens over its total (simulated) step time.
 """
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import statistics
 import time
 
-from infinipipe_hf.planner.alternatives import FlatCost, plan_alternative
-from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.search.static_settings import static_alternative, static_pipeline_baseline
+from infinipipe_hf.planner.search.api import plan_alternative, plan_step
+from infinipipe_hf.planner.search.static_alternative import static_alternative
+from infinipipe_hf.planner.search.static_pipeline import static_pipeline_baseline
 
 from .common import spec_of
 

@@ -1,51 +1,26 @@
 """The systems HF users run instead of a pipeline, on the planner benchmark's batches and GPUs.
 
-The batches of the main planner table (512 sequences: real Python-stdlib lengths, the stdlib +
-Shakespeare + KJV mix, SlimPajama-like and ProLong-like synthetic ones to 128K, short ones) and its
-setups (Llama-2-7B on 4 GPUs as pp 4, Llama-2-13B on 8 GPUs as pp 8, one node, 80 GiB): EPP and the
-best pipeline baseline against ``ulysses-zero3`` (DeepSpeed-Ulysses + ZeRO-3), ``ring-cp`` (FSDP2 +
-ring attention) and ``flexsp`` on the same GPUs, each tuned per batch over its knobs (chosen knobs
-shown).  EPP is also planned with Ulysses SP inside its stages on the same GPUs (every
-``pp x sp`` split, states sharded over SP), since a user picks the layout too: the column "EPP,
-best pp x sp" is the fastest of those and of plain pp.  Single batches; the 32-GPU, 20-batch
-comparison is the paper table.
+The batches and setups of the main planner table (``setups.py``: 512 sequences of real
+Python-stdlib lengths, the stdlib + Shakespeare + KJV mix, SlimPajama-like and ProLong-like
+synthetic ones to 128K, short ones; Llama-2-7B on 4 GPUs as pp 4, Llama-2-13B on 8 GPUs as pp 8,
+one node, 80 GiB): EPP and the best pipeline baseline against ``ulysses-zero3`` (DeepSpeed-Ulysses
++ ZeRO-3), ``ring-cp`` (FSDP2 + ring attention) and ``flexsp`` on the same GPUs, each tuned per
+batch over its knobs (chosen knobs shown).  EPP is also planned with Ulysses SP inside its stages on
+the same GPUs (every ``pp x sp`` split, states sharded over SP), since a user picks the layout too:
+the column "EPP, best pp x sp" is the fastest of those and of plain pp.  Single batches; the
+32-GPU, 20-batch comparison is the paper table.
 """
 from __future__ import annotations
 
-import random
-import sys
-
-from infinipipe_hf.data import synthetic
-from infinipipe_hf.planner.alternatives import ALTERNATIVES
+from infinipipe_hf.planner.registry import ALTERNATIVES
 
 from .common import plan_schedules
 from .runs import fmt_k
+from .setups import SETUPS, batches
 
 NAME = "users_alternatives"
 DESCRIPTION = "EPP vs DeepSpeed-Ulysses+ZeRO-3, FSDP2 ring CP and FlexSP on the planner benchmark's batches"
-SETUPS = (("llama2-7b", 4), ("llama2-13b", 8))
 PIPELINES = ("epp", "packed-1f1b", "seq1f1b")
-
-
-def _real(corpora: tuple[str, ...], n: int) -> list[int]:
-    from infinipipe_hf.data.corpus import document_lengths
-
-    pool = [x for c in corpora for x in document_lengths(c) if x > 0]
-    return random.Random(0).sample(pool, min(n, len(pool)))
-
-
-def batches(quick: bool) -> dict[str, list[int]]:
-    n = 128 if quick else 512
-    out = {}
-    for corpora in ((("stdlib",),) if quick else (("stdlib",), ("stdlib", "shakespeare", "kjv"))):
-        try:
-            out["real:" + "+".join(corpora)] = _real(corpora, n)
-        except Exception as exc:  # a missing optional corpus is reported, not fatal
-            print(f"skipping real:{'+'.join(corpora)}: {exc}", file=sys.stderr)
-    out["synthetic:slimpajama-like"] = synthetic.slimpajama_like(n=n, max_len=131072, seed=0)
-    out["synthetic:prolong-like"] = synthetic.prolong_like(n=n, max_len=131072, seed=0)
-    out["synthetic:short-only"] = synthetic.short_only(n=n, max_len=2048, seed=0)
-    return out
 
 
 def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:

@@ -31,69 +31,17 @@ import json
 import sys
 from pathlib import Path
 
+from infinipipe_hf.cli.inputs import read_json, read_lengths, read_model_spec
 from infinipipe_hf.config import InfiniPipeConfig
-from infinipipe_hf.planner.alternatives import ALTERNATIVES, AlternativeResult, FlatCost, plan_alternative
-from infinipipe_hf.planner.search.api import SCHEDULES, PlanResult, plan_step
+from infinipipe_hf.ir.levels import CHECKPOINTING, FINER_LEVELS
+from infinipipe_hf.layout import SHARD_MODES
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import HardwareProfile
-from infinipipe_hf.layout import SHARD_MODES
-from infinipipe_hf.ir.model_spec import ModelSpec
-
-
-def _read_text(path: str, what: str) -> str:
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"{what} {path} does not exist")
-    if p.is_dir():
-        raise ValueError(f"{what} {path} is a directory; pass a file")
-    try:
-        return p.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read {what} {path}: {exc}") from None
-
-
-def read_json(path: str, what: str) -> dict:
-    """The JSON object in ``path``; a ValueError naming the file (and line) when it is not one."""
-    try:
-        data = json.loads(_read_text(path, what))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{what} {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
-                         f"{exc.msg})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} {path} must hold a JSON object, got a {type(data).__name__}")
-    return data
-
-
-def read_model_spec(path: str) -> ModelSpec:
-    """``--model``: an HF ``config.json``, or a checkpoint directory holding one."""
-    p = Path(path)
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ValueError(f"model directory {path} has no config.json; pass an HF config.json or a "
-                             f"checkpoint directory that holds one")
-        p = p / "config.json"
-    cfg = read_json(str(p), "model config")
-    try:
-        return ModelSpec.from_config_dict(cfg)
-    except KeyError as exc:
-        raise ValueError(f"model config {p} lacks {exc.args[0]!r}; is it an HF config.json of a "
-                         f"decoder-only model?") from None
-    except ValueError as exc:
-        raise ValueError(f"model config {p}: {exc}") from None
-
-
-def read_lengths(path: str) -> list[int]:
-    text = _read_text(path, "lengths file")
-    lengths = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            lengths.append(int(line))
-        except ValueError:
-            raise ValueError(f"{path}:{lineno}: expected one integer sequence length per line, got {line!r}") from None
-    return lengths
+from infinipipe_hf.planner.registry import ALTERNATIVES, PIPELINE_SCHEDULES, get_schedule
+from infinipipe_hf.planner.schedules.base import ROUNDS
+from infinipipe_hf.planner.search.api import plan_alternative, plan_step
+from infinipipe_hf.planner.search.result import PlanResult
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,20 +62,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="total GPUs of the job: checked against pp x sp (x dp)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory budget per GPU in GiB")
     p.add_argument("--profile", default=None, help="cost profile JSON (default: shipped H100/bf16)")
-    p.add_argument("--schedule", default="epp", choices=[*SCHEDULES, *ALTERNATIVES, "all"],
+    p.add_argument("--schedule", default="epp", choices=[*PIPELINE_SCHEDULES, *ALTERNATIVES, "all"],
                    help="a pipeline schedule, a non-pipeline alternative on the same GPUs, or all of them")
     p.add_argument("--max-tokens-per-unit", type=int, default=None)
-    p.add_argument("--checkpointing", default="adaptive", choices=["adaptive", "none", "full"])
-    p.add_argument("--checkpoint-levels", default="keep_attn,mlp,mlp_act", metavar="LEVELS",
+    p.add_argument("--checkpointing", default="adaptive", choices=list(CHECKPOINTING))
+    p.add_argument("--checkpoint-levels", default=",".join(FINER_LEVELS), metavar="LEVELS",
                    help="levels inside a decoder layer adaptive checkpointing may use beside whole "
-                        "layers: comma-separated among keep_attn, mlp, mlp_act, or 'none' (whole layers only)")
+                        f"layers: comma-separated among {', '.join(FINER_LEVELS)}, or 'none' (whole layers only)")
     p.add_argument("--emit-plan", default=None, metavar="PLAN.json", help="write the plan as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart + memory per stage")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     return p
 
 
-def run(args: argparse.Namespace) -> list[PlanResult | AlternativeResult]:
+def run(args: argparse.Namespace) -> list[PlanResult]:
+    """Plan the batch with every schedule asked for, in order (pipeline schedules, then alternatives)."""
     spec = read_model_spec(args.model)
     lengths = read_lengths(args.lengths)
     dp = resolve_layout(args)
@@ -141,19 +90,15 @@ def run(args: argparse.Namespace) -> list[PlanResult | AlternativeResult]:
                              f"{exc}); write one with python -m infinipipe_hf.profile") from None
     cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.gpu_memory_gib * GIB,
                      sp_degree=args.sp, shard=args.shard, dp_degree=dp, gpus_per_node=args.gpus_per_node)
-    schedules = (*SCHEDULES, *ALTERNATIVES) if args.schedule == "all" else (args.schedule,)
+    schedules = (*PIPELINE_SCHEDULES, *ALTERNATIVES) if args.schedule == "all" else (args.schedule,)
     levels = () if args.checkpoint_levels.strip() in ("", "none") else tuple(
         lv.strip() for lv in args.checkpoint_levels.split(","))
     results = []
     flat = None
     for s in schedules:
-        if s in ALTERNATIVES:
+        if get_schedule(s).kind == ROUNDS:
             if flat is None:
-                flat = FlatCost.of(spec, args.pp * args.sp * dp, args.gpu_memory_gib * GIB, cost.profile,
-                                   cost.layout.gpus_per_node)
-                if args.max_tokens_per_unit is not None:
-                    print(f"warning: --max-tokens-per-unit caps pipeline units; {', '.join(ALTERNATIVES)} "
-                          f"do not cut sequences and ignore it", file=sys.stderr)
+                flat = _flat_cost(args, spec, cost, dp)
             results.append(plan_alternative(lengths, spec, s, world_size=flat.world_size, cost=flat,
                                             checkpointing=args.checkpointing))
             continue
@@ -162,6 +107,17 @@ def run(args: argparse.Namespace) -> list[PlanResult | AlternativeResult]:
                                  max_tokens_per_unit=args.max_tokens_per_unit, checkpointing=args.checkpointing,
                                  checkpoint_levels=levels))
     return results
+
+
+def _flat_cost(args: argparse.Namespace, spec, cost: CostModel, dp: int) -> FlatCost:
+    """The alternatives' cost on the pipeline layout's ``pp x sp x dp`` GPUs (warns that they
+    ignore ``--max-tokens-per-unit``)."""
+    flat = FlatCost.of(spec, args.pp * args.sp * dp, args.gpu_memory_gib * GIB, cost.profile,
+                       cost.layout.gpus_per_node)
+    if args.max_tokens_per_unit is not None:
+        print(f"warning: --max-tokens-per-unit caps pipeline units; {', '.join(ALTERNATIVES)} "
+              f"do not cut sequences and ignore it", file=sys.stderr)
+    return flat
 
 
 def resolve_layout(args: argparse.Namespace) -> int:
@@ -195,10 +151,11 @@ def format_table(results: list[PlanResult]) -> str:
             rows.append((r.schedule, "NO", "-", "0", "-", "-", "-", "-", "-", f"{r.planning_time_s:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-    epp = next((r for r in results if r.schedule == "epp" and r.feasible), None)
-    for label, names in (("the best pipeline baseline", SCHEDULES), ("the best non-pipeline alternative", ALTERNATIVES)):
+    epp = next((r for r in results if get_schedule(r.schedule).reference and r.feasible), None)
+    for label, names in (("the best pipeline baseline", PIPELINE_SCHEDULES),
+                         ("the best non-pipeline alternative", ALTERNATIVES)):
         best = max((r.summary()["tokens_per_s"] for r in results
-                    if r.schedule != "epp" and r.schedule in names and r.feasible), default=0)
+                    if not get_schedule(r.schedule).reference and r.schedule in names and r.feasible), default=0)
         if epp is not None and best > 0:
             lines.append(f"EPP speedup over {label}: {epp.summary()['tokens_per_s'] / best:.2f}x")
     for r in results:
@@ -217,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, r in enumerate(results):
         if r.plan is not None and args.emit_plan:
             _sibling(args.emit_plan, r.schedule, i == 0).write_text(r.plan.to_json(indent=1))
-        if r.plan is not None and args.plot and isinstance(r, AlternativeResult):
+        if r.plan is not None and args.plot and get_schedule(r.schedule).kind == ROUNDS:
             print(f"note: --plot draws pipeline schedules; {r.schedule} is not one (skipped)", file=sys.stderr)
         elif r.plan is not None and args.plot:
             from infinipipe_hf.cli.viz import plot_plan

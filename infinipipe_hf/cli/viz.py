@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # imported lazily so the planner never pulls matplotlib in
-    from infinipipe_hf.planner.cost.model import CostModel
-    from infinipipe_hf.ir.plan import Plan
-    from infinipipe_hf.planner.simulate.simulator import SimulationResult
+from infinipipe_hf.planner.cost.model import GIB
 
-GIB = 1024 ** 3
+if TYPE_CHECKING:  # imported lazily so the planner never pulls matplotlib in
+    from infinipipe_hf.ir.plan import Plan
+    from infinipipe_hf.planner.cost.model import CostModel
+    from infinipipe_hf.planner.simulate.result import SimulationResult
+
+RECOMPUTE_COLOUR = (0.35, 0.1, 0.0, 0.55)
 
 
 def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | None = None,
@@ -34,10 +36,6 @@ def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib import colormaps
-    from matplotlib.patches import Patch
-
-    from infinipipe_hf.ir.actions import Action
 
     p, dp = plan.pp_degree, plan.dp_degree
     rows = p * dp
@@ -45,6 +43,35 @@ def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | 
     fig, (ax, axm) = plt.subplots(2, 1, figsize=(fig_w, 2.2 + 0.45 * rows + 2.6), sharex=True,
                                   gridspec_kw={"height_ratios": [max(1.5, 0.45 * rows), 2.6]})
     step = sim.step_time_s or 1.0
+    boxes, recompute, labels = _gantt_boxes(plan, sim, step)
+    _draw_gantt(ax, plan, sim, boxes, recompute, labels)
+    head = title or f"{plan.schedule} plan"
+    fig.suptitle(f"{head}: pp={p} dp={dp}, {len(plan.sequences)} sequences, {len(plan.units)} units, "
+                 f"{plan.num_pipelines} pipeline(s); step {sim.step_time_s * 1e3:.1f} ms, "
+                 f"bubbles {sim.bubble_fraction:.1%}, recompute {sim.recompute_time_s * 1e3:.1f} ms",
+                 fontsize=11)
+    _draw_memory(axm, sim, p, step)
+    fig.tight_layout()
+    dpi = 120
+    fig.savefig(path, dpi=dpi)
+    size = tuple(int(round(x * dpi)) for x in fig.get_size_inches())
+    plt.close(fig)
+    counts: dict[int, int] = {}
+    for (row, _kind), (spans, _) in boxes.items():
+        counts[row] = counts.get(row, 0) + len(spans)
+    return {"boxes": counts, "recompute_boxes": sum(len(v) for v in recompute.values()),
+            "labels": len(labels), "memory_curves": sum(1 for pts in sim.memory_timeline.values() if pts),
+            "size_px": size}
+
+
+def _gantt_boxes(plan: "Plan", sim: "SimulationResult", step: float):
+    """Per (row, action kind) the spans and colours of its boxes, per row the recompute spans,
+    and the labels of boxes wide enough to hold them."""
+    from matplotlib import colormaps
+
+    from infinipipe_hf.ir.actions import Action
+
+    p = plan.pp_degree
     fwd_cmap, bwd_cmap = colormaps["Blues"], colormaps["Oranges"]
     by_id = plan.unit_by_id
 
@@ -67,12 +94,22 @@ def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | 
             recompute.setdefault(row, []).append((e.start_s, e.recompute_s))
         if e.end_s - e.start_s >= min_label_w:
             labels.append(((e.start_s + e.end_s) / 2, row, e.action))
+    return boxes, recompute, labels
+
+
+def _draw_gantt(ax, plan: "Plan", sim: "SimulationResult", boxes: dict, recompute: dict, labels: list) -> None:
+    from matplotlib import colormaps
+    from matplotlib.patches import Patch
+
+    p, dp = plan.pp_degree, plan.dp_degree
+    rows = p * dp
+    fwd_cmap, bwd_cmap = colormaps["Blues"], colormaps["Oranges"]
     thin = len(sim.events) > 400
     for (row, _kind), (spans, colours) in boxes.items():
         ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colours, edgecolor="white" if not thin else "none",
                        linewidth=0.3)
     for row, spans in recompute.items():
-        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=(0.35, 0.1, 0.0, 0.55), edgecolor="black",
+        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=RECOMPUTE_COLOUR, edgecolor="black",
                        linewidth=0.0, hatch="////")
     for x, row, text in labels:
         ax.text(x, row, text, ha="center", va="center", fontsize=7, color="black")
@@ -81,13 +118,14 @@ def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | 
     ax.set_ylim(rows - 0.5, -0.5)
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     ax.legend(handles=[Patch(color=fwd_cmap(0.65), label="forward"), Patch(color=bwd_cmap(0.65), label="backward"),
-                       Patch(facecolor=(0.35, 0.1, 0.0, 0.55), hatch="////", label="recompute")],
+                       Patch(facecolor=RECOMPUTE_COLOUR, hatch="////", label="recompute")],
               loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=3, frameon=False)
-    head = title or f"{plan.schedule} plan"
-    fig.suptitle(f"{head}: pp={p} dp={dp}, {len(plan.sequences)} sequences, {len(plan.units)} units, "
-                 f"{plan.num_pipelines} pipeline(s); step {sim.step_time_s * 1e3:.1f} ms, "
-                 f"bubbles {sim.bubble_fraction:.1%}, recompute {sim.recompute_time_s * 1e3:.1f} ms",
-                 fontsize=11)
+
+
+def _draw_memory(axm, sim: "SimulationResult", p: int, step: float) -> None:
+    """Each stage's memory (GiB) over the step, the budget dashed."""
+    from matplotlib import colormaps
+
     stage_colours = colormaps["viridis"]
     for (r, s), pts in sorted(sim.memory_timeline.items()):
         if not pts:
@@ -105,17 +143,6 @@ def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | 
     axm.set_xlim(0, step)
     axm.grid(linewidth=0.3, alpha=0.5)
     axm.legend(loc="lower right", fontsize=8, ncol=min(6, p + 1), framealpha=0.9)
-    fig.tight_layout()
-    dpi = 120
-    fig.savefig(path, dpi=dpi)
-    size = tuple(int(round(x * dpi)) for x in fig.get_size_inches())
-    plt.close(fig)
-    counts: dict[int, int] = {}
-    for (row, _kind), (spans, _) in boxes.items():
-        counts[row] = counts.get(row, 0) + len(spans)
-    return {"boxes": counts, "recompute_boxes": sum(len(v) for v in recompute.values()),
-            "labels": len(labels), "memory_curves": sum(1 for pts in sim.memory_timeline.values() if pts),
-            "size_px": size}
 
 
 def format_timeline(sim: "SimulationResult", *, max_events_per_stage: int = 40) -> str:

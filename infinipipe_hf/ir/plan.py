@@ -3,14 +3,14 @@
 A ``Plan`` holds everything decided before a step runs: the units, which pipeline and DP replica
 each belongs to, every stage's action list per DP replica, and the number of checkpointed decoder
 layers per (stage, unit): ``checkpoint_layers`` counts layers recomputed whole, the optional
-``checkpoint_levels`` layers recomputed in part (planner/checkpoint_levels.py).  It is computed identically on every rank and serialises to the JSON of
-the ``--emit-plan`` contract, so a plan can be printed, diffed, stored and replayed.
+``checkpoint_levels`` layers recomputed in part (``ir.levels``).  It is computed identically on
+every rank and serialises to the JSON of the ``--emit-plan`` contract, so a plan can be printed,
+diffed, stored and replayed.
 
 With sequence parallelism (``sp_degree > 1``) a stage is a group of ``sp_degree`` GPUs: units and
 actions are those of the group as a whole (how a unit's tokens are split over its ranks is the
 runtime's business).  ``sp_degree`` and ``shard`` are written to JSON only when they differ from
-their defaults (1 and ``"none"``), so plans of unsharded single-GPU stages keep their old form and
-a JSON without them reads back with the defaults.
+their defaults (1 and ``"none"``), and a JSON without them reads back with the defaults.
 """
 from __future__ import annotations
 

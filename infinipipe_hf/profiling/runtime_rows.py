@@ -1,36 +1,28 @@
 """Timing rows measured through the runtime's own code path, for CPU cost profiles.
 
-A GPU profile times one decoder layer on whole causal sequences and lets the fit extrapolate to
-everything else.  On CPU the runtime's costs differ from that by shape: a slice with context runs
-SDPA with an explicit (dense) mask, a packed unit makes one SDPA call per segment, a checkpointed
-layer replays part of its forward in backward, the chunked loss recomputes its logits.  So every
-row here is one *unit* run through ``StageRunner.forward`` / ``backward`` exactly as a pipeline
-runs it:
+On CPU the runtime's costs differ by shape from one layer on a whole causal sequence (a slice with
+context runs SDPA with a dense mask, a packed unit makes one SDPA call per segment, a checkpointed
+layer replays part of its forward, the chunked loss recomputes its logits), so every row here is
+one *unit* run through ``StageRunner.forward`` / ``backward`` exactly as a pipeline runs it:
 
-- ``unit_layer``: a one-layer middle stage of the model on a unit given by its segments
-  (``[[start, end], ...]``; a segment starting after 0 first has its context forwarded into the
-  KV store, untimed) at a checkpoint level (``None``, ``full``, ``mlp``, ``mlp_act``).
-- ``unit_loss``: the last stage's final norm and chunked LM loss (``chunked_lm_loss``, the
-  runtime's function) on ``tokens`` label tokens; its backward includes the logits recompute.
+- ``unit_layer``: a one-layer middle stage on a unit given by its segments (``[[start, end], ...]``;
+  a segment starting after 0 first has its context forwarded into the KV store, untimed) at a
+  checkpoint level (``None``, ``full``, ``mlp``, ``mlp_act``).
+- ``unit_loss``: the last stage's final norm and chunked LM loss on ``tokens`` label tokens; its
+  backward includes the logits recompute.
 - ``embedding``: the first stage's embedding lookup and its backward.
-- ``unit_memory``: the same one-layer stage's allocator peaks (``profiling/memory_events.py``) on a
-  whole sequence at a level: ``fwd_peak_bytes`` above the level before the forward,
-  ``kept_bytes`` still held after it (what the unit keeps), ``bwd_peak_bytes`` above that during
-  its backward (the weights' gradients allocated beforehand: they are model states): the working
-  memory the phase model of ``planner/working_memory.py`` needs.
-- ``elementwise``: the MLP's ``act_fn(g) * u`` on ``tokens x intermediate`` inputs, what the
-  ``mlp_act`` level redoes; ``bytes_per_s`` counts the ``5 * intermediate`` elements per token it
-  moves (the profile's ``elementwise_bytes_per_s``, as ``profiling/measure.py`` defines it).
+- ``unit_memory``: the stage's allocator peaks (``profiling/memory_events.py``) on a whole sequence
+  at a level: ``fwd_peak_bytes``, ``kept_bytes`` after the forward, ``bwd_peak_bytes`` above that
+  during its backward: the working memory of the planner's phase model.
+- ``elementwise``: the MLP's ``act_fn(g) * u``, what the ``mlp_act`` level redoes; ``bytes_per_s``
+  counts the ``5 * intermediate`` elements per token it moves.
 
-Times are per-thread CPU seconds (``time.thread_time``), medians over repeats; wall-clock medians
-sit beside them.  Design: on a machine shared with other jobs a wall clock measures the work plus
-however long the scheduler gave the core away, which is what made fitted profiles swing by tens
-of percent between runs; a thread's CPU time is the work alone (single-threaded torch), so it is
-the quantity a cost coefficient stands for, and how ranks share cores is the simulator's job
-(``HardwareProfile.shared_cores``).  Repeats are interleaved over the cases (round-robin), so a
-slow phase of the machine touches every shape alike instead of skewing one.  Trade-off: CPU time
-still carries cache and memory-bandwidth interference from neighbours (a few percent), and the
-rows exclude the pipeline's Python glue between actions (measured separately by the benchmark).
+Times are per-thread CPU seconds (``time.thread_time``), medians over repeats interleaved over the
+cases, with wall-clock medians beside them: on a shared machine a wall clock also measures the time
+the scheduler gave the core away, while a thread's CPU time is the work alone, which is what a cost
+coefficient stands for (how ranks share cores is the simulator's job).  Trade-off: CPU time still
+carries cache and memory-bandwidth interference, and the rows exclude the pipeline's Python glue
+between actions.
 """
 from __future__ import annotations
 
@@ -248,9 +240,9 @@ def measure_memory_rows(model, tokens: int, levels: Sequence[str | None] = (None
                         *, seed: int = 0) -> list[dict]:
     """``unit_memory`` rows of a ``tokens``-token sequence on a one-layer middle stage of ``model``
     (pruned in place) at each of ``levels`` (module docstring).  Byte counts do not depend on load."""
+    from infinipipe_hf.profiling.memory_events import MemoryProbe
     from infinipipe_hf.runtime.stage.module import build_stage
     from infinipipe_hf.runtime.stage.runner import StageRunner
-    from infinipipe_hf.profiling.memory_events import MemoryProbe
 
     runner = StageRunner(build_stage(model, 1, range(1, 2)))
     g = torch.Generator().manual_seed(seed)

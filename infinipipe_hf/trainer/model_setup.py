@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from infinipipe_hf.layout import check_launch, shard_mode
 from infinipipe_hf.runtime.engine.engine import PipelineEngine
 
 # Dense bf16 peak TFLOP/s per device, for the MFU estimate when peak_tflops is not given.
@@ -53,7 +54,7 @@ def apply_precision(model, args, shard: str = "none") -> torch.dtype | None:
         warnings.warn("bf16=True on CPU: the stage weights, activations and transfers are cast to "
                       "bfloat16 and run slowly on most CPUs; drop bf16=True to train in the model's "
                       "dtype", UserWarning, stacklevel=3)
-    if shard != "none":
+    if shard_mode(shard).sharded:
         return torch.bfloat16  # shards keep the model's dtype; FSDP2 computes in bf16
     model.to(torch.bfloat16)
     return None
@@ -66,18 +67,7 @@ def check_world(args) -> tuple[int, int]:
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
         int(os.environ.get("WORLD_SIZE", "1"))
-    ok = [d for d in range(1, world + 1) if world % d == 0]
-    if world % args.pp_degree != 0:
-        raise ValueError(f"pp_degree={args.pp_degree} does not divide the {world} processes launched; "
-                         f"use pp_degree in {ok} or launch a multiple of {args.pp_degree} processes")
-    sp = getattr(args, "sp_degree", 1) or 1
-    group = args.pp_degree * sp
-    if world % group != 0:
-        fits = [d for d in ok if (world // args.pp_degree) % d == 0]
-        raise ValueError(f"pp_degree={args.pp_degree} x sp_degree={sp} = {group} does not divide the {world} "
-                         f"processes launched; with pp_degree={args.pp_degree} use sp_degree in {fits}, or "
-                         f"launch a multiple of {group} processes")
-    return world, world // group
+    return world, check_launch(world, args.pp_degree, getattr(args, "sp_degree", 1) or 1)
 
 
 def build_engine(model, args, planner=None) -> PipelineEngine:

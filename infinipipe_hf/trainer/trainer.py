@@ -1,25 +1,21 @@
 """``EPPTrainer``: ``transformers.Trainer`` running the model as an elastic pipeline.
 
-Design (like TRL's ``SFTTrainer``: a few hooks overridden, ``super()`` does the rest):
+Like TRL's ``SFTTrainer``, a few hooks are overridden and ``super()`` does the rest:
 - ``__init__`` cuts this rank's stage out of the model (``PipelineEngine``, in place), so
   ``self.model`` afterwards holds exactly this rank's parameters under their HF names.
 - ``_wrap_model`` returns the stage module, so Trainer never wraps the model in DDP/FSDP nor
   lets accelerate prepare it: the engine does DP itself.  Only the optimizer is prepared.
-- Data: ``get_*_dataloader`` build a token-budget ``GlobalBatchLoader`` that yields the *same*
-  global batch on every rank (accelerate would shard it).
+- ``get_*_dataloader`` build a token-budget ``GlobalBatchLoader`` that yields the *same* global
+  batch on every rank (accelerate would shard it).
 - ``training_step`` = ``engine.train_step(global batch, num_label_tokens=num_items_in_batch)``:
-  with gradient accumulation every batch's loss is divided by the label count of all of them, so
   n accumulated batches give exactly the gradient of their mean token loss, as HF does.
 - Clipping uses the engine's global norm; saving writes HF checkpoints stage by stage
-  (``checkpoint_io``); resume restores per-stage optimizer state, the scheduler and per-rank RNG.
-- Logging: a whole optimizer step without label tokens (every label -100) updates nothing; it is
-  left out of the logged mean loss (``skipped_steps`` counts it) instead of entering it as 0.0.
-  ``train_samples_per_second`` counts the sequences of the global batches actually trained (not
-  one per rank per step), next to ``train_tokens_per_second``.
+  (``trainer.checkpoints``); resume restores per-stage optimizer state, scheduler and RNG.
+- A whole optimizer step without label tokens updates nothing and is left out of the logged mean
+  loss (``skipped_steps`` counts it).
 Trade-off: evaluation returns the loss only (logits never leave the last stage), so
-``compute_metrics`` is not supported; ``predict`` returns the loss without predictions.
-The private ``Trainer`` methods overridden here are checked against the tested transformers
-range when this module is imported (``compat.py``).
+``compute_metrics`` is not supported.  The private ``Trainer`` methods overridden here are checked
+against the tested transformers range at import (``compat.py``).
 """
 from __future__ import annotations
 
@@ -33,14 +29,22 @@ import transformers
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
-from infinipipe_hf.trainer.checkpoints import io as ckio
 from infinipipe_hf.trainer.arguments import EPPTrainingArguments
+from infinipipe_hf.trainer.checkpoints.adapters import load_adapter_weights, save_adapter
+from infinipipe_hf.trainer.checkpoints.layout_file import check_layout
+from infinipipe_hf.trainer.checkpoints.optimizer import load_optimizer_state, save_optimizer_state
+from infinipipe_hf.trainer.checkpoints.weights import load_stage_weights, save_full_model
 from infinipipe_hf.trainer.compat import check_transformers
-from infinipipe_hf.trainer.data.batches import (GlobalBatchCollator, build_global_batch_loader,
-    document_lengths, label_token_count, prepare_token_dataset)
+from infinipipe_hf.trainer.data.loader import GlobalBatchCollator, build_global_batch_loader, label_token_count
+from infinipipe_hf.trainer.data.tokens import dataset_lengths, prepare_token_dataset
 from infinipipe_hf.trainer.launch_check import check_launch
-from infinipipe_hf.trainer.model_setup import (build_engine, count_parameters, hf_model_of, is_peft_model,
-    peak_flops_per_device)
+from infinipipe_hf.trainer.model_setup import (
+    build_engine,
+    count_parameters,
+    hf_model_of,
+    is_peft_model,
+    peak_flops_per_device,
+)
 from infinipipe_hf.trainer.plan_ahead import PlanAhead
 from infinipipe_hf.trainer.step_metrics import StepMetrics, TrainingCounts
 
@@ -61,7 +65,7 @@ def _check_trainable(dataset, what: str) -> None:
     """At construction, not at ``train()``: a dataset with nothing to train on is the user's error."""
     if dataset is None:
         return
-    if not any(n >= 2 for n in document_lengths(dataset)):
+    if not any(n >= 2 for n in dataset_lengths(dataset)):
         raise ValueError(f"{what} has no document of 2 or more tokens (every example is empty or a "
                          f"single token after tokenization), so there is nothing to train on; check "
                          f"the text column and the tokenizer")
@@ -255,11 +259,11 @@ class EPPTrainer(Trainer):
         """Collective (all ranks): an HF checkpoint (or PEFT adapter) of the whole model."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.is_peft:
-            ckio.save_adapter(self.engine, self.model, output_dir)
+            save_adapter(self.engine, self.model, output_dir)
         else:
             base = hf_model_of(self.model)
-            ckio.save_full_model(self.engine, output_dir, self._hf_config(),
-                                 getattr(base, "generation_config", None))
+            save_full_model(self.engine, output_dir, self._hf_config(),
+                            getattr(base, "generation_config", None))
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -268,19 +272,19 @@ class EPPTrainer(Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        ckio.save_optimizer_state(self.engine, self.optimizer, self.lr_scheduler, output_dir)
+        save_optimizer_state(self.engine, self.optimizer, self.lr_scheduler, output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        ckio.check_layout(self.engine, resume_from_checkpoint)
+        check_layout(self.engine, resume_from_checkpoint)
         if self.is_peft:
-            ckio.load_adapter_weights(self.engine, self.model, resume_from_checkpoint)
+            load_adapter_weights(self.engine, self.model, resume_from_checkpoint)
         else:
-            ckio.load_stage_weights(self.engine, resume_from_checkpoint)
+            load_stage_weights(self.engine, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
-            ckio.load_optimizer_state(self.engine, self.optimizer, self.lr_scheduler, checkpoint,
-                                      self.engine.device)
+            load_optimizer_state(self.engine, self.optimizer, self.lr_scheduler, checkpoint,
+                                 self.engine.device)
 
     def _load_best_model(self) -> None:
         self._load_from_checkpoint(self.state.best_model_checkpoint)

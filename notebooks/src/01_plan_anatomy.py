@@ -24,13 +24,14 @@ from pathlib import Path
 
 from IPython.display import Image, display
 
-from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.ir.actions import Action, format_actions, parse_actions
-from infinipipe_hf.planner.search.api import SCHEDULES, plan_step
-from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.planner.simulate.validator import PlanValidationError, validate
+from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.registry import PIPELINE_SCHEDULES as SCHEDULES
+from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.search.validator import PlanValidationError, validate
 
 spec = ModelSpec.from_json_file(config_path("llama2-7b"))
 PP, BUDGET = 4, 80 * GIB

@@ -24,10 +24,10 @@ import torch
 
 from infinipipe_hf.data.corpus import kjv_documents, load_tokenizer
 from infinipipe_hf.data.long_tail import long_tailed_mix
-from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.search.api import plan_step
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.units import UnitKind
+from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.search.api import plan_step
 from infinipipe_hf.runtime.stage.unit_tensors import build_unit_tensors
 
 tok = load_tokenizer()
@@ -129,7 +129,7 @@ assert all(int(packed_t.position_ids[0, s]) == 0 for s in packed_t.cu_seqlens_q[
 # the **lower right** for a slice, and packed sequences never see each other.
 
 # %%
-from infinipipe_hf.runtime.attention.hf import segment_mask
+from infinipipe_hf.runtime.attention.types import segment_mask
 
 segs = hybrid_t.segments
 cols = sum(s.end for s in segs)
@@ -163,9 +163,9 @@ import copy
 
 import transformers
 
+from infinipipe_hf.ir.partition import partition_layers
 from infinipipe_hf.models.smollm2 import load_smollm2
 from infinipipe_hf.runtime.stage.local import run_plan_locally
-from infinipipe_hf.ir.partition import partition_layers
 from infinipipe_hf.runtime.stage.module import build_stage
 
 transformers.utils.logging.disable_progress_bar()

@@ -23,12 +23,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from infinipipe_hf.data.corpus import document_lengths
-from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.search.api import plan_step
-from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
-from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.search.api import plan_step
 from infinipipe_hf.planner.simulate.simulator import simulate
 
 corpus = document_lengths("stdlib")  # SmolLM2 token counts, cached on disk after the first call

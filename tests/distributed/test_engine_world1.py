@@ -11,8 +11,7 @@ torch = pytest.importorskip("torch")
 
 from infinipipe_hf import InfiniPipeConfig, PipelineEngine  # noqa: E402
 from tests.distributed.plans import make_plan  # noqa: E402
-from tests.helpers.reference import (assert_grads_close, random_batch,  # noqa: E402
-                                     reference_loss_and_grads, tiny_model)
+from tests.helpers.reference import assert_grads_close, random_batch, reference_loss_and_grads, tiny_model  # noqa: E402
 
 LENGTHS = [19, 7, 5]
 UNITS = [[[(0, 0, 8)], [(0, 8, 19), (2, 0, 5)], [(1, 0, 7)]]]

@@ -5,7 +5,6 @@ names are listed here so a case that silently stops running fails the test.
 """
 from __future__ import annotations
 
-
 import pytest
 
 from tests.distributed.launch import check_cases, run_torchrun

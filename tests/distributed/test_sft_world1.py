@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 datasets = pytest.importorskip("datasets")
 import trl  # noqa: E402,F401  (part of the test install: a missing trl must fail, not skip)
 
-from tests.helpers import sft  # noqa: E402
 from infinipipe_hf import EPPSFTConfig, EPPSFTTrainer  # noqa: E402
+from tests.helpers import sft  # noqa: E402
 
 # TRL's fused LM head returns float32 token log-probabilities even for a float64 model, so its
 # losses (and the gradients they give) are float32-exact; ours are float64 (exact to ~1e-12

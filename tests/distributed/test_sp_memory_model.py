@@ -14,7 +14,6 @@ import json
 import re
 
 import pytest
-
 from launch import run_torchrun
 
 

@@ -13,12 +13,21 @@ import pytest
 torch = pytest.importorskip("torch")
 datasets = pytest.importorskip("datasets")
 
-from tests.distributed.workers.trainer_common import (SCENARIOS, RecordingEPPTrainer, _padded_loader,  # noqa: E402
-                                                      assert_close_list, assert_weights_match, epp_trainer,
-                                                      make_model, slicing_planner, stage_state, token_dataset,
-                                                      trainable_state)
-from tests.helpers.reference import reference_loss_and_grads, tiny_model  # noqa: E402
 from infinipipe_hf import EPPTrainer, EPPTrainingArguments  # noqa: E402
+from tests.distributed.workers.trainer_common import (  # noqa: E402
+    SCENARIOS,
+    RecordingEPPTrainer,
+    _padded_loader,
+    assert_close_list,
+    assert_weights_match,
+    epp_trainer,
+    make_model,
+    slicing_planner,
+    stage_state,
+    token_dataset,
+    trainable_state,
+)
+from tests.helpers.reference import reference_loss_and_grads, tiny_model  # noqa: E402
 
 
 def _args(tmp_path, **kw):

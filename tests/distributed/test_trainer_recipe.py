@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.distributed.launch import REPO, PYTHON, _env, _free_port  # noqa: E402
+from tests.distributed.launch import PYTHON, REPO, _env, _free_port  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

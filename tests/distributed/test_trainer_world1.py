@@ -14,11 +14,21 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("datasets")
 
-from tests.distributed.workers.trainer_common import (GA_RTOL, LOSS_RTOL, SCENARIOS,  # noqa: E402
-                                                      assert_close_list, assert_weights_match, epp_trainer,
-                                                      load_reference, per_step, reference_run,
-                                                      slicing_planner, stage_state, token_dataset)
 from infinipipe_hf import EPPTrainer, EPPTrainingArguments  # noqa: E402
+from tests.distributed.workers.trainer_common import (  # noqa: E402
+    GA_RTOL,
+    LOSS_RTOL,
+    SCENARIOS,
+    assert_close_list,
+    assert_weights_match,
+    epp_trainer,
+    load_reference,
+    per_step,
+    reference_run,
+    slicing_planner,
+    stage_state,
+    token_dataset,
+)
 
 PLANNERS = {"slicing": slicing_planner, "default": None}
 

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from infinipipe_hf.runtime.attention import varlen as ac
-from infinipipe_hf.runtime.attention.hf import AttentionSegments, sdpa_backend, select_backend
+from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
+from infinipipe_hf.runtime.attention.select import select_backend
+from infinipipe_hf.runtime.attention.types import AttentionSegments
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -7,7 +7,8 @@ import torch
 
 from infinipipe_hf import InfiniPipeConfig, PipelineEngine
 from infinipipe_hf.runtime.attention import kept_kernels as kk
-from infinipipe_hf.runtime.attention.hf import AttentionSegments, sdpa_backend
+from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
+from infinipipe_hf.runtime.attention.types import AttentionSegments
 from tests.helpers.reference import random_batch, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

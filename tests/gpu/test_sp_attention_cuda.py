@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from infinipipe_hf.runtime.attention import varlen as ac
-from infinipipe_hf.runtime.attention.hf import sdpa_backend
+from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
 from tests.gpu.test_attention_cuda import KERNELS, _as_float, _grads, _kernel, _rel
 from tests.unit.test_sp_backends import LAYOUTS, rank_problems
 

@@ -10,9 +10,10 @@ import math
 
 import pytest
 
-from infinipipe_hf.planner.alternatives import FlatCost, FlatLayout, plan_alternative
-from infinipipe_hf.planner.cost.profile import HardwareProfile, TimeCoefficients
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost, FlatLayout
+from infinipipe_hf.planner.cost.profile import HardwareProfile, TimeCoefficients
+from infinipipe_hf.planner.search.api import plan_alternative
 
 LAYERS = 8
 SPEC = ModelSpec(model_type="llama", num_layers=LAYERS, hidden_size=64, intermediate_size=128,

@@ -4,15 +4,17 @@ import json
 import numpy as np
 import pytest
 
-from infinipipe_hf.data.synthetic import commoncrawl_like, github_like, slimpajama_like
-from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.cli.plan import main
-from infinipipe_hf.planner.alternatives import ALTERNATIVES, FlatCost, plan_alternative
-from infinipipe_hf.planner.alternatives.round_plan import check_plan
-from infinipipe_hf.planner.search.api import plan_step
-from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.data.synthetic import commoncrawl_like, github_like, slimpajama_like
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.planner.search.static_settings import static_alternative, static_pipeline_baseline
+from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
+from infinipipe_hf.planner.alternatives.round_plan import check_plan
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.registry import ALTERNATIVES
+from infinipipe_hf.planner.search.api import plan_alternative, plan_step
+from infinipipe_hf.planner.search.static_alternative import static_alternative
+from infinipipe_hf.planner.search.static_pipeline import static_pipeline_baseline
 
 SPEC = ModelSpec.from_json_file(config_path("llama2-7b"))
 MODEL = str(config_path("llama2-7b"))
@@ -85,7 +87,7 @@ def test_fixed_checkpointing_is_honoured(cost4):
 
 
 def test_flexsp_tuned_is_never_worse_than_a_fixed_checkpoint_count():
-    from infinipipe_hf.planner.alternatives.flexsp import checkpoint_grid
+    from infinipipe_hf.planner.alternatives.flexsp_build import checkpoint_grid
 
     # 32 GPUs, a 96K-capped batch: where a search that stopped a checkpoint count's round counts
     # after two plans slower than another count's best missed this count's best (2.4% slower).
@@ -104,7 +106,7 @@ def test_round_model_prices_groups_as_the_simulation(world):
     backward of its padded tokens) within 1% for every group size and fill, from a few short
     sequences to a full group: a model that priced large groups at the corner of the per-GPU
     ceil (the first token) was 37x off on 32-GPU groups and steered FlexSP to slow plans."""
-    from infinipipe_hf.planner.alternatives.flexsp import round_problem
+    from infinipipe_hf.planner.alternatives.flexsp_build import round_problem
 
     cost = FlatCost.of(SPEC, world, 80 * GIB)
     lengths = commoncrawl_like(n=256, max_len=98304, seed=4)

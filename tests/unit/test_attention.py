@@ -4,9 +4,11 @@ import torch
 import torch.nn.functional as F
 
 from infinipipe_hf.ir.units import Segment
-from infinipipe_hf.runtime.attention.hf import (EPPUnitContext, epp_attention_forward, sdpa_backend,
-    segment_mask, select_backend)
+from infinipipe_hf.runtime.attention.hf import epp_attention_forward
 from infinipipe_hf.runtime.attention.kv_store import KVStore
+from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
+from infinipipe_hf.runtime.attention.select import select_backend
+from infinipipe_hf.runtime.attention.types import EPPUnitContext, segment_mask
 
 H, KV, D = 4, 2, 8
 

@@ -14,13 +14,19 @@ import pytest
 import torch
 
 from infinipipe_hf.ir.units import Segment
-from infinipipe_hf.runtime.attention import hf as attn
+from infinipipe_hf.runtime.attention import select as attn
 from infinipipe_hf.runtime.attention import varlen as ac
-from infinipipe_hf.runtime.attention.hf import (AttentionSegments, EPPUnitContext, epp_attention_forward,
-    sdpa_backend, select_backend)
+from infinipipe_hf.runtime.attention.hf import epp_attention_forward
 from infinipipe_hf.runtime.attention.kv_store import KVStore
-from tests.helpers.varlen_reference import (sdpa_flash_attn_varlen_func, sdpa_varlen_attn,
-                                            sdpa_varlen_attn_torch29, upper_left_varlen_attn)
+from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
+from infinipipe_hf.runtime.attention.select import select_backend
+from infinipipe_hf.runtime.attention.types import AttentionSegments, EPPUnitContext
+from tests.helpers.varlen_reference import (
+    sdpa_flash_attn_varlen_func,
+    sdpa_varlen_attn,
+    sdpa_varlen_attn_torch29,
+    upper_left_varlen_attn,
+)
 
 H, KV, D = 4, 2, 8
 CPU64 = dict(device_types=("cpu",), dtypes=(torch.float64,))

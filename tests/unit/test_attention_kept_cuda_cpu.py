@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from infinipipe_hf.runtime.attention import kept_kernels as kk
-from infinipipe_hf.runtime.attention.hf import AttentionSegments, sdpa_backend
+from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
+from infinipipe_hf.runtime.attention.types import AttentionSegments
 from infinipipe_hf.runtime.recompute.layers import runnable_levels
 from tests.helpers.reference import random_batch, tiny_model
 from tests.helpers.varlen_reference import sdpa_flash_attention_backward, sdpa_flash_attention_forward

@@ -3,10 +3,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infinipipe_hf.planner.batch.uniform import (make_packed_units, make_uniform_slices, pack_sequences,
-    packing_candidates, slicing_candidates)
-from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.planner.batch.uniform import make_packed_units, make_uniform_slices, pack_sequences
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.schedules.grids import packing_candidates, slicing_candidates
 
 LLAMA3_8B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)

@@ -11,17 +11,22 @@ import random
 import numpy as np
 import pytest
 
-from infinipipe_hf.planner.search.api import plan_step
-from infinipipe_hf.ir.levels import FINER_LEVELS, CheckpointMix, LevelCosts, act_elements, check_levels
-from infinipipe_hf.planner.checkpointing.problem import build_problem
-from infinipipe_hf.planner.checkpointing.solver import greedy_counts, solve_checkpointing
-from infinipipe_hf.planner.cost.model import CostModel, UnitShape
-from infinipipe_hf.planner.checkpointing.timeline import stage_peak_bytes, stage_timeline
+from infinipipe_hf.ir.levels import FINER_LEVELS, CheckpointMix, check_levels
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.planner.simulate.simulator import simulate
 from infinipipe_hf.ir.units import Segment
-from infinipipe_hf.planner.simulate.validator import PlanValidationError, validate
+from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
+from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
+from infinipipe_hf.planner.checkpointing.problem import build_problem
+from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
+from infinipipe_hf.planner.checkpointing.timeline import stage_timeline
+from infinipipe_hf.planner.cost.activations import act_elements
+from infinipipe_hf.planner.cost.compute import UnitShape
+from infinipipe_hf.planner.cost.levels import LevelCosts
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.search.validator import PlanValidationError, validate
+from infinipipe_hf.planner.simulate.simulator import simulate
 from tests.unit.test_checkpoint_solver import TINY, epp_plan
 
 LEVELS = FINER_LEVELS  # keep_attn, mlp, mlp_act

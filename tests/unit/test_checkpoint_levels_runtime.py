@@ -11,8 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from infinipipe_hf.ir.levels import CheckpointMix
-from infinipipe_hf.runtime.stage.local import run_plan_locally
 from infinipipe_hf.runtime.recompute.mlp_levels import install_mlp_levels, mlp_level, supports_levels
+from infinipipe_hf.runtime.stage.local import run_plan_locally
 from tests.helpers.reference import FAMILIES, random_batch, reference_loss_and_grads, tiny_model
 from tests.unit.test_local_pipeline import LENGTHS, NUM_LAYERS, build_stages, check, make_plan
 
@@ -89,8 +89,8 @@ def test_lora_on_every_projection_with_levels():
     plan = with_levels(make_plan(2), MIX_CYCLE)
     loss = run_plan_locally(stages, plan, batch)
     assert loss == pytest.approx(ref_loss, rel=1e-12)
-    from tests.unit.test_local_pipeline import collect_grads
     from tests.helpers.reference import assert_grads_close
+    from tests.unit.test_local_pipeline import collect_grads
 
     got = collect_grads(stages, False)
     assert set(got) == set(ref)

@@ -10,15 +10,18 @@ import time
 import numpy as np
 import pytest
 
-from infinipipe_hf.planner.checkpointing import solver as cs
 from infinipipe_hf.ir.actions import B, F
-from infinipipe_hf.planner.checkpointing.problem import build_problem
-from infinipipe_hf.planner.checkpointing.solver import greedy_counts, solve_checkpointing
-from infinipipe_hf.planner.cost.model import CostModel, UnitShape
-from infinipipe_hf.planner.checkpointing.timeline import memory_points, stage_peak_bytes
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.planner.checkpointing import lp
+from infinipipe_hf.planner.checkpointing import solver as cs
+from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
+from infinipipe_hf.planner.checkpointing.points import memory_points, stage_peak_bytes
+from infinipipe_hf.planner.checkpointing.problem import build_problem
+from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
+from infinipipe_hf.planner.cost.compute import UnitShape
+from infinipipe_hf.planner.cost.model import CostModel
 
 TINY = ModelSpec(model_type="llama", num_layers=6, hidden_size=512, intermediate_size=1408,
                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1000,
@@ -199,8 +202,8 @@ def test_falls_back_to_greedy_when_solver_fails(monkeypatch):
     class Failed:
         x, status, fun, message = None, 4, None, "forced failure"
 
-    monkeypatch.setattr(cs, "milp", lambda *a, **k: Failed())
-    monkeypatch.setattr(cs, "linprog", lambda *a, **k: Failed())
+    monkeypatch.setattr(lp, "milp", lambda *a, **k: Failed())
+    monkeypatch.setattr(lp, "linprog", lambda *a, **k: Failed())
     plan = epp_plan([1500, 700, 600, 500, 300, 200], 3, 500, 700)
     cost = budget_between(plan, TINY, [2, 2, 2], 0.3)
     sol = solve_checkpointing(plan, cost)
@@ -214,8 +217,8 @@ def test_none_needed_skips_solver(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("solver called although nothing needs checkpointing")
 
-    monkeypatch.setattr(cs, "milp", boom)
-    monkeypatch.setattr(cs, "linprog", boom)
+    monkeypatch.setattr(lp, "milp", boom)
+    monkeypatch.setattr(lp, "linprog", boom)
     plan = epp_plan([1500, 700, 600, 500, 300, 200], 3, 500, 700)
     cost = budget_between(plan, TINY, [2, 2, 2], 1.01)
     sol = solve_checkpointing(plan, cost)
@@ -328,8 +331,8 @@ def test_greedy_policy_never_calls_solver(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("greedy policy must not call HiGHS")
 
-    monkeypatch.setattr(cs, "milp", boom)
-    monkeypatch.setattr(cs, "linprog", boom)
+    monkeypatch.setattr(lp, "milp", boom)
+    monkeypatch.setattr(lp, "linprog", boom)
     sol = solve_checkpointing(plan, cost, policy="greedy")
     assert sol.feasible and sol.method == "greedy"
     assert adaptive.recompute_time_s <= sol.recompute_time_s + 1e-12
@@ -348,7 +351,7 @@ def test_replica_without_units():
 
 
 def test_dropped_points_are_dominated_by_kept_ones():
-    from infinipipe_hf.planner.checkpointing.problem import undominated
+    from infinipipe_hf.planner.checkpointing.dominance import undominated
     from infinipipe_hf.planner.checkpointing.live_windows import live_windows
 
     rng = random.Random(3)

@@ -1,8 +1,13 @@
 """Collective times (planner/collectives.py) against hand-computed alpha-beta figures."""
 import pytest
 
-from infinipipe_hf.planner.cost.collectives import (all_gather_time, all_reduce_time, all_to_all_time,
-    all_to_all_time_two_level, reduce_scatter_time)
+from infinipipe_hf.planner.cost.collectives import (
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    all_to_all_time_two_level,
+    reduce_scatter_time,
+)
 
 RING = (all_gather_time, reduce_scatter_time, all_to_all_time)
 

@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 
 from infinipipe_hf.data import corpus
-from infinipipe_hf.data.corpus import (document_lengths, kjv_documents, load_documents,
-    shakespeare_documents, stdlib_documents)
+from infinipipe_hf.data.corpus import (
+    document_lengths,
+    kjv_documents,
+    load_documents,
+    shakespeare_documents,
+    stdlib_documents,
+)
 
 
 def test_stdlib_documents_are_sorted_library_sources_without_tests():

@@ -4,11 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from infinipipe_hf.ir.partition import balanced_layer_split
-from infinipipe_hf.planner.cost.model import CostModel, UnitShape
-from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
 from infinipipe_hf.ir.model_spec import ModelSpec, UnsupportedModelError
+from infinipipe_hf.ir.partition import balanced_layer_split
 from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.planner.cost.compute import UnitShape
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
 
 LLAMA3_8B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
@@ -101,7 +102,7 @@ def test_unsupported_architecture():
 def test_slowest_stage_time_equals_per_stage_max(pp):
     import random
 
-    from infinipipe_hf.planner.cost.model import UnitShape
+    from infinipipe_hf.planner.cost.compute import UnitShape
 
     spec = ModelSpec("llama", 40, 5120, 13824, 40, 40, 128, 32000, False)
     cost = CostModel(spec, pp_degree=pp)

@@ -4,12 +4,14 @@ import math
 
 import pytest
 
-from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.cost.collectives import all_gather_time, all_reduce_time
-from infinipipe_hf.planner.cost.model import _act_elements, GIB, CostModel, UnitShape
-from infinipipe_hf.planner.cost.profile import default_profile
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.cost.activations import _act_elements
+from infinipipe_hf.planner.cost.collectives import all_gather_time, all_reduce_time
+from infinipipe_hf.planner.cost.compute import UnitShape
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.cost.profile import default_profile
 
 LLAMA2_7B = ModelSpec.from_json_file(config_path("llama2-7b"))  # 32 heads, 32 K/V heads
 LLAMA_30B = ModelSpec.from_json_file(config_path("llama-30b"))  # 52 heads

@@ -16,17 +16,21 @@ from pathlib import Path
 import pytest
 
 from infinipipe_hf.data.synthetic import prolong_like, short_only, slimpajama_like
-from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.schedules.candidates import EXACT_CANDIDATES
-from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.schedules.estimate import PipelineEstimator, pipeline_time_estimate
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.planner.schedules.pipeline import (backward_order, build_pipeline_actions, epp_warmup,
-    one_f_one_b_warmup)
-from infinipipe_hf.planner.batch.elastic import make_elastic_units
-from infinipipe_hf.planner.simulate.simulator import simulate
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.batch.elastic import make_elastic_units
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.schedules.epp import EXACT_CANDIDATES
+from infinipipe_hf.planner.schedules.estimate import PipelineEstimator, pipeline_time_estimate
+from infinipipe_hf.planner.schedules.pipeline import (
+    backward_order,
+    build_pipeline_actions,
+    epp_warmup,
+    one_f_one_b_warmup,
+)
+from infinipipe_hf.planner.simulate.simulator import simulate
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_simulator import FakeCost  # noqa: E402

@@ -5,8 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from infinipipe_hf.planner.alternatives.flexsp_solver import (RoundProblem, bucketize, greedy_groups,
-    milp_groups)
+from infinipipe_hf.planner.alternatives.flexsp_solver import RoundProblem, bucketize, greedy_groups, milp_groups
 
 
 def problem(rng: random.Random, n: int, world: int) -> RoundProblem:

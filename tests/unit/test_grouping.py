@@ -3,7 +3,8 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from infinipipe_hf.planner.schedules.grouping import group_pipelines
 

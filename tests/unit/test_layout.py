@@ -1,13 +1,19 @@
-"""The planner's parallel layout (planner/layout.py): groups agree with the runtime's rank layout."""
+"""The parallel layout (layout.py): the shard-mode table, and groups that agree with the runtime's
+rank layout."""
 import pytest
 
-from infinipipe_hf.config import SHARD_MODES as CONFIG_SHARD_MODES
-from infinipipe_hf.layout import SHARD_MODES, LayoutSpec
+from infinipipe_hf.layout import SHARD_MODES, SHARD_TABLE, LayoutSpec
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 
 
-def test_shard_modes_match_the_config():
-    assert SHARD_MODES == CONFIG_SHARD_MODES
+def test_shard_mode_table():
+    assert SHARD_MODES == ("none", "sp", "dp", "sp+dp", "hybrid") == tuple(SHARD_TABLE)
+    rows = {m.name: (m.sharded, m.per_step_gather, m.fsdp_dims, m.extra_dims) for m in SHARD_TABLE.values()}
+    assert rows == {"none": (False, False, (), ()),
+                    "sp": (True, False, ("sp",), ("dp",)),
+                    "dp": (True, True, ("dp",), ("sp",)),
+                    "sp+dp": (True, True, ("dp", "sp"), ()),
+                    "hybrid": (True, False, ("dp", "sp"), ())}
 
 
 @pytest.mark.parametrize("dp, pp, sp", [(1, 4, 8), (2, 2, 4), (3, 2, 1), (2, 1, 3)])

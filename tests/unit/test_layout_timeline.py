@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 from infinipipe_hf.runtime.engine.timeline import Timeline, TimelineEvent
+from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 
 
 def test_layout_coordinates_dp2_pp4():

@@ -11,15 +11,14 @@ import pytest
 import torch
 
 from infinipipe_hf.ir.actions import B, F
+from infinipipe_hf.ir.partition import partition_layers
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment, Unit
 from infinipipe_hf.runtime.stage.local import run_plan_locally
-from infinipipe_hf.ir.partition import partition_layers
 from infinipipe_hf.runtime.stage.module import build_stage
 from infinipipe_hf.runtime.stage.runner import StageRunner
 from infinipipe_hf.runtime.stage.unit_tensors import label_token_count
-from tests.helpers.reference import (FAMILIES, assert_grads_close, random_batch,
-                                     reference_loss_and_grads, tiny_model)
+from tests.helpers.reference import FAMILIES, assert_grads_close, random_batch, reference_loss_and_grads, tiny_model
 
 LENGTHS = [29, 6, 9, 4, 3]
 NUM_LAYERS = 4

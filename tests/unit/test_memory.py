@@ -6,13 +6,12 @@ import random
 import pytest
 
 from infinipipe_hf.ir.actions import parse_actions
-from infinipipe_hf.planner.cost.model import CostModel
-from infinipipe_hf.planner.checkpointing.live_windows import live_windows
-from infinipipe_hf.planner.checkpointing.timeline import (MemoryPoint, memory_points, point_bytes,
-    stage_peak_bytes)
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.planner.checkpointing.live_windows import live_windows
+from infinipipe_hf.planner.checkpointing.points import MemoryPoint, memory_points, point_bytes, stage_peak_bytes
+from infinipipe_hf.planner.cost.model import CostModel
 
 SPEC = ModelSpec(model_type="llama", num_layers=4, hidden_size=512, intermediate_size=1408,
                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1000,
@@ -208,8 +207,8 @@ def _reference_point_bytes(plan, cost, stage, actions, ck):
 
 @pytest.mark.parametrize("schedule", ["epp", "seq1f1b", "gpipe"])
 def test_array_timeline_equals_definition_on_planned_steps(schedule):
-    from infinipipe_hf.planner.search.api import plan_step
     from infinipipe_hf.planner.checkpointing.timeline import stage_timeline
+    from infinipipe_hf.planner.search.api import plan_step
 
     rng = random.Random(7)
     lengths = [rng.choice([40, 90, 300, 700, 1500, 3000]) for _ in range(14)]

@@ -35,13 +35,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from infinipipe_hf.ir.actions import Action  # noqa: E402
-from infinipipe_hf.planner.cost.model import CostModel, _act_elements  # noqa: E402
-from infinipipe_hf.planner.cost.profile import default_profile, reference_spec  # noqa: E402
+from infinipipe_hf.ir.levels import CheckpointMix  # noqa: E402
 from infinipipe_hf.ir.model_spec import ModelSpec  # noqa: E402
 from infinipipe_hf.ir.plan import Plan  # noqa: E402
 from infinipipe_hf.ir.units import Segment, Unit  # noqa: E402
-from infinipipe_hf.ir.levels import CheckpointMix  # noqa: E402
-from infinipipe_hf.runtime.recompute import layers as checkpointing, mlp_levels  # noqa: E402
+from infinipipe_hf.planner.cost.activations import _act_elements  # noqa: E402
+from infinipipe_hf.planner.cost.model import CostModel  # noqa: E402
+from infinipipe_hf.planner.cost.profile import default_profile, reference_spec  # noqa: E402
+from infinipipe_hf.runtime.recompute import layers as checkpointing  # noqa: E402
+from infinipipe_hf.runtime.recompute import mlp_levels
 from infinipipe_hf.runtime.stage.module import build_stage  # noqa: E402
 from infinipipe_hf.runtime.stage.runner import StageRunner  # noqa: E402
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from infinipipe_hf.models.model_configs import available_configs, config_path, load_config_dict
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.models.model_configs import available_configs, config_path, load_config_dict
 
 # Published parameter counts (model cards), in billions; a typo in a size field breaks these.
 PUBLISHED_PARAMS_B = {

@@ -6,11 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.cost.profile import default_profile
-from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.planner.cost.states import (BF16_MIXED_ADAM, FP32_ADAM, StatePrecision,
-    stage_state_bytes_per_rank)
+from infinipipe_hf.planner.cost.states import BF16_MIXED_ADAM, FP32_ADAM, StatePrecision, stage_state_bytes_per_rank
 
 # Odd sizes so that sharding over 2 or 4 pads some rows.
 CONFIG = dict(vocab_size=101, hidden_size=36, intermediate_size=75, num_hidden_layers=4,

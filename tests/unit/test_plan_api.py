@@ -2,11 +2,13 @@
 
 import pytest
 
-from infinipipe_hf.planner.search.api import SCHEDULES, largest_trainable_length, plan_step
-from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.planner.simulate.validator import validate
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.registry import PIPELINE_SCHEDULES as SCHEDULES
+from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.search.limits import largest_trainable_length
+from infinipipe_hf.planner.search.validator import validate
 
 LLAMA_7B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=11008,
                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)

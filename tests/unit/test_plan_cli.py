@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.cli.plan import main
+from infinipipe_hf.models.model_configs import config_path
 
 LENGTHS = [30000, 8000, 2000, 1500, 900, 600, 300, 200, 100, 50] * 2
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.cli.plan import main
+from infinipipe_hf.models.model_configs import config_path
 
 LENGTHS = [30000, 8000, 2000, 1500, 900, 600, 300, 200, 100, 50] * 2
 MODEL = str(config_path("llama2-7b"))

@@ -3,16 +3,20 @@ import json
 
 import pytest
 
-from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.search.api import plan_step
-from infinipipe_hf.planner.schedules.candidates import slice_count_candidates, token_floor_candidates
-from infinipipe_hf.planner.batch.uniform import packing_candidates, slicing_candidates
-from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.search.limits import largest_trainable_length
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.schedules.grids import (
+    packing_candidates,
+    slice_count_candidates,
+    slicing_candidates,
+    token_floor_candidates,
+)
+from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.search.limits import largest_trainable_length
+from infinipipe_hf.planner.search.validator import PlanValidationError, validate
 from infinipipe_hf.planner.simulate.simulator import simulate
-from infinipipe_hf.planner.simulate.validator import PlanValidationError, validate
 
 SPEC = ModelSpec.from_json_file(config_path("llama2-7b"))
 BATCH = [120000, 40000, 9000, 3000, 2500, 1200, 800, 700, 400, 300, 120] * 3

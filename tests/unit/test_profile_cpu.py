@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from infinipipe_hf import profile as prof
-from infinipipe_hf.planner.cost.model import _act_elements
-from infinipipe_hf.planner.cost.profile import HardwareProfile
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.planner.cost.activations import _act_elements
+from infinipipe_hf.planner.cost.profile import HardwareProfile
 from infinipipe_hf.profiling.timer import saved_bytes, time_fn
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,

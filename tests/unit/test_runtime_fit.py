@@ -7,11 +7,18 @@ import copy
 
 import pytest
 
-from infinipipe_hf.planner.cost.model import UnitShape
-from infinipipe_hf.planner.cost.profile import TimeCoefficients
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.profiling.runtime_fit import (fit_layer, fit_p2p, fit_runtime_profile, fit_working_memory,
-    row_errors, row_segments, worst_error)
+from infinipipe_hf.planner.cost.compute import UnitShape
+from infinipipe_hf.planner.cost.profile import TimeCoefficients
+from infinipipe_hf.profiling.runtime_fit import (
+    fit_layer,
+    fit_p2p,
+    fit_runtime_profile,
+    fit_working_memory,
+    row_errors,
+    row_segments,
+    worst_error,
+)
 
 SPEC = ModelSpec("llama", 4, 256, 688, 8, 4, 32, 2048, False)
 FWD = TimeCoefficients(2e-8, 4e-5, 2e-3)
@@ -85,8 +92,14 @@ def test_p2p_and_working_memory_need_their_rows():
 def test_tiny_model_rows_have_the_fitters_shapes():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from infinipipe_hf.profiling.runtime_rows import (UnitCase, measure_elementwise_rows,
-        measure_embedding_rows, measure_loss_rows, measure_memory_rows, measure_unit_rows)
+    from infinipipe_hf.profiling.runtime_rows import (
+        UnitCase,
+        measure_elementwise_rows,
+        measure_embedding_rows,
+        measure_loss_rows,
+        measure_memory_rows,
+        measure_unit_rows,
+    )
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,

@@ -1,12 +1,19 @@
 """Schedules: warm-up counts, backward order of slices, and properties of every built pipeline."""
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from infinipipe_hf.ir.actions import B, F, format_actions, parse_actions
-from infinipipe_hf.planner.simulate.grid import slot_replay
-from infinipipe_hf.planner.schedules.pipeline import (backward_order, build_pipeline_actions,
-    concat_pipelines, epp_warmup, gpipe_warmup, one_f_one_b_warmup)
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.planner.schedules.pipeline import (
+    backward_order,
+    build_pipeline_actions,
+    concat_pipelines,
+    epp_warmup,
+    gpipe_warmup,
+    one_f_one_b_warmup,
+)
+from infinipipe_hf.planner.simulate.grid import slot_replay
 
 
 def test_warmups():

@@ -115,9 +115,9 @@ def test_an_unsafe_release_is_caught_by_the_timing_check():
 @pytest.mark.parametrize("schedule", ["epp", "seq1f1b", "packed-1f1b"])
 def test_planned_schedules_release_safely(schedule):
     """Plans the planner makes (several pipelines, slices run backward last first, packs)."""
+    from infinipipe_hf.ir.model_spec import ModelSpec
     from infinipipe_hf.models.model_configs import config_path
     from infinipipe_hf.planner.search.api import plan_step
-    from infinipipe_hf.ir.model_spec import ModelSpec
 
     spec = ModelSpec.from_json_file(config_path("llama2-7b"))
     lengths = [16384, 12000, 9000, 4000, 2500, 1200, 800, 600, 300, 200, 100]

@@ -7,11 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.ir.units import UnitKind
+from infinipipe_hf.planner.batch.elastic import make_elastic_units
+from infinipipe_hf.planner.batch.layer_time import LayerTime
+from infinipipe_hf.planner.batch.mesh import equal_time_cuts
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.cost.profile import TimeCoefficients, default_profile
-from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.planner.batch.elastic import LayerTime, equal_time_cuts, make_elastic_units
-from infinipipe_hf.ir.units import UnitKind
 
 LLAMA3_8B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)

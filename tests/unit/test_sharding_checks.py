@@ -10,7 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from infinipipe_hf import InfiniPipeConfig, PipelineEngine  # noqa: E402
-from infinipipe_hf.runtime.parallel.fsdp import check_shard_mode, copy_full_, fsdp2_api  # noqa: E402
+from infinipipe_hf.layout import check_shard_mode  # noqa: E402
+from infinipipe_hf.runtime.parallel.fsdp_api import copy_full_, fsdp2_api  # noqa: E402
 from tests.helpers.reference import tiny_model  # noqa: E402
 
 

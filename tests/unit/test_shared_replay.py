@@ -6,15 +6,15 @@ import random
 import pytest
 
 from infinipipe_hf.ir.actions import Action
-from infinipipe_hf.planner.cost.model import CostModel
-from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.planner.simulate.replay import replay
+from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
 from infinipipe_hf.planner.schedules.pipeline import build_pipeline_actions, one_f_one_b_warmup
+from infinipipe_hf.planner.simulate.replay import replay
 from infinipipe_hf.planner.simulate.shared_replay import shared_replay
 from infinipipe_hf.planner.simulate.simulator import simulate
-from infinipipe_hf.ir.units import Segment, Unit
 
 
 def acts(text: str) -> list[Action]:

@@ -3,9 +3,10 @@ import pytest
 
 from infinipipe_hf.ir.actions import B, F
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.units import Segment, Unit
 from infinipipe_hf.planner.schedules.pipeline import build_pipeline_actions, one_f_one_b_warmup
 from infinipipe_hf.planner.simulate.simulator import PlanDeadlockError, simulate
-from infinipipe_hf.ir.units import Segment, Unit
+
 
 class FakeCost:
     """Fixed times per action (independent of the unit), optional transfer and per-layer recompute."""

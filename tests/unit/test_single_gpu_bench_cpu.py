@@ -55,10 +55,10 @@ def test_memory_check_tiny_cpu(tmp_path, bench_modules):
 def test_hf_packed_baseline_is_padding_free_and_exact(bench_modules):
     """Three sequences in one pack: the packed loss equals the per-sequence losses, i.e. the HF
     baseline really keeps packed sequences apart (it does not with the default use_cache=True)."""
-    import torch
     from types import SimpleNamespace
 
     import gpu_common
+    import torch
 
     single_gpu, _ = bench_modules
     seqs = [gpu_common.random_ids(n, 211, seed=n) for n in (30, 20, 10)]

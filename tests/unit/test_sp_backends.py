@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from infinipipe_hf.runtime.attention import varlen as ac
-from infinipipe_hf.runtime.attention.hf import AttentionSegments, sdpa_backend
+from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
+from infinipipe_hf.runtime.attention.types import AttentionSegments
 from infinipipe_hf.runtime.parallel.sp_shards import head_shards
 from tests.helpers.varlen_reference import sdpa_varlen_attn, sdpa_varlen_attn_torch29
 

@@ -1,7 +1,8 @@
 """Synthetic length distributions reproduce the published figures they stand for, for every seed."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from infinipipe_hf.data.synthetic import long_tailed_batch, prolong_like, short_only, slimpajama_like
 

@@ -9,8 +9,11 @@ import pytest
 datasets = pytest.importorskip("datasets")
 torch = pytest.importorskip("torch")
 
-from infinipipe_hf.trainer.data.batches import (GlobalBatchCollator, Piece, TokenBudgetBatchSampler,
-    best_fit_decreasing, build_global_batch_loader, label_token_count, prepare_token_dataset, split_documents)
+from infinipipe_hf.planner.batch.packing import best_fit_decreasing
+from infinipipe_hf.trainer.data.loader import GlobalBatchCollator, build_global_batch_loader, label_token_count
+from infinipipe_hf.trainer.data.pieces import Piece, split_documents
+from infinipipe_hf.trainer.data.sampler import TokenBudgetBatchSampler
+from infinipipe_hf.trainer.data.tokens import prepare_token_dataset
 
 
 def _lengths(n=200, seed=0):

@@ -4,12 +4,12 @@ import re
 import pytest
 
 from infinipipe_hf.ir.actions import B, F
-from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.planner.schedules.pipeline import backward_order, build_pipeline_actions, epp_warmup
 from infinipipe_hf.ir.units import Segment, Unit
-from infinipipe_hf.planner.simulate.validator import PlanValidationError, validate
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.schedules.pipeline import backward_order, build_pipeline_actions, epp_warmup
+from infinipipe_hf.planner.search.validator import PlanValidationError, validate
 
 LLAMA3_8B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)

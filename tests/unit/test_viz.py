@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from infinipipe_hf.cli.viz import format_timeline, plot_plan
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.units import Segment, Unit
 from infinipipe_hf.planner.schedules.pipeline import build_pipeline_actions, one_f_one_b_warmup
 from infinipipe_hf.planner.simulate.simulator import simulate
-from infinipipe_hf.ir.units import Segment, Unit
-from infinipipe_hf.cli.viz import format_timeline, plot_plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_simulator import FakeCost  # noqa: E402

@@ -8,13 +8,13 @@ import random
 import pytest
 
 from infinipipe_hf.ir.levels import CheckpointMix
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.planner.checkpointing.points import memory_points, point_bytes, stage_peak_bytes
+from infinipipe_hf.planner.checkpointing.timeline import stage_timeline
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.cost.profile import default_profile
-from infinipipe_hf.planner.checkpointing.timeline import (memory_points, point_bytes, stage_peak_bytes,
-    stage_timeline)
-from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.planner.simulate.simulator import simulate
-from infinipipe_hf.ir.units import Segment
 
 SPEC = ModelSpec(model_type="llama", num_layers=4, hidden_size=512, intermediate_size=1408,
                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1000,

@@ -26,14 +26,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from infinipipe_hf.ir.actions import Action  # noqa: E402
-from infinipipe_hf.ir.levels import CheckpointMix, act_elements  # noqa: E402
-from infinipipe_hf.planner.cost.model import CostModel  # noqa: E402
-from infinipipe_hf.planner.cost.profile import default_profile  # noqa: E402
+from infinipipe_hf.ir.levels import CheckpointMix  # noqa: E402
 from infinipipe_hf.ir.model_spec import ModelSpec  # noqa: E402
 from infinipipe_hf.ir.plan import Plan  # noqa: E402
-from infinipipe_hf.profiling.runtime_fit import fit_working_memory, reference_of  # noqa: E402
 from infinipipe_hf.ir.units import Segment, Unit  # noqa: E402
+from infinipipe_hf.planner.cost.activations import act_elements  # noqa: E402
+from infinipipe_hf.planner.cost.model import CostModel  # noqa: E402
+from infinipipe_hf.planner.cost.profile import default_profile  # noqa: E402
 from infinipipe_hf.profiling.memory_events import MemoryProbe  # noqa: E402
+from infinipipe_hf.profiling.runtime_fit import fit_working_memory, reference_of  # noqa: E402
 from infinipipe_hf.profiling.runtime_rows import _allocate_grads, measure_memory_rows  # noqa: E402
 from infinipipe_hf.runtime.stage.module import build_stage  # noqa: E402
 from infinipipe_hf.runtime.stage.runner import StageRunner  # noqa: E402

@@ -33,10 +33,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from infinipipe_hf.planner.cost.collectives import all_gather_time, reduce_scatter_time
-from infinipipe_hf.planner.cost.model import CostModel, UnitShape
-from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.planner.cost.collectives import all_gather_time, reduce_scatter_time
+from infinipipe_hf.planner.cost.compute import UnitShape
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
 from infinipipe_hf.planner.cost.states import StatePrecision, sharded_numel, stage_param_shapes
 from infinipipe_hf.planner.cost.ulysses import check_sp_degree
 

@@ -6,7 +6,7 @@ every sequence to one group, so that the slowest group is as fast as possible an
 tokens fit its memory (Wang et al., FlexSP, ASPLOS 2025, section 4).  A group of size ``g`` with
 sequences ``S`` takes ``fixed[g] + sum(per_seq[g][s] for s in S)`` seconds (the cost model is
 affine in pairs and, past a few tokens per GPU, in tokens, so a packed group's time splits per
-sequence: ``flexsp.round_problem``; padding to a multiple of ``g`` is left to the exact
+sequence: ``flexsp_build.round_problem``; padding to a multiple of ``g`` is left to the exact
 simulation) and fits when ``sum(len(s)) <= cap[g]`` tokens.
 
 Placement: groups of power-of-two sizes placed largest first, each at a multiple of its size,
@@ -21,15 +21,13 @@ Two solvers:
   group (up to ``world_size / g`` slots per size) a binary "used" and per bucket an integer count,
   and the makespan; symmetric slots are ordered to cut the search.  A bucket's sequences count
   their longest's tokens against memory (safe) and their mean time against the makespan; the
-  answer is priced exactly afterwards.  With one bucket per sequence it is exact (tested against
-  brute force).  On real 32-GPU rounds (85-512 sequences, 16 buckets) HiGHS stopped at 10 s is
-  up to 15% behind the greedy (benchmark table ``flexsp_solver``).
+  answer is priced exactly afterwards.  With one bucket per sequence it is exact.
 - :func:`greedy_groups`: a faster stand-in -- binary search on the makespan ``T``, each probe a
   first-fit-decreasing packing (longest sequence first into the fullest group that still meets
   ``T`` and its memory; otherwise a new group of the smallest size that meets ``T``; when the GPUs
   run out, a group doubled or two merged to make room), feasible when it uses at most
-  ``world_size`` GPUs.  Tested against brute force: within 2% of the optimum, and it may miss a
-  memory-tight round that has a plan (the blaster then uses one more round).
+  ``world_size`` GPUs.  It may miss a memory-tight round that has a plan (the blaster then uses
+  one more round).
 
 Trade-off: the MILP's answer is only as good as the buckets and its time limit; the greedy has no
 optimality guarantee but costs milliseconds, which is why it is the default.
@@ -100,10 +98,6 @@ def _pack_under(prob: RoundProblem, order: np.ndarray, smallest: list[int], limi
     sizes, loads, tokens, members = [], [], [], []
     caps = prob.cap_tokens
     used = 0
-
-    def load_at(g, seqs):
-        return prob.fixed_s[g] + float(sum(prob.per_seq_s[g][k] for k in seqs))
-
     for i in order:
         n = prob.lengths[i]
         best, best_load = -1, -1.0
@@ -116,41 +110,62 @@ def _pack_under(prob: RoundProblem, order: np.ndarray, smallest: list[int], limi
             tokens[best] += n
             members[best].append(int(i))
             continue
-        opened = False
-        for g in prob.sizes:
-            if g < smallest[i] or used + g > prob.world_size:
-                continue
-            t = prob.fixed_s[g] + prob.per_seq_s[g][i]
-            if t <= limit:
-                sizes.append(g), loads.append(t), tokens.append(n), members.append([int(i)])
-                used += g
-                opened = True
-                break
-        if opened:
-            continue
-        # Repair: double a group into free GPUs, or merge two equal groups, to make room.
-        options = []
-        for j, g in enumerate(sizes):
-            if 2 * g in caps and used + g <= prob.world_size and tokens[j] + n <= caps[2 * g]:
-                options.append((load_at(2 * g, members[j] + [i]), "grow", j, -1))
-            for k in range(j + 1, len(sizes)):
-                if sizes[k] == g and 2 * g in caps and tokens[j] + tokens[k] + n <= caps[2 * g]:
-                    options.append((load_at(2 * g, members[j] + members[k] + [i]), "merge", j, k))
-        options = [o for o in options if o[0] <= limit]
-        if not options:
-            return None
-        t, how, j, k = min(options)
-        g = sizes[j]
-        if how == "grow":
+        opened = _open_group(prob, i, smallest[i], used, limit)
+        if opened is not None:
+            g, t = opened
+            sizes.append(g), loads.append(t), tokens.append(n), members.append([int(i)])
             used += g
-        else:
-            members[j] += members[k]
-            tokens[j] += tokens[k]
-            del sizes[k], loads[k], tokens[k], members[k]
-        sizes[j], loads[j] = 2 * g, t
-        tokens[j] += n
-        members[j].append(int(i))
+            continue
+        used = _grow_or_merge(prob, i, limit, sizes, loads, tokens, members, used)
+        if used is None:
+            return None
     return list(zip(sizes, members))
+
+
+def _open_group(prob: RoundProblem, i: int, smallest: int, used: int, limit: float) -> tuple[int, float] | None:
+    """Size and time of the smallest new group (of free GPUs) holding sequence ``i`` within ``limit``."""
+    for g in prob.sizes:
+        if g < smallest or used + g > prob.world_size:
+            continue
+        t = prob.fixed_s[g] + prob.per_seq_s[g][i]
+        if t <= limit:
+            return g, t
+    return None
+
+
+def _grow_or_merge(prob: RoundProblem, i: int, limit: float, sizes: list, loads: list, tokens: list,
+                   members: list, used: int) -> int | None:
+    """Make room for sequence ``i``: double a group into free GPUs, or merge two equal groups (the
+    cheapest option within ``limit``).  Updates the groups in place; returns the GPUs used, or
+    None when no option holds the sequence."""
+    caps = prob.cap_tokens
+    n = prob.lengths[i]
+
+    def load_at(g, seqs):
+        return prob.fixed_s[g] + float(sum(prob.per_seq_s[g][k] for k in seqs))
+
+    options = []
+    for j, g in enumerate(sizes):
+        if 2 * g in caps and used + g <= prob.world_size and tokens[j] + n <= caps[2 * g]:
+            options.append((load_at(2 * g, members[j] + [i]), "grow", j, -1))
+        for k in range(j + 1, len(sizes)):
+            if sizes[k] == g and 2 * g in caps and tokens[j] + tokens[k] + n <= caps[2 * g]:
+                options.append((load_at(2 * g, members[j] + members[k] + [i]), "merge", j, k))
+    options = [o for o in options if o[0] <= limit]
+    if not options:
+        return None
+    t, how, j, k = min(options)
+    g = sizes[j]
+    if how == "grow":
+        used += g
+    else:
+        members[j] += members[k]
+        tokens[j] += tokens[k]
+        del sizes[k], loads[k], tokens[k], members[k]
+    sizes[j], loads[j] = 2 * g, t
+    tokens[j] += n
+    members[j].append(int(i))
+    return used
 
 
 def greedy_groups(prob: RoundProblem, rel_tol: float = 2e-3) -> list[tuple[int, list[int]]] | None:

@@ -1,47 +1,76 @@
 """``ring-cp``: FSDP2 with ring-attention context parallelism (accelerate ``cp_size``, torchtitan).
 
-What it models: every GPU runs all layers with FSDP2 sharding states over all GPUs (torchtitan
-shards over its flattened ``dp_shard x cp`` mesh; :class:`~.flat_cost.Zero3States`); the GPUs form
-``world_size / cp`` equal CP groups; torch's context parallelism supports causal SDPA only, so
-documents are never packed together: every micro-batch is one sequence, padded to a multiple of
-``2 * cp`` for the load-balanced zigzag split (:class:`~.flat_cost.RingGroup`); the groups run the
-micro-batches in lockstep rounds; one uniform checkpoint count for the step.
-
-Knobs, tuned per batch (:func:`plan_ring_cp`) or fixed for a run (:mod:`.static`): ``cp_degree``
-(powers of two dividing the world) and the least uniform checkpointing that fits.
+What it models: every GPU runs all layers with FSDP2 sharding states over all GPUs
+(:class:`~.flat_cost.Zero3States`); the GPUs form ``world_size / cp`` equal CP groups; torch's
+context parallelism supports causal SDPA only, so documents are never packed together: every
+micro-batch is one sequence, padded to a multiple of ``2 * cp`` for the load-balanced zigzag
+split (:class:`~.flat_cost.RingGroup`); the groups run the micro-batches in lockstep rounds; one
+uniform checkpoint count for the step.  Knob: ``cp_degree`` (powers of two dividing the world),
+tuned per batch or fixed for a run.
 
 Trade-off: with one sequence per micro-batch, a batch of many short documents pays the ZeRO-3
 gathers once per document round; that is the system's real cost, not a modelling artefact.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
+from infinipipe_hf.planner.alternatives.equal_groups import (
+    Builder,
+    EqualGroupSchedule,
+    GridContext,
+    check_sizes,
+    equal_group_plan,
+)
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
-from infinipipe_hf.planner.alternatives.round_plan import AlternativeResult, RoundPlan
-from infinipipe_hf.planner.alternatives.search import check_sizes, equal_group_plan, longest_fit_hint, tune
+from infinipipe_hf.planner.alternatives.round_plan import RoundPlan
+from infinipipe_hf.planner.alternatives.round_schedule import resolve_checkpointing
+from infinipipe_hf.planner.schedules.base import Knobs
 
 NAME = "ring-cp"
 ATTENTION = "ring"
 
 
-def knob_grid(lengths: Sequence[int], cost: FlatCost, cp_degrees: Sequence[int] | None = None) -> list[dict]:
-    return [{"cp_degree": cp} for cp in check_sizes("cp_degree", cp_degrees, cost.group_sizes(ATTENTION))]
+@dataclass(frozen=True)
+class RingKnobs(Knobs):
+    cp_degree: int
+
+    def record(self) -> dict:
+        return {"cp_degree": self.cp_degree}
 
 
-def build_ring_cp(lengths: Sequence[int], cost: FlatCost):
-    """``build(knobs, checkpoint)`` for :func:`~.search.tune`: one sequence per micro-batch."""
+def knob_grid(lengths: Sequence[int], cost: FlatCost, cp_degrees: Sequence[int] | None = None) -> list[RingKnobs]:
+    return [RingKnobs(cp) for cp in check_sizes("cp_degree", cp_degrees, cost.group_sizes(ATTENTION))]
+
+
+def build_ring_cp(lengths: Sequence[int], cost: FlatCost) -> Builder:
+    """``build(knobs, checkpoint)`` of one batch: one sequence per micro-batch."""
     singles = [[s] for s in range(len(lengths))]
 
-    def build(knobs: dict, checkpoint: int | None) -> RoundPlan:
-        cp = int(knobs["cp_degree"])
+    def build(knobs: RingKnobs, checkpoint: int | None) -> RoundPlan:
+        cp = int(knobs.cp_degree)
         return equal_group_plan(NAME, lengths, cost, ATTENTION, cp, singles, checkpoint, {"cp_degree": cp})
     return build
 
 
-def plan_ring_cp(lengths: Sequence[int], cost: FlatCost, *, checkpointing: str | int = "adaptive",
-                 cp_degrees: Sequence[int] | None = None) -> AlternativeResult:
-    """The fastest ``ring-cp`` plan of one batch over its CP degrees (``cp_degrees`` restricts them)."""
-    grid = knob_grid(lengths, cost, cp_degrees)
-    return tune(NAME, list(lengths), cost, grid, build_ring_cp(list(lengths), cost), checkpointing,
-                longest_fit_hint(NAME, lengths, cost, ATTENTION, [k["cp_degree"] for k in grid]))
+class RingCPSchedule(EqualGroupSchedule):
+    name = NAME
+    attention = ATTENTION
+
+    def context(self, lengths: list[int], cost: FlatCost, checkpointing: str | int = "adaptive", *,
+                cp_degrees: Sequence[int] | None = None) -> GridContext:
+        """``cp_degrees`` restricts the CP degrees searched."""
+        grid = knob_grid(lengths, cost, cp_degrees)
+        fixed = resolve_checkpointing(checkpointing, cost.spec.num_layers)
+        return GridContext(lengths, cost, fixed, [k.cp_degree for k in grid], tuple(grid))
+
+    def builder(self, lengths: Sequence[int], cost: FlatCost) -> Builder:
+        return build_ring_cp(lengths, cost)
+
+    def static_grid(self, batches, cost):
+        builders = [build_ring_cp(b, cost) for b in batches]
+
+        def make(cp):
+            return lambda i, c: builders[i](RingKnobs(cp), c)
+        return [({"cp_degree": cp}, make(cp)) for cp in cost.group_sizes(ATTENTION)]

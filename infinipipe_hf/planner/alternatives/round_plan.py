@@ -1,4 +1,4 @@
-"""The plan of a non-pipeline step as plain data, its simulation, and the CLI's summary of it.
+"""The plan of a non-pipeline step as plain data, and its simulation.
 
 A :class:`RoundPlan` is a list of *rounds*; a round is the groups of GPUs that run one micro-batch
 each at the same time (:class:`GroupRun`: how many GPUs, which whole sequences).  DeepSpeed-
@@ -12,10 +12,7 @@ plan is what ``--emit-plan`` writes for these schedules (``RoundPlan.to_dict``):
 :func:`simulate_rounds` prices it with :class:`~.flat_cost.FlatCost`: each group's forward and
 backward per GPU, a round as long as its slowest group plus the ZeRO-3 collectives it cannot hide,
 the step as the sum of its rounds; peak memory per GPU is the states plus the largest micro-batch's
-activations.  :class:`AlternativeResult` turns that into the object ``--json`` prints, with the
-same keys as a pipeline schedule's (``num_pipelines`` is 0: there is no pipeline; ``num_units``
-counts micro-batches; ``peak_memory_bytes`` has one entry, every GPU holding every layer;
-``recompute_time_s`` sums over groups, as the pipeline's sums over stages).
+activations; ``recompute_time_s`` sums over groups, as the pipeline's sums over stages.
 """
 from __future__ import annotations
 
@@ -144,44 +141,3 @@ def simulate_rounds(plan: RoundPlan, cost: FlatCost) -> RoundSimulation:
     return RoundSimulation(step, plan.num_tokens / step if step > 0 else 0.0,
                            max(0.0, 1.0 - busy / capacity) if capacity > 0 else 0.0, peak, budget, recompute,
                            padded_total, rounds, feasible, error)
-
-
-@dataclass
-class AlternativeResult:
-    """The outcome of planning one step with a non-pipeline schedule (``PlanResult``'s sibling)."""
-
-    schedule: str
-    plan: RoundPlan | None
-    simulation: RoundSimulation | None
-    feasible: bool
-    error: str | None
-    planning_time_s: float
-    candidates: list[dict] = field(default_factory=list)
-    """One entry per knob setting tried: knobs, step time, feasibility."""
-    world_size: int = 1
-
-    def summary(self) -> dict:
-        """The ``--json`` object: the pipeline schedules' keys (module docstring) plus ``info``."""
-        sim, plan = self.simulation, self.plan
-        ok = self.feasible and sim is not None
-        d = {
-            "schedule": self.schedule,
-            "feasible": self.feasible,
-            "step_time_s": sim.step_time_s if ok else None,
-            "tokens_per_s": sim.tokens_per_s if ok else 0.0,
-            "bubble_fraction": sim.bubble_fraction if ok else None,
-            "peak_memory_bytes": [sim.peak_memory_bytes] if ok else None,
-            "memory_budget_bytes": sim.memory_budget_bytes if sim else None,
-            "recompute_time_s": sim.recompute_time_s if ok else None,
-            "num_pipelines": 0,
-            "num_units": plan.num_micro_batches if plan and ok else 0,
-            "num_tokens": sum(plan.sequences) if plan else None,
-            "planning_time_s": self.planning_time_s,
-            "world_size": self.world_size,
-        }
-        if plan is not None and ok:
-            d["info"] = {**plan.knobs, "checkpoint_layers": plan.checkpoint_layers, "rounds": len(plan.rounds),
-                         "padded_tokens": sim.padded_tokens, "attention": plan.attention}
-        if self.error:
-            d["error"] = self.error
-        return d

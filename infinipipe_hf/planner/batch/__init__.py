@@ -1,1 +1,1 @@
-"""A batch becomes units: elastic slices and packs, uniform baselines, DP assignment."""
+"""A batch becomes units: elastic slices and packs, uniform baselines, packing, DP assignment, rounds."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
+from infinipipe_hf.planner.batch.layer_time import LayerTime
+from infinipipe_hf.planner.batch.select import select_sequences
 from infinipipe_hf.planner.cost.model import CostModel
-from infinipipe_hf.planner.batch.elastic import LayerTime, select_sequences
 
 
 def sequence_cost(length: int, lt: LayerTime) -> float:

@@ -8,28 +8,18 @@
   ``num_slices`` slices of equal token count regardless of document boundaries: a slice may
   hold the end of one document and the start of the next, each segment carrying its context.
 
-Each baseline has one knob (packing length; plus slice count for seq1f1b) and the search grids
-below, so the planner tunes every baseline over the same kind of grid EPP searches for K: the
-speed ratios compare tuned baselines, not strawmen.  Trade-off: grids are powers of two (a few
-candidates, milliseconds each) rather than a fine sweep.
-
 ``cost`` is accepted by the makers for a uniform signature across schedules; the baselines'
-decisions are deliberately cost-blind, which is what the systems they model do.
+decisions are deliberately cost-blind, which is what the systems they model do.  Their knob grids
+are in :mod:`~infinipipe_hf.planner.schedules.grids`.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from infinipipe_hf.planner.cost.model import CostModel
-from infinipipe_hf.planner.batch.elastic import select_sequences
-from infinipipe_hf.planner.batch.packing import first_fit_decreasing
 from infinipipe_hf.ir.units import Segment, Unit
-
-SLICE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
-MIN_SLICE_TOKENS = 256
-"""Uniform slices thinner than this run the GPU badly (docs/algorithms.md, cost model); not searched."""
-MIN_PACK_LOG2 = 10
-"""Smallest packing length searched: 1K tokens."""
+from infinipipe_hf.planner.batch.packing import first_fit_decreasing
+from infinipipe_hf.planner.batch.select import select_sequences
+from infinipipe_hf.planner.cost.model import CostModel
 
 
 def _check_positive(name: str, value: int) -> int:
@@ -91,31 +81,3 @@ def make_uniform_slices(lengths: Sequence[int], cost: CostModel, pack_tokens: in
         for segs in uniform_token_slices([(s, int(lengths[s])) for s in b], num_slices):
             units.append(Unit(first_unit_id + len(units), tuple(segs)))
     return units
-
-
-def packing_candidates(lengths: Sequence[int], sp_degree: int = 1) -> list[int]:
-    """Packing lengths searched for the packing baselines: ``max(longest, 2^k)``, increasing.
-
-    ``k`` runs from 10 (1K tokens) to the largest power of two not above the batch's total, so
-    the grid spans "one sequence per micro-batch" to "about two micro-batches per step".  With
-    ``sp_degree`` GPUs per stage the grid starts at the first power of two of at least 1K tokens
-    per GPU (smaller micro-batches only waste the GPUs).
-    """
-    chosen = select_sequences(lengths, None)
-    longest = max(int(lengths[s]) for s in chosen)
-    total = sum(int(lengths[s]) for s in chosen)
-    low = MIN_PACK_LOG2 + (int(sp_degree) - 1).bit_length()
-    top = max(low, total.bit_length() - 1)
-    return sorted({max(longest, 1 << k) for k in range(low, top + 1)})
-
-
-def slicing_candidates(lengths: Sequence[int], pack_tokens: int | None = None, sp_degree: int = 1) -> list[int]:
-    """Uniform slice counts searched for seq1f1b: 1, 2, 4, ... while slices keep
-    ``MIN_SLICE_TOKENS`` tokens per GPU (``sp_degree`` GPUs share each slice).
-
-    The slice size is judged on ``pack_tokens`` (default: the longest sequence, the smallest
-    packing length searched).
-    """
-    chosen = select_sequences(lengths, None)
-    base = int(pack_tokens) if pack_tokens is not None else max(int(lengths[s]) for s in chosen)
-    return [k for k in SLICE_COUNTS if k == 1 or base // k >= MIN_SLICE_TOKENS * sp_degree]

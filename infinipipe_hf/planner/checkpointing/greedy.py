@@ -5,7 +5,7 @@ Design: rows are covering constraints (``rows @ y >= need``, non-negative coeffi
 raising any variable never breaks a satisfied row, and the greedy is feasible whenever setting
 every variable to its bound is (full checkpointing).  With finer checkpoint levels the variables
 are cumulative counts chained per cell (``y_full <= y_mlp <= y_mlp_act <= layers``,
-checkpoint_problem.py): raising ``y_full`` past ``y_mlp`` drags ``y_mlp`` (and ``y_mlp_act``) up
+:mod:`.problem`): raising ``y_full`` past ``y_mlp`` drags ``y_mlp`` (and ``y_mlp_act``) up
 with it, so a *move* is a variable plus the chain above it at the same value, scored by the bytes
 the whole move saves at the worst point per recompute second.  Lowering a variable stops at the
 one below it in its chain.  Without levels no variable has a chain and the moves are exactly the
@@ -13,7 +13,7 @@ single-variable steps of the plain greedy.
 
 Trade-off: a move is priced by its first layer; a step of several layers may cross a point where
 the chain above would join, which the next iteration then prices correctly.  The greedy is a
-start and a fallback; the LP rounding and the MILP (checkpoint_solver.py) improve on it.
+start and a fallback; the LP rounding and the MILP (:mod:`.lp`) improve on it.
 """
 from __future__ import annotations
 

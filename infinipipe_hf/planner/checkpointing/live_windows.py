@@ -3,7 +3,7 @@
 Design: a unit is live on a contiguous run of a stage's memory points (its forward to its
 backward), so containment of live sets reduces to interval arithmetic over first and last
 appearances, computed in one pass with a lazy heap instead of comparing sets pairwise.  Kept
-apart from ``memory.py`` (which prices the points) because only the checkpoint problem uses it
+apart from :mod:`.points` (which prices the points) because only the checkpoint problem uses it
 to drop dominated memory constraints.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 
 from infinipipe_hf.ir.actions import Action
-from infinipipe_hf.planner.checkpointing.timeline import MemoryPoint
+from infinipipe_hf.planner.checkpointing.points import MemoryPoint
 
 
 def live_windows(points: list[MemoryPoint], actions: list[Action]) -> tuple[list[int], list[int]]:

@@ -2,10 +2,10 @@
 
 Cells are (stage, unit) pairs.  A cell's checkpointed-layer count ``c`` lowers the memory of every
 point where its unit is live by ``slope * c`` (activation bytes are affine in ``c``).  Each memory
-point of a stage's timeline (planner/memory.py) is one row ``sum slope * c >= need`` with
+point of a stage's timeline (:mod:`.points`) is one row ``sum slope * c >= need`` with
 ``need = point bytes with nothing checkpointed - budget``.
 
-Finer levels inside a layer (planner/checkpoint_levels.py) give a cell one *column* per level
+Finer levels inside a layer (:mod:`infinipipe_hf.ir.levels`) give a cell one *column* per level
 holding cumulative counts ``y_full <= y_keep_attn <= y_mlp <= y_mlp_act <= layers``; a row's coefficient of
 ``y_l`` is what level ``l`` saves beyond the next finer one, positive, so the rows stay covering
 constraints (raising any count never breaks one) and rounding an LP answer up keeps it feasible
@@ -18,18 +18,17 @@ to back across stages, so recompute on one shows up as the same bubble on the ot
 hold different layer counts: the shared count would be ``min(x_d, layers_p)``, which is not
 linear, so a diagonal gets one variable *per distinct layer count* among its stages (every cell
 can still reach full checkpointing; the adaptive policy is feasible exactly when full
-checkpointing is).  Trade-off, measured (benchmarks/solver_study.py): sharing makes the problem
-O(n + pp) instead of O(n * pp) but forces recompute on stages with memory to spare; per-cell
-counts save 14-38% of the recompute on real-text batches and their memory rows separate by stage
-(:meth:`ReplicaProblem.stage_blocks`), which keeps them fast to solve.
+checkpointing is).  Trade-off (benchmarks/solver_study.py): sharing makes the problem O(n + pp)
+instead of O(n * pp) but forces recompute on stages with memory to spare; per-cell counts need
+less recompute and their memory rows separate by stage (:meth:`ReplicaProblem.stage_blocks`),
+which keeps them fast to solve.
 
 Only points that can bind are kept: a point whose live set is contained in another's and whose
-base bytes are not larger is dominated for every choice of counts (activations are non-negative),
-found with live windows and a range-maximum table in O(P log P).
+base bytes are not larger is dominated for every choice of counts (:mod:`.dominance`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -37,10 +36,14 @@ from scipy import sparse
 
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import FULL, check_levels
-from infinipipe_hf.planner.cost.model import CostModel, UnitShape
-from infinipipe_hf.planner.checkpointing.live_windows import live_windows
-from infinipipe_hf.planner.checkpointing.timeline import MemoryPoint, memory_points
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.planner.checkpointing.dominance import undominated
+from infinipipe_hf.planner.checkpointing.live_windows import live_windows
+from infinipipe_hf.planner.checkpointing.points import MemoryPoint, memory_points
+from infinipipe_hf.planner.cost.compute import UnitShape
+from infinipipe_hf.planner.cost.model import CostModel
+
+SHARING = ("cell", "diagonal")
 
 
 @dataclass
@@ -149,50 +152,96 @@ class ReplicaProblem:
         return out
 
 
-def _range_max_table(values: np.ndarray) -> list[np.ndarray]:
-    table = [values]
-    span = 1
-    while 2 * span <= len(values):
-        prev = table[-1]
-        table.append(np.maximum(prev[:-span], prev[span:]))
-        span *= 2
-    return table
+
+@dataclass
+class _Cells:
+    """Per (stage, unit) cell, in the order cells are met: stage by stage, units by first action."""
+
+    stage: list[int] = field(default_factory=list)
+    unit: list[int] = field(default_factory=list)
+    layers: list[int] = field(default_factory=list)
+    layer_s: list[float] = field(default_factory=list)
+    key: list[tuple] = field(default_factory=list)
+    """The variable the cell's counts share (before its level is added)."""
+    saves: list[list[float]] = field(default_factory=list)
+    """Bytes one layer at each level saves (heaviest first)."""
+    redos: list[list[float]] = field(default_factory=list)
+    """Seconds one layer at each level costs to redo."""
+    zero_act: list[float] = field(default_factory=list)
+    """Activation bytes with nothing checkpointed."""
 
 
-def _range_max(table: list[np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Max of ``values[lo..hi]`` (inclusive) per query; ``-inf`` for empty ranges."""
-    out = np.full(len(lo), -np.inf)
-    ok = hi >= lo
-    if not ok.any():
-        return out
-    lo_, hi_ = lo[ok], hi[ok]
-    k = np.floor(np.log2(hi_ - lo_ + 1)).astype(np.int64)
-    res = np.empty(len(lo_))
-    for level in np.unique(k):
-        sel = k == level
-        t = table[level]
-        res[sel] = np.maximum(t[lo_[sel]], t[hi_[sel] - (1 << level) + 1])
-    out[ok] = res
-    return out
+@dataclass
+class _Rows:
+    """The kept memory points of every stage, as chunks of (row, live cell) pairs."""
+
+    row_chunks: list[np.ndarray] = field(default_factory=list)
+    cell_chunks: list[np.ndarray] = field(default_factory=list)
+    base_chunks: list[np.ndarray] = field(default_factory=list)
+    stage_chunks: list[np.ndarray] = field(default_factory=list)
+    index_chunks: list[np.ndarray] = field(default_factory=list)
+    action: list[Action] = field(default_factory=list)
+    count: int = 0
 
 
-def undominated(base: np.ndarray, firsts: np.ndarray, lasts: np.ndarray) -> np.ndarray:
-    """Mask of points no other point dominates (live superset with base at least as large).
+def _add_cells(plan: Plan, cost: CostModel, dp_rank: int, p: int, finer: tuple[str, ...], sharing: str,
+               cells: _Cells, unit_facts: dict[int, tuple]) -> dict[int, int]:
+    """Append the cells of stage ``p``; returns unit id -> cell index there.  ``unit_facts`` caches
+    each unit's segments, shape and one layer's recompute seconds across stages."""
+    actions = plan.stage_actions(dp_rank, p)
+    lc = cost.levels if finer else None
+    pp = plan.pp_degree
+    layers = cost.num_layers(p)
+    back_pos: dict[int, int] = {}
+    for a in actions:
+        if not a.is_forward and a.unit not in back_pos:
+            back_pos[a.unit] = len(back_pos)
+    cell_here: dict[int, int] = {}
+    for uid in dict.fromkeys(a.unit for a in actions):
+        if uid not in unit_facts:
+            unit = plan.unit_by_id[uid]
+            shape = UnitShape.of(unit.segments)
+            unit_facts[uid] = (unit.segments, shape, cost.recompute_time(p, shape, 1))
+        segments, shape, layer_s = unit_facts[uid]
+        cell_here[uid] = len(cells.stage)
+        cells.stage.append(p)
+        cells.unit.append(uid)
+        cells.layers.append(layers)
+        cells.layer_s.append(layer_s)
+        k = back_pos.get(uid)
+        if sharing == "cell":
+            cells.key.append(("c", p, uid))
+        else:
+            # A unit with no backward here (invalid plan) gets a variable of its own.
+            cells.key.append(("d", k + (pp - 1 - p), layers) if k is not None else ("orphan", p, uid))
+        a0 = cost.unit_activation_bytes(p, segments, 0)
+        cells.zero_act.append(a0)
+        cells.saves.append([a0 - cost.unit_activation_bytes(p, segments, 1)]
+                           + [lc.layer_saved_bytes(lv, p, segments) for lv in finer])
+        cells.redos.append([layer_s] + [lc.layer_recompute_s(lv, shape) for lv in finer])
+    return cell_here
 
-    Ties (same base, containing live set) keep the earlier point, so of mutually dominating
-    points exactly one survives.
-    """
-    n = len(base)
-    idx = np.arange(n)
-    firsts = np.minimum(firsts, idx)  # an invalid plan's windows may not contain the point itself
-    lasts = np.maximum(lasts, idx)
-    table = _range_max_table(base)
-    before = _range_max(table, firsts, idx - 1)
-    after = _range_max(table, idx + 1, lasts)
-    return ~((before >= base) | (after > base))
+
+def _add_rows(points: list[MemoryPoint], actions: list[Action], p: int, cell_here: dict[int, int],
+              rows: _Rows) -> None:
+    """Append stage ``p``'s undominated points as rows over the cells live there."""
+    firsts, lasts = live_windows(points, actions)
+    base = np.array([pt.base_bytes for pt in points])
+    kept = np.flatnonzero(undominated(base, np.array(firsts), np.array(lasts)))
+    lives = [points[i].live_units for i in kept]
+    counts = np.fromiter(map(len, lives), dtype=np.int64, count=len(lives))
+    rows.cell_chunks.append(np.fromiter((cell_here[u] for live in lives for u in live), dtype=np.int64,
+                                        count=int(counts.sum())))
+    rows.row_chunks.append(np.repeat(np.arange(rows.count, rows.count + len(kept)), counts))
+    rows.base_chunks.append(base[kept])
+    rows.stage_chunks.append(np.full(len(kept), p, dtype=np.int64))
+    rows.index_chunks.append(np.array([points[i].action_index for i in kept], dtype=np.int64))
+    rows.action.extend(actions[points[i].action_index] for i in kept)
+    rows.count += len(kept)
 
 
-SHARING = ("cell", "diagonal")
+def _cat(chunks: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype=dtype)
 
 
 def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence[str] = (),
@@ -205,109 +254,55 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
     finer = check_levels(levels)
     all_levels = (FULL, *finer)
     nl = len(all_levels)
-    pp = plan.pp_degree
-    by_id = plan.unit_by_id
     budget = cost.memory_budget_bytes
-    lc = cost.levels if finer else None
-    cell_stage: list[int] = []
-    cell_unit: list[int] = []
-    cell_layers: list[int] = []
-    cell_layer_s: list[float] = []
-    cell_key: list[tuple] = []
-    saves: list[list[float]] = []  # per cell: bytes one layer at each level saves (heaviest first)
-    redos: list[list[float]] = []  # per cell: seconds one layer at each level costs to redo
-    zero_act: list[float] = []
-    row_chunks: list[np.ndarray] = []
-    cell_chunks: list[np.ndarray] = []
-    base_chunks: list[np.ndarray] = []
-    stage_chunks: list[np.ndarray] = []
-    index_chunks: list[np.ndarray] = []
-    row_action: list[Action] = []
-    n_rows = 0
+    cells, rows = _Cells(), _Rows()
     unit_facts: dict[int, tuple] = {}  # segments, shape, recompute seconds of one layer
     stage_points: dict[int, list[MemoryPoint]] = {}
-    for p in range(pp):
-        actions = plan.stage_actions(dp_rank, p)
-        layers = cost.num_layers(p)
-        back_pos: dict[int, int] = {}
-        for a in actions:
-            if not a.is_forward and a.unit not in back_pos:
-                back_pos[a.unit] = len(back_pos)
-        cell_here: dict[int, int] = {}
-        for uid in dict.fromkeys(a.unit for a in actions):
-            if uid not in unit_facts:
-                unit = by_id[uid]
-                shape = UnitShape.of(unit.segments)
-                unit_facts[uid] = (unit.segments, shape, cost.recompute_time(p, shape, 1))
-            segments, shape, layer_s = unit_facts[uid]
-            cell_here[uid] = len(cell_stage)
-            cell_stage.append(p)
-            cell_unit.append(uid)
-            cell_layers.append(layers)
-            cell_layer_s.append(layer_s)
-            k = back_pos.get(uid)
-            if sharing == "cell":
-                cell_key.append(("c", p, uid))
-            else:
-                # A unit with no backward here (invalid plan) gets a variable of its own.
-                cell_key.append(("d", k + (pp - 1 - p), layers) if k is not None else ("orphan", p, uid))
-            a0 = cost.unit_activation_bytes(p, segments, 0)
-            zero_act.append(a0)
-            saves.append([a0 - cost.unit_activation_bytes(p, segments, 1)]
-                         + [lc.layer_saved_bytes(lv, p, segments) for lv in finer])
-            redos.append([layer_s] + [lc.layer_recompute_s(lv, shape) for lv in finer])
+    for p in range(plan.pp_degree):
+        cell_here = _add_cells(plan, cost, dp_rank, p, finer, sharing, cells, unit_facts)
         points = stage_points[p] = memory_points(plan, cost, dp_rank, p)
-        if not points:
-            continue
-        firsts, lasts = live_windows(points, actions)
-        base = np.array([pt.base_bytes for pt in points])
-        kept = np.flatnonzero(undominated(base, np.array(firsts), np.array(lasts)))
-        lives = [points[i].live_units for i in kept]
-        counts = np.fromiter(map(len, lives), dtype=np.int64, count=len(lives))
-        cell_chunks.append(np.fromiter((cell_here[u] for live in lives for u in live), dtype=np.int64,
-                                       count=int(counts.sum())))
-        row_chunks.append(np.repeat(np.arange(n_rows, n_rows + len(kept)), counts))
-        base_chunks.append(base[kept])
-        stage_chunks.append(np.full(len(kept), p, dtype=np.int64))
-        index_chunks.append(np.array([points[i].action_index for i in kept], dtype=np.int64))
-        row_action.extend(actions[points[i].action_index] for i in kept)
-        n_rows += len(kept)
-    n_cells = len(cell_stage)
+        if points:
+            _add_rows(points, plan.stage_actions(dp_rank, p), p, cell_here, rows)
+    n_cells = len(cells.stage)
     # Columns: each cell's levels, heaviest first; cumulative coefficients are differences.
-    save_arr = np.array(saves, dtype=float).reshape(n_cells, nl)
-    redo_arr = np.array(redos, dtype=float).reshape(n_cells, nl)
+    save_arr = np.array(cells.saves, dtype=float).reshape(n_cells, nl)
+    redo_arr = np.array(cells.redos, dtype=float).reshape(n_cells, nl)
     col_save = save_arr - np.concatenate([save_arr[:, 1:], np.zeros((n_cells, 1))], axis=1)
     col_redo = redo_arr - np.concatenate([redo_arr[:, 1:], np.zeros((n_cells, 1))], axis=1)
     col_cell = np.repeat(np.arange(n_cells, dtype=np.int64), nl)
     col_level = np.tile(np.arange(nl, dtype=np.int64), n_cells)
-    col_key = cell_key if nl == 1 else [(key, j) for key in cell_key for j in range(nl)]
+    col_var, var_ub, var_parent = _variables(cells, col_cell, col_level, nl)
+    col_cost = col_redo.reshape(-1)
+    var_cost = np.bincount(col_var, weights=col_cost, minlength=len(var_ub)).astype(float)
+    r_row, r_cell = _cat(rows.row_chunks, np.int64), _cat(rows.cell_chunks, np.int64)
+    zero_arr = np.array(cells.zero_act, dtype=float)
+    need = _cat(rows.base_chunks, float) - budget + np.bincount(r_row, weights=zero_arr[r_cell],
+                                                                 minlength=rows.count)
+    # Every live cell contributes all its columns to the row.
+    rr = np.repeat(r_row, nl)
+    rc = (r_cell[:, None] * nl + np.arange(nl)).reshape(-1)
+    matrix = sparse.csr_matrix((col_save.reshape(-1)[rc], (rr, rc)), shape=(rows.count, n_cells * nl))
+    return ReplicaProblem(
+        dp_rank=dp_rank, levels=all_levels, cell_stage=np.array(cells.stage, dtype=np.int64),
+        cell_unit=np.array(cells.unit, dtype=np.int64), cell_layers=np.array(cells.layers, dtype=np.int64),
+        cell_layer_s=np.array(cells.layer_s, dtype=float), col_cell=col_cell, col_level=col_level,
+        col_var=col_var, col_cost_s=col_cost, var_ub=var_ub, var_cost_s=var_cost, var_parent=var_parent,
+        rows=matrix, need=need, row_stage=_cat(rows.stage_chunks, np.int64), row_action=rows.action,
+        row_action_index=_cat(rows.index_chunks, np.int64), budget=budget, stage_points=stage_points)
+
+
+def _variables(cells: _Cells, col_cell: np.ndarray, col_level: np.ndarray,
+               nl: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each column's variable, each variable's upper bound and chain parent (next finer level)."""
+    col_key = cells.key if nl == 1 else [(key, j) for key in cells.key for j in range(nl)]
     keys = sorted(set(col_key), key=repr)
     var_of = {key: i for i, key in enumerate(keys)}
     col_var = np.array([var_of[k] for k in col_key], dtype=np.int64)
-    layers_arr = np.array(cell_layers, dtype=np.int64)
+    layers_arr = np.array(cells.layers, dtype=np.int64)
     var_ub = np.zeros(len(keys), dtype=np.int64)
     var_ub[col_var] = layers_arr[col_cell]  # all columns of a variable share the layer count
-    col_cost = col_redo.reshape(-1)
-    var_cost = np.bincount(col_var, weights=col_cost, minlength=len(keys)).astype(float)
     var_parent = np.full(len(keys), -1, dtype=np.int64)
     if nl > 1:
         finer_col = np.flatnonzero(col_level < nl - 1)
         var_parent[col_var[finer_col]] = col_var[finer_col + 1]
-
-    def cat(chunks: list[np.ndarray], dtype) -> np.ndarray:
-        return np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype=dtype)
-
-    r_row, r_cell = cat(row_chunks, np.int64), cat(cell_chunks, np.int64)
-    zero_arr = np.array(zero_act, dtype=float)
-    need = cat(base_chunks, float) - budget + np.bincount(r_row, weights=zero_arr[r_cell], minlength=n_rows)
-    # Every live cell contributes all its columns to the row.
-    rr = np.repeat(r_row, nl)
-    rc = (r_cell[:, None] * nl + np.arange(nl)).reshape(-1)
-    rows = sparse.csr_matrix((col_save.reshape(-1)[rc], (rr, rc)), shape=(n_rows, n_cells * nl))
-    return ReplicaProblem(
-        dp_rank=dp_rank, levels=all_levels, cell_stage=np.array(cell_stage, dtype=np.int64),
-        cell_unit=np.array(cell_unit, dtype=np.int64), cell_layers=layers_arr,
-        cell_layer_s=np.array(cell_layer_s, dtype=float), col_cell=col_cell, col_level=col_level,
-        col_var=col_var, col_cost_s=col_cost, var_ub=var_ub, var_cost_s=var_cost, var_parent=var_parent,
-        rows=rows, need=need, row_stage=cat(stage_chunks, np.int64), row_action=row_action,
-        row_action_index=cat(index_chunks, np.int64), budget=budget, stage_points=stage_points)
+    return col_var, var_ub, var_parent

@@ -1,14 +1,14 @@
 """Per-(stage, unit) activation checkpointing: the least recompute that fits memory (docs/algorithms.md).
 
 Design: each DP replica is an independent problem (its stages are its own GPUs), built by
-planner/checkpoint_problem.py as covering rows ``rows @ y >= need`` over integer variables: one
+:mod:`.problem` as covering rows ``rows @ y >= need`` over integer variables: one
 per (stage, unit) cell (``sharing="cell"``) or shared along backward-order diagonals
 (``"diagonal"``, the paper's), each cell with a chained count per checkpoint level when finer
-levels inside a layer are allowed (planner/checkpoint_levels.py).  ``adaptive`` minimises total
+levels inside a layer are allowed (:mod:`infinipipe_hf.ir.levels`).  ``adaptive`` minimises total
 recompute seconds, per independent block (a stage, with per-cell counts):
 
 1. nothing over budget with zero checkpointing: ``none-needed`` at once, no solver call;
-2. the LP relaxation (HiGHS), rounded up, its chains closed and pruned greedily (``lp-rounding``),
+2. the LP relaxation (HiGHS, :mod:`.lp`), rounded up, its chains closed and pruned greedily (``lp-rounding``),
    and -- without levels, where it is cheap, or when the LP fails -- the greedy; the better kept.
    Within ``mip_rel_gap`` of the LP bound it is returned (``milp``: proven near-optimal);
 3. otherwise ``scipy.optimize.milp`` (HiGHS) runs for the rest of ``time_limit_s``; its answer is
@@ -19,14 +19,12 @@ recompute seconds, per independent block (a stage, with per-cell counts):
 grouping, where speed matters more than the last percent.  ``none``, ``full`` and ``uniform``
 are the static whole-layer settings baselines use.
 
-Trade-off and findings (benchmarks/solver_study.py on the planner benchmark's batches): the
-rounded LP is within 0.4-2.6% of the LP bound, so no MILP can save more than that; HiGHS finds
-0.1-1% better answers after about 2 s and none better within 0.25 s.  So the LP always runs (up to
-``LP_TIME_LIMIT_S``) and ``time_limit_s`` bounds only the branch and bound: a short limit trades
-about 1% more recompute for planning speed.  The formulation matters far more: diagonal-shared
-counts force recompute on stages with memory to spare (per-cell counts need 14-38% less recompute
-on real-text batches).  Every answer is re-checked against the full memory timeline
-(planner/memory.py), so a solver tolerance can never hand out a plan that does not fit.
+Trade-off (benchmarks/solver_study.py): the rounded LP lands within a few percent of the LP
+bound, so the LP always runs (up to ``lp.LP_TIME_LIMIT_S``) and ``time_limit_s`` bounds only the
+branch and bound: a short limit trades a little recompute for planning speed.  The formulation
+matters more: diagonal-shared counts force recompute on stages with memory to spare.  Every
+answer is re-checked against the full memory timeline (:mod:`.points`), so a solver tolerance can
+never hand out a plan that does not fit.
 """
 from __future__ import annotations
 
@@ -34,25 +32,19 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
-from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
 from infinipipe_hf.ir.levels import CheckpointMix, check_levels
-from infinipipe_hf.planner.checkpointing.problem import SHARING, ReplicaProblem, build_problem
-from infinipipe_hf.planner.cost.model import GIB, CostModel, UnitShape
-from infinipipe_hf.planner.checkpointing.timeline import stage_peak_bytes
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
+from infinipipe_hf.planner.checkpointing.lp import LP_TIME_LIMIT_S, lp_rounding, milp_counts
+from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
+from infinipipe_hf.planner.checkpointing.problem import SHARING, ReplicaProblem, build_problem
+from infinipipe_hf.planner.cost.compute import UnitShape
+from infinipipe_hf.planner.cost.model import GIB, CostModel
 
 POLICIES = ("adaptive", "greedy", "none", "full", "uniform")
 # Bytes a solver tolerance may leave over budget before we call it a violation (float noise).
 _SLACK_BYTES = 1.0
-# Margin asked of HiGHS on every row, in bytes, so its feasibility tolerance (1e-7 of a GiB-scaled
-# row) and rounding of near-integral values cannot push a point over budget.
-_MILP_MARGIN_BYTES = 4096.0
-LP_TIME_LIMIT_S = 5.0
-"""The LP relaxation runs to this wall-clock limit even when ``time_limit_s`` (which bounds the
-MILP's branch and bound) is shorter: its rounding is the solver's main answer."""
 
 
 @dataclass
@@ -68,78 +60,6 @@ class CheckpointSolution:
     checkpoint_levels: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)
     """stage -> unit id -> finer level -> layers, non-zero entries only (the plan's key)."""
 
-
-def _chain_rows(prob: ReplicaProblem, used: np.ndarray | None = None) -> sparse.csr_matrix:
-    """``y_v - y_parent(v) <= 0`` for every chained variable (over ``used`` columns if given)."""
-    v = np.flatnonzero(prob.var_parent >= 0)
-    n = prob.num_vars
-    m = sparse.csr_matrix((np.r_[np.ones(len(v)), -np.ones(len(v))],
-                           (np.r_[np.arange(len(v)), np.arange(len(v))], np.r_[v, prob.var_parent[v]])),
-                          shape=(len(v), n))
-    return m if used is None else m[:, used]
-
-
-def _close_chains(prob: ReplicaProblem, x: np.ndarray) -> np.ndarray:
-    """Raise each variable's chain so ``y_v <= y_parent(v)`` (only raises: rows stay covered)."""
-    has = np.flatnonzero(prob.var_parent >= 0)
-    for _ in range(len(prob.levels) - 1):
-        np.maximum.at(x, prob.var_parent[has], x[has])
-    return x
-
-
-def _highs(prob: ReplicaProblem, time_limit_s: float, gap: float):
-    binding = prob.need > 0
-    a = prob.var_rows()[binding] / GIB  # GiB rows and millisecond costs keep HiGHS well scaled
-    lb = (prob.need[binding] + _MILP_MARGIN_BYTES) / GIB
-    constraints = [LinearConstraint(a.tocsr(), lb, np.full(len(lb), np.inf))]
-    if prob.chained:
-        chain = _chain_rows(prob)
-        constraints.append(LinearConstraint(chain, np.full(chain.shape[0], -np.inf), np.zeros(chain.shape[0])))
-    return milp(c=prob.var_cost_s * 1e3, integrality=np.ones(prob.num_vars),
-                bounds=Bounds(np.zeros(prob.num_vars), prob.var_ub.astype(float)),
-                constraints=constraints,
-                options={"time_limit": max(time_limit_s, 1e-3), "mip_rel_gap": gap, "disp": False})
-
-
-def _milp_counts(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np.ndarray | None, str]:
-    res = _highs(prob, time_limit_s, gap)
-    if res.x is None:
-        return None, f"HiGHS: {res.message}"
-    x = _close_chains(prob, np.clip(np.round(res.x), 0, prob.var_ub).astype(np.int64))
-    return x, ("" if res.status == 0 else f"HiGHS stopped early ({res.message})")
-
-
-def _lp_rounding(prob: ReplicaProblem, time_limit_s: float) -> tuple[np.ndarray | None, float]:
-    """Rounded-up LP relaxation, pruned greedily, and the LP lower bound (seconds).
-
-    Rows are covering constraints with non-negative coefficients, so rounding the relaxation up
-    keeps every point within budget; pruning then removes what the rounding over-bought.  On
-    batch-sized plans this lands within a few percent of the LP bound (LP: about 30 ms for 268
-    units, 0.3 s for 1000), often close enough to skip the branch and bound altogether.
-    """
-    binding = prob.need > 0
-    a = prob.var_rows()[binding]
-    used_mask = np.diff(a.tocsc().indptr) > 0  # the rest stay 0 in any optimum
-    for _ in range(len(prob.levels) - 1):  # ... unless a used variable's chain needs them
-        used_mask[prob.var_parent[used_mask & (prob.var_parent >= 0)]] = True
-    used = np.flatnonzero(used_mask)
-    a_ub = -(a[:, used] / GIB)
-    b_ub = -prob.need[binding] / GIB
-    if prob.chained:
-        chain = _chain_rows(prob, used)
-        keep = np.diff(chain.tocsr().indptr) > 0
-        a_ub = sparse.vstack([a_ub, chain[keep]])
-        b_ub = np.r_[b_ub, np.zeros(int(keep.sum()))]
-    # Interior point (with HiGHS' crossover to a vertex) is the fastest LP on these covering
-    # problems: about 30% under dual simplex on 1000-unit plans.
-    res = linprog(prob.var_cost_s[used] * 1e3, A_ub=a_ub.tocsr(), b_ub=b_ub,
-                  bounds=np.column_stack([np.zeros(len(used)), prob.var_ub[used]]), method="highs-ipm",
-                  options={"time_limit": max(time_limit_s, 1e-3)})
-    if res.x is None or res.status != 0:
-        return None, 0.0
-    up = np.zeros(prob.num_vars, dtype=np.int64)
-    up[used] = np.minimum(np.ceil(res.x - 1e-6), prob.var_ub[used])
-    return greedy_counts(prob, _close_chains(prob, up)), float(res.fun) / 1e3
 
 
 def _fits(prob: ReplicaProblem, columns: np.ndarray) -> bool:
@@ -165,12 +85,12 @@ def _adaptive(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np
         return prob.var_ub.copy(), False, "infeasible", _infeasible_message(
             prob, prob.columns_from_vars(prob.var_ub), "every layer checkpointed")
     deadline = time.perf_counter() + time_limit_s
-    rounded, bound = _lp_rounding(prob, max(time_limit_s, LP_TIME_LIMIT_S))
+    rounded, bound = lp_rounding(prob, max(time_limit_s, LP_TIME_LIMIT_S))
     candidates = [] if rounded is None else [("lp-rounding", rounded)]
     if rounded is None or not prob.chained:
         # The plain greedy is vectorised and cheap; the chained one (finer levels) moves one
-        # variable per Python iteration, and the LP rounding beat it on every benchmark batch
-        # (benchmarks/solver_study.py), so with levels it is the fallback only.
+        # variable per Python iteration and the LP rounding does better, so with levels it is
+        # the fallback only.
         candidates.append(("greedy", greedy_counts(prob)))
     name, best = min(candidates, key=lambda c: float(c[1] @ prob.var_cost_s))
     best_s = float(best @ prob.var_cost_s)
@@ -179,7 +99,7 @@ def _adaptive(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np
         return best, True, "milp", f"{name} is within {gap:g} of the LP bound"
     if time.perf_counter() >= deadline:
         return best, True, name, f"{name} solution used (no time left for the MILP)"
-    x, note = _milp_counts(prob, deadline - time.perf_counter(), gap)
+    x, note = milp_counts(prob, deadline - time.perf_counter(), gap)
     if x is not None and not _fits(prob, prob.columns_from_vars(x)):
         # Solver tolerance left a point over budget: repair from its answer.
         x = greedy_counts(prob, x)
@@ -246,10 +166,37 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
     """Checkpointed layers per (stage, unit) for ``plan`` under ``cost.memory_budget_bytes``.
 
     ``levels``: finer levels inside a layer the adaptive and greedy policies may use beside whole
-    layers (``mlp``, ``mlp_act``; planner/checkpoint_levels.py); the static policies use whole
-    layers only.  ``sharing``: ``diagonal`` shares counts along backward diagonals (paper Alg. 2),
-    ``cell`` gives every (stage, unit) its own (checkpoint_problem.py).
+    layers (``keep_attn``, ``mlp``, ``mlp_act``; :mod:`infinipipe_hf.ir.levels`); the static
+    policies use whole layers only.  ``sharing``: ``diagonal`` shares counts along backward
+    diagonals (paper Alg. 2), ``cell`` gives every (stage, unit) its own (:mod:`.problem`).
     """
+    levels = _check_arguments(plan, cost, policy, levels, sharing, time_limit_s, mip_rel_gap)
+    deadline = time.perf_counter() + time_limit_s
+    if policy not in ("adaptive", "greedy"):
+        levels = ()  # static settings are whole layers (Megatron / Seq1F1B style)
+    problems = [build_problem(plan, cost, r, levels=levels, sharing=sharing) for r in sorted(plan.actions)]
+    if policy in ("adaptive", "greedy"):
+        cells, feasible, methods, messages = _solved_cells(problems, policy, deadline, mip_rel_gap)
+    else:
+        cells, methods = _static_cells(problems, policy)
+        feasible, messages = _static_fits(problems, cells, policy)
+    checkpoint_layers, checkpoint_levels = _assemble(plan, problems, cells)
+    recompute = recompute_seconds(plan, cost, checkpoint_layers, checkpoint_levels)
+    if feasible:
+        _verify(plan, cost, problems, checkpoint_layers, checkpoint_levels)
+        # The weakest replica's method describes the plan: greedy < lp-rounding < milp < none-needed.
+        method = next((m for m in ("greedy", "lp-rounding", "milp") if m in methods),
+                      methods[0] if methods else "none-needed")
+    else:
+        method = "infeasible"
+    return CheckpointSolution(checkpoint_layers, recompute, feasible, method, "; ".join(messages),
+                              checkpoint_levels)
+
+
+def _check_arguments(plan: Plan, cost: CostModel, policy: str, levels, sharing: str, time_limit_s: float,
+                     mip_rel_gap: float) -> tuple[str, ...]:
+    """``ValueError`` for an unknown policy, level or sharing, a cost model not built for the
+    plan's layout, or a bad time limit or gap; returns the levels in canonical order."""
     if policy not in POLICIES:
         raise ValueError(f"unknown checkpoint policy {policy!r}; use one of {', '.join(POLICIES)}")
     levels = check_levels(levels)
@@ -263,53 +210,51 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
                          f"{cost.layers_per_stage}; build the CostModel with the plan's layer split")
     if time_limit_s <= 0 or not 0 <= mip_rel_gap < 1:
         raise ValueError(f"need time_limit_s > 0 and 0 <= mip_rel_gap < 1, got {time_limit_s}, {mip_rel_gap}")
-    deadline = time.perf_counter() + time_limit_s
-    if policy not in ("adaptive", "greedy"):
-        levels = ()  # static settings are whole layers (Megatron / Seq1F1B style)
-    problems = [build_problem(plan, cost, r, levels=levels, sharing=sharing) for r in sorted(plan.actions)]
+    return levels
+
+
+def _solved_cells(problems: list[ReplicaProblem], policy: str, deadline: float, gap: float):
+    """Column values, feasible, methods and messages of the adaptive or greedy policy, the time
+    left shared equally by the replicas still to solve."""
     cells: list[np.ndarray] = []  # per replica: column values
     feasible, methods, messages = True, [], []
+    for i, prob in enumerate(problems):
+        left = max(deadline - time.perf_counter(), 1e-3) / (len(problems) - i)
+        if policy == "greedy":
+            x, ok, method, note = _greedy_only(prob)
+        else:
+            x, ok, method, note = _adaptive_blocks(prob, left, gap)
+        cells.append(prob.columns_from_vars(x))
+        feasible &= ok
+        methods.append(method)
+        if note:
+            messages.append(f"dp {prob.dp_rank}: {note}" if len(problems) > 1 else note)
+    return cells, feasible, methods, messages
+
+
+def _static_cells(problems: list[ReplicaProblem], policy: str) -> tuple[list[np.ndarray], list[str]]:
+    """Column values and method of the static policies (whole layers: one column per cell)."""
     if policy == "uniform":
         least = [_least_uniform(p) for p in problems]
         if any(c is None for c in least):
             c = max((int(p.cell_layers.max()) for p in problems if len(p.cell_layers)), default=0)
         else:
             c = max(least, default=0)
-        cells = [np.minimum(c, p.cell_layers) for p in problems]  # no levels: one column per cell
-        methods = ["uniform"]
-    elif policy in ("none", "full"):
-        cells = [p.cell_layers.copy() if policy == "full" else np.zeros_like(p.cell_layers) for p in problems]
-        methods = ["full" if policy == "full" else "none-needed"]
-    else:
-        for i, prob in enumerate(problems):
-            left = max(deadline - time.perf_counter(), 1e-3) / (len(problems) - i)
-            if policy == "greedy":
-                x, ok, method, note = _greedy_only(prob)
-            else:
-                x, ok, method, note = _adaptive_blocks(prob, left, mip_rel_gap)
-            cells.append(prob.columns_from_vars(x))
-            feasible &= ok
-            methods.append(method)
-            if note:
-                messages.append(f"dp {prob.dp_rank}: {note}" if len(problems) > 1 else note)
-    if policy not in ("adaptive", "greedy"):
-        what = {"none": "no checkpointing", "full": "every layer checkpointed",
-                "uniform": "every layer checkpointed (no uniform count fits)"}[policy]
-        for prob, cc in zip(problems, cells):
-            if not _fits(prob, cc):
-                feasible = False
-                messages.append(_infeasible_message(prob, cc, what))
-    checkpoint_layers, checkpoint_levels = _assemble(plan, problems, cells)
-    recompute = recompute_seconds(plan, cost, checkpoint_layers, checkpoint_levels)
-    if feasible:
-        _verify(plan, cost, problems, checkpoint_layers, checkpoint_levels)
-        # The weakest replica's method describes the plan: greedy < lp-rounding < milp < none-needed.
-        method = next((m for m in ("greedy", "lp-rounding", "milp") if m in methods),
-                      methods[0] if methods else "none-needed")
-    else:
-        method = "infeasible"
-    return CheckpointSolution(checkpoint_layers, recompute, feasible, method, "; ".join(messages),
-                              checkpoint_levels)
+        return [np.minimum(c, p.cell_layers) for p in problems], ["uniform"]
+    cells = [p.cell_layers.copy() if policy == "full" else np.zeros_like(p.cell_layers) for p in problems]
+    return cells, ["full" if policy == "full" else "none-needed"]
+
+
+def _static_fits(problems: list[ReplicaProblem], cells: list[np.ndarray], policy: str) -> tuple[bool, list[str]]:
+    """Whether a static setting fits every replica, and a message for each that does not."""
+    what = {"none": "no checkpointing", "full": "every layer checkpointed",
+            "uniform": "every layer checkpointed (no uniform count fits)"}[policy]
+    feasible, messages = True, []
+    for prob, cc in zip(problems, cells):
+        if not _fits(prob, cc):
+            feasible = False
+            messages.append(_infeasible_message(prob, cc, what))
+    return feasible, messages
 
 
 def _assemble(plan: Plan, problems: list[ReplicaProblem], columns: list[np.ndarray]):

@@ -1,16 +1,17 @@
-"""Memory timeline of one stage: the bytes alive at the peak of each of its actions.
+"""Memory timeline of one stage: the bytes alive at the peak of each of its actions, as arrays.
 
 Design: a stage's memory at an action splits into a part that does not depend on checkpointing
-(``base_bytes``: model states, the KV store, the working set of the running action) and the
+(``base``: model states, the KV store, the working set of the running action) and the
 activations of the *live* units (forwarded on this stage, backward not finished, the running
 one included), each affine in its checkpointed-layer counts (whole layers, and the finer levels
-of planner/checkpoint_levels.py, passed as ``checkpoint_levels``: unit -> level -> layers).  A :class:`MemoryPoint` keeps the two
-apart, so the checkpoint solver turns every point into one linear constraint and the simulator
-and validator evaluate any checkpoint choice with :func:`point_bytes` without replaying the plan.
+of :mod:`infinipipe_hf.ir.levels`, passed as ``checkpoint_levels``: unit -> level -> layers).
+Keeping the two apart makes every point one linear constraint for the checkpoint solver, and lets
+the simulator and validator evaluate any checkpoint choice without replaying the plan
+(:mod:`.points` holds the per-point form).
 
 Trade-off: the backward working set is costed as if the running unit had at least one
 checkpointed layer (its activations are rebuilt next to their gradients).  That over-estimates
-units with no checkpointing by one layer's activations, but keeps ``base_bytes`` independent of
+units with no checkpointing by one layer's activations, but keeps ``base`` independent of
 checkpoint choices, which is what makes every point a linear constraint.  The running unit's
 activations count in full during its forward and backward (their peak is at the layer boundary).
 
@@ -18,14 +19,14 @@ KV store: a segment whose sequence continues holds ``cost.kv_bytes(stage, length
 forward on the stage until the backward of the unit holding the sequence's first slice
 (``start == 0``) finishes there (backward runs last slice first, so that is the last user).
 
-Speed: the planner's hot paths (checkpoint problem, simulator, validator) never build the
-per-point live tuples, which cost O(actions x units in flight) per stage.  They use a
-:class:`StageTimeline` instead: the base bytes of every point as an array, and, when every unit
-has exactly one forward followed by one backward on the stage (every plan the planner builds),
-each unit's live interval ``[forward index, backward index]``.  Peaks then are a cumulative sum
-of +activation at forwards and -activation after backwards, evaluated in the same order as the
-per-action loop, so every number is bit-for-bit what :func:`memory_points` and
-:func:`point_bytes` give.  Irregular action lists (tests of broken plans) take the plain loops.
+Speed: the planner's hot paths (checkpoint problem, simulator, validator) never build per-point
+live tuples, which cost O(actions x units in flight) per stage.  A :class:`StageTimeline` holds
+the base bytes of every point as an array, and, when every unit has exactly one forward followed
+by one backward on the stage (every plan the planner builds), each unit's live interval
+``[forward index, backward index]``.  Peaks then are a cumulative sum of +activation at forwards
+and -activation after backwards, evaluated in the same order as the per-action loop, so every
+number is bit-for-bit what :func:`.points.memory_points` and :func:`.points.point_bytes` give.
+Irregular action lists (tests of broken plans) take the plain loops.
 """
 from __future__ import annotations
 
@@ -36,27 +37,27 @@ import numpy as np
 
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import CheckpointMix
-from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.planner.cost.model import CostModel
 
 LevelCounts = Mapping[int, Mapping[str, int]]
 """unit id -> finer checkpoint level -> layers, for one stage (a plan's ``checkpoint_levels[stage]``)."""
 
 
-def _finer_bytes(cost: CostModel, stage: int, segments, counts: Mapping[str, int] | None) -> float:
+def finer_bytes(cost: CostModel, stage: int, segments, counts: Mapping[str, int] | None) -> float:
     """Bytes the finer levels ``counts`` drop from a unit with ``segments`` (0.0 for none)."""
     if not counts or not any(counts.values()):
         return 0.0
     return cost.levels.finer_saved_bytes(stage, segments, CheckpointMix.of(0, counts))
 
 
-def _phases(cost: CostModel):
+def phase_model(cost: CostModel):
     """The cost model's phase model of working memory, or None (duck-typed test costs have none)."""
     return getattr(cost, "working", None)
 
 
-def _working_correction(cost: CostModel, stage: int, segments, full: int,
-                        finer: Mapping[str, int] | None) -> tuple[float, float]:
+def working_correction(cost: CostModel, stage: int, segments, full: int,
+                       finer: Mapping[str, int] | None) -> tuple[float, float]:
     """(forward, backward): the phase model's working bytes of a unit at this mix minus its bound."""
     w = cost.working
     tokens = sum(s.end - s.start for s in segments)
@@ -64,23 +65,6 @@ def _working_correction(cost: CostModel, stage: int, segments, full: int,
     mix = CheckpointMix.of(full, finer)
     return (w.excess(stage, segments, mix, False) - w.bound(stage, tokens, ctx, False),
             w.excess(stage, segments, mix, True) - w.bound(stage, tokens, ctx, True))
-
-
-@dataclass(frozen=True)
-class MemoryPoint:
-    """Memory of one stage at the peak of one of its actions."""
-
-    action_index: int
-    """Index into ``plan.stage_actions(dp_rank, stage)``."""
-    base_bytes: float
-    """Model states + KV store + working set of the running action; independent of checkpointing."""
-    live_units: tuple[int, ...]
-    """Units whose activations are held at that point (forward done or running, backward not
-    finished), the running one included, in the order of their forwards."""
-    running_unit: int | None = None
-    """The unit of the action at this point (its working memory is part of ``base_bytes``)."""
-    forward: bool = True
-    """Whether that action is a forward."""
 
 
 @dataclass(eq=False)
@@ -98,7 +82,7 @@ class StageTimeline:
     forward: np.ndarray
     """Per action: True for a forward."""
     base: np.ndarray
-    """Per action: ``base_bytes`` of its point (exactly :func:`memory_points`' value)."""
+    """Per action: the checkpoint-independent bytes of its point (``MemoryPoint.base_bytes``)."""
     regular: bool
     """Every unit has exactly one forward, then one backward, on the stage."""
     context_bytes: dict[int, float] = field(default_factory=dict)
@@ -125,18 +109,18 @@ class StageTimeline:
             values[k] += (layers - get(int(self.units[k]), 0)) * extra
         if checkpoint_levels:
             for k, u in enumerate(self.units.tolist()):
-                values[k] -= _finer_bytes(cost, stage, self.segments[k], checkpoint_levels.get(u))
+                values[k] -= finer_bytes(cost, stage, self.segments[k], checkpoint_levels.get(u))
         return np.array(values, dtype=float)
 
     def point_values(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
                      checkpoint_levels: LevelCounts | None = None) -> np.ndarray:
-        """:func:`point_bytes` of every point under ``checkpoint_layers`` (bit-identical)."""
+        """:func:`.points.point_bytes` of every point under ``checkpoint_layers`` (bit-identical)."""
         n = len(self.actions)
         if n == 0:
             return np.zeros(0)
         act = self.activations(cost, stage, checkpoint_layers, checkpoint_levels)
         base = self.base
-        if _phases(cost) is not None:
+        if phase_model(cost) is not None:
             base = base + self.working_corrections(cost, stage, checkpoint_layers, checkpoint_levels)
         if self.regular:
             # Interleave "+act at the forward" and "-act after the backward" in action order, so
@@ -164,7 +148,7 @@ class StageTimeline:
         levels = checkpoint_levels or {}
         corr = np.zeros((len(self.units), 2))
         for k, u in enumerate(self.units.tolist()):
-            corr[k] = _working_correction(cost, stage, self.segments[k], checkpoint_layers.get(u, 0), levels.get(u))
+            corr[k] = working_correction(cost, stage, self.segments[k], checkpoint_layers.get(u, 0), levels.get(u))
         return np.where(self.forward, corr[self.slot, 0], corr[self.slot, 1])
 
     def peak(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
@@ -191,6 +175,21 @@ class StageTimeline:
         return firsts, lasts
 
 
+@dataclass
+class _UnitFacts:
+    """Per unit of a stage (``units`` order): what its timeline needs of the unit."""
+
+    tokens: np.ndarray
+    kv_adds: list[list[tuple[int, float]]]
+    """K/V entering the store at the unit's forward: (sequence, bytes)."""
+    frees: list[list[int]]
+    """Sequences whose store the unit's backward frees (it holds their first slice)."""
+    work_f: np.ndarray
+    work_b: np.ndarray
+    context_bytes: dict[int, float]
+    segments: list
+
+
 def _check_stage(plan: Plan, dp_rank: int, stage: int) -> None:
     if not 0 <= stage < plan.pp_degree:
         raise ValueError(f"stage {stage} out of range for pp_degree {plan.pp_degree}; use 0..{plan.pp_degree - 1}")
@@ -198,10 +197,8 @@ def _check_stage(plan: Plan, dp_rank: int, stage: int) -> None:
         raise ValueError(f"dp_rank {dp_rank} not in the plan (dp ranks {sorted(plan.actions)})")
 
 
-def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> StageTimeline:
-    """:class:`StageTimeline` of ``plan.stage_actions(dp_rank, stage)``."""
-    _check_stage(plan, dp_rank, stage)
-    actions = plan.stage_actions(dp_rank, stage)
+def _slots(actions: list[Action]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Unit ids in order of first appearance, each action's index into them, and its direction."""
     n = len(actions)
     uid = np.fromiter((a.unit for a in actions), dtype=np.int64, count=n)
     fwd = np.fromiter((a.kind == "F" for a in actions), dtype=bool, count=n)
@@ -210,19 +207,16 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> Sta
     units = uniq[order]
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
-    slot = rank[inv.reshape(-1)]
+    return units, rank[inv.reshape(-1)], fwd
 
-    # Per unit: tokens, K/V entering the store at its forward, sequences whose store it frees.
+
+def _unit_facts(plan: Plan, cost: CostModel, stage: int, units: np.ndarray) -> _UnitFacts:
+    """Tokens, K/V entering the store, sequences freed and working-set bounds of every unit."""
     by_id = plan.unit_by_id
     seq_len = plan.sequences
     nu = len(units)
-    tokens = np.zeros(nu, dtype=np.int64)
-    kv_adds: list[list[tuple[int, float]]] = [[] for _ in range(nu)]
-    frees: list[list[int]] = [[] for _ in range(nu)]
-    work_f = np.empty(nu)
-    work_b = np.empty(nu)
-    context_bytes: dict[int, float] = {}
-    segments: list = []
+    facts = _UnitFacts(np.zeros(nu, dtype=np.int64), [[] for _ in range(nu)], [[] for _ in range(nu)],
+                       np.empty(nu), np.empty(nu), {}, [])
     for k, u in enumerate(units.tolist()):
         unit = by_id.get(u)
         if unit is None:
@@ -230,159 +224,88 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> Sta
                              f"{sorted(by_id)[:10]}...; build actions from plan.units")
         extra = cost.context_bytes_per_layer(unit.segments)
         if extra:
-            context_bytes[k] = extra
+            facts.context_bytes[k] = extra
         t = 0
         for seg in unit.segments:
             m = seg.end - seg.start
             t += m
             if seg.end < seq_len[seg.seq]:
-                kv_adds[k].append((seg.seq, cost.kv_bytes(stage, m)))
+                facts.kv_adds[k].append((seg.seq, cost.kv_bytes(stage, m)))
             if seg.start == 0:
-                frees[k].append(seg.seq)  # the first slice's backward is the sequence's last
-        tokens[k] = t
-        segments.append(unit.segments)
-        if _phases(cost) is None:
-            work_f[k] = cost.working_bytes(stage, t, 0, backward=False)
-            work_b[k] = cost.working_bytes(stage, t, 1, backward=True)
+                facts.frees[k].append(seg.seq)  # the first slice's backward is the sequence's last
+        facts.tokens[k] = t
+        facts.segments.append(unit.segments)
+        if phase_model(cost) is None:
+            facts.work_f[k] = cost.working_bytes(stage, t, 0, backward=False)
+            facts.work_b[k] = cost.working_bytes(stage, t, 1, backward=True)
         else:  # the phase model's bound over every checkpoint mix (exact values: point_values)
-            work_f[k] = cost.working.bound(stage, t, extra, backward=False)
-            work_b[k] = cost.working.bound(stage, t, extra, backward=True)
+            facts.work_f[k] = cost.working.bound(stage, t, extra, backward=False)
+            facts.work_b[k] = cost.working.bound(stage, t, extra, backward=True)
+    return facts
 
-    # KV store: the same float operations as a per-action loop, but only at the actions that
-    # change it (forwards adding K/V, backwards freeing a sequence that has some).
+
+def _kv_store(facts: _UnitFacts, slot: np.ndarray, fwd: np.ndarray) -> np.ndarray:
+    """KV-store bytes at every action: the same float operations as a per-action loop, but only at
+    the actions that change it (forwards adding K/V, backwards freeing a sequence that has some)."""
+    n, nu = len(slot), len(facts.tokens)
+    kv_adds, frees = facts.kv_adds, facts.frees
     kv_seqs = {q for adds in kv_adds for q, _ in adds}
-    kv = np.zeros(n)
-    if kv_seqs:
-        frees_kv = [[q for q in fr if q in kv_seqs] for fr in frees]
-        has_add = np.fromiter((bool(x) for x in kv_adds), dtype=bool, count=nu)
-        has_free = np.fromiter((bool(x) for x in frees_kv), dtype=bool, count=nu)
-        events = np.flatnonzero(np.where(fwd, has_add[slot], has_free[slot]))
-        kv_by_seq: dict[int, float] = {}
-        kv_total = 0.0
-        change_at: list[int] = []
-        values: list[float] = []
-        slot_l = slot.tolist()
-        fwd_l = fwd.tolist()
-        for j in events.tolist():
-            k = slot_l[j]
-            if fwd_l[j]:
-                # The new K/V exist as soon as the forward has run its first layer.
-                for q, b in kv_adds[k]:
-                    kv_by_seq[q] = kv_by_seq.get(q, 0.0) + b
-                    kv_total += b
-                change_at.append(j)
-            else:
-                for q in frees_kv[k]:
-                    kv_total -= kv_by_seq.pop(q, 0.0)
-                change_at.append(j + 1)  # freed after the backward's own point
-            values.append(kv_total)
-        idx = np.searchsorted(np.asarray(change_at), np.arange(n), side="right") - 1
-        kv = np.where(idx >= 0, np.asarray(values)[np.maximum(idx, 0)], 0.0)
-    base = cost.static_bytes(stage) + kv + np.where(fwd, work_f[slot], work_b[slot])
-    if _phases(cost) is not None and n:
-        base = base + cost.working.pipeline_buffers(stage, fwd, tokens[slot])
-
-    fpos = bpos = None
-    regular = False
-    if n:
-        f_units, b_units = slot[fwd], slot[~fwd]
-        if len(f_units) == nu and len(b_units) == nu:
-            fpos = np.full(nu, -1, dtype=np.int64)
-            bpos = np.full(nu, -1, dtype=np.int64)
-            fpos[f_units] = np.flatnonzero(fwd)
-            bpos[b_units] = np.flatnonzero(~fwd)
-            regular = bool((fpos >= 0).all() and (bpos >= 0).all() and (fpos < bpos).all())
-        if not regular:
-            fpos = bpos = None
-    return StageTimeline(actions, units, tokens, slot, fwd, base, regular, context_bytes, segments, fpos, bpos)
-
-
-def memory_points(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list[MemoryPoint]:
-    """One :class:`MemoryPoint` per action of ``plan.stage_actions(dp_rank, stage)``, in order."""
-    return timeline_points(stage_timeline(plan, cost, dp_rank, stage))
-
-
-def timeline_points(tl: StageTimeline) -> list[MemoryPoint]:
-    """The :class:`MemoryPoint` list of a :class:`StageTimeline` (what :func:`memory_points` returns)."""
-    units = tl.units.tolist()
-    live: dict[int, None] = {}  # insertion-ordered set: forwards arrive in time order
-    points: list[MemoryPoint] = []
-    for i, (k, fw, base) in enumerate(zip(tl.slot.tolist(), tl.forward.tolist(), tl.base.tolist())):
-        u = units[k]
-        if fw:
-            live[u] = None
-            points.append(MemoryPoint(i, base, tuple(live), u, True))
+    if not kv_seqs:
+        return np.zeros(n)
+    frees_kv = [[q for q in fr if q in kv_seqs] for fr in frees]
+    has_add = np.fromiter((bool(x) for x in kv_adds), dtype=bool, count=nu)
+    has_free = np.fromiter((bool(x) for x in frees_kv), dtype=bool, count=nu)
+    events = np.flatnonzero(np.where(fwd, has_add[slot], has_free[slot]))
+    kv_by_seq: dict[int, float] = {}
+    kv_total = 0.0
+    change_at: list[int] = []
+    values: list[float] = []
+    slot_l = slot.tolist()
+    fwd_l = fwd.tolist()
+    for j in events.tolist():
+        k = slot_l[j]
+        if fwd_l[j]:
+            # The new K/V exist as soon as the forward has run its first layer.
+            for q, b in kv_adds[k]:
+                kv_by_seq[q] = kv_by_seq.get(q, 0.0) + b
+                kv_total += b
+            change_at.append(j)
         else:
-            # A backward without its forward is the validator's to report; count the unit live
-            # while it runs so the point is still conservative.
-            live.setdefault(u, None)
-            points.append(MemoryPoint(i, base, tuple(live), u, False))
-            del live[u]
-    return points
+            for q in frees_kv[k]:
+                kv_total -= kv_by_seq.pop(q, 0.0)
+            change_at.append(j + 1)  # freed after the backward's own point
+        values.append(kv_total)
+    idx = np.searchsorted(np.asarray(change_at), np.arange(n), side="right") - 1
+    return np.where(idx >= 0, np.asarray(values)[np.maximum(idx, 0)], 0.0)
 
 
-def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
-                checkpoint_layers: Mapping[int, int], checkpoint_levels: LevelCounts | None = None) -> float:
-    """Bytes of ``point`` on ``stage`` when unit ``u`` checkpoints ``checkpoint_layers.get(u, 0)`` layers
-    (and the finer levels ``checkpoint_levels.get(u)``)."""
-    by_id = plan.unit_by_id
-    levels = checkpoint_levels or {}
-    total = point.base_bytes
-    if _phases(cost) is not None and point.running_unit is not None:
-        u = point.running_unit
-        total += _working_correction(cost, stage, by_id[u].segments, checkpoint_layers.get(u, 0),
-                                     levels.get(u))[0 if point.forward else 1]
-    for uid in point.live_units:
-        segs = by_id[uid].segments
-        total += (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(uid, 0))
-                  - _finer_bytes(cost, stage, segs, levels.get(uid)))
-    return total
+def _live_intervals(nu: int, slot: np.ndarray, fwd: np.ndarray) -> tuple[bool, np.ndarray | None, np.ndarray | None]:
+    """(regular, forward index, backward index) of every unit; the indices only when regular."""
+    if not len(slot):
+        return False, None, None
+    f_units, b_units = slot[fwd], slot[~fwd]
+    if len(f_units) != nu or len(b_units) != nu:
+        return False, None, None
+    fpos = np.full(nu, -1, dtype=np.int64)
+    bpos = np.full(nu, -1, dtype=np.int64)
+    fpos[f_units] = np.flatnonzero(fwd)
+    bpos[b_units] = np.flatnonzero(~fwd)
+    if (fpos >= 0).all() and (bpos >= 0).all() and (fpos < bpos).all():
+        return True, fpos, bpos
+    return False, None, None
 
 
-def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
-                     checkpoint_layers: Mapping[int, int] | None = None, *,
-                     checkpoint_levels: LevelCounts | None = None,
-                     points: list[MemoryPoint] | None = None,
-                     timeline: StageTimeline | None = None) -> float:
-    """Peak over the stage's actions of :func:`point_bytes` (the plan's ``checkpoint_layers`` and
-    ``checkpoint_levels`` when ``checkpoint_layers`` is not given; else none of the finer levels
-    unless ``checkpoint_levels`` is).
-
-    ``points`` may pass :func:`memory_points` of the same stage, or ``timeline`` its
-    :func:`stage_timeline`, when the caller has them.  Keeps a running sum of live activations
-    instead of summing every point's live set, so it is linear in the number of actions even for
-    GPipe-like schedules where everything is live.
-    """
-    if checkpoint_layers is None:
-        checkpoint_layers = plan.checkpoint_layers.get(stage, {})
-        if checkpoint_levels is None:
-            checkpoint_levels = plan.checkpoint_levels.get(stage, {})
-    levels = checkpoint_levels or {}
-    if points is None:
-        if timeline is None:
-            timeline = stage_timeline(plan, cost, dp_rank, stage)
-        assert timeline.actions is plan.stage_actions(dp_rank, stage), "timeline is not this stage's"
-        return timeline.peak(cost, stage, checkpoint_layers, levels)
-    if not points:
-        return cost.static_bytes(stage)
+def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> StageTimeline:
+    """:class:`StageTimeline` of ``plan.stage_actions(dp_rank, stage)``."""
+    _check_stage(plan, dp_rank, stage)
     actions = plan.stage_actions(dp_rank, stage)
-    assert len(points) == len(actions), "points are not this stage's"
-    by_id = plan.unit_by_id
-    act: dict[int, float] = {}
-    live_sum = 0.0
-    peak = float("-inf")
-    for p in points:
-        a = actions[p.action_index]
-        if a.unit not in act:
-            segs = by_id[a.unit].segments
-            act[a.unit] = (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(a.unit, 0))
-                           - _finer_bytes(cost, stage, segs, levels.get(a.unit)))
-            live_sum += act[a.unit]
-        base = p.base_bytes
-        if _phases(cost) is not None:
-            base += _working_correction(cost, stage, by_id[a.unit].segments, checkpoint_layers.get(a.unit, 0),
-                                        levels.get(a.unit))[0 if a.is_forward else 1]
-        peak = max(peak, base + live_sum)
-        if not a.is_forward:
-            live_sum -= act.pop(a.unit)
-    return peak
+    n = len(actions)
+    units, slot, fwd = _slots(actions)
+    facts = _unit_facts(plan, cost, stage, units)
+    work = np.where(fwd, facts.work_f[slot], facts.work_b[slot])
+    base = cost.static_bytes(stage) + _kv_store(facts, slot, fwd) + work
+    if phase_model(cost) is not None and n:
+        base = base + cost.working.pipeline_buffers(stage, fwd, facts.tokens[slot])
+    regular, fpos, bpos = _live_intervals(len(units), slot, fwd)
+    return StageTimeline(actions, units, facts.tokens, slot, fwd, base, regular, facts.context_bytes,
+                         facts.segments, fpos, bpos)

@@ -9,9 +9,9 @@ form (docs/algorithms.md), per layer and direction::
 
 fitted by non-negative least squares on relative error (small units matter as much as big ones:
 the fixed term is what makes tiny slices run the GPU badly).  Rows are measured on a *reference*
-layer shape; ``CostModel`` rescales to other shapes by FLOPs, which is the trade-off: exact on the
-profiled shape, a FLOP-proportional estimate elsewhere.  Re-profile on the target model for the
-5% accuracy goal.
+layer shape; the cost model rescales to other shapes by FLOPs (:mod:`.compute`), which is the trade-off: exact on the
+profiled shape, a FLOP-proportional estimate elsewhere.  Re-profile on the target model for
+accurate times.
 """
 from __future__ import annotations
 
@@ -28,6 +28,18 @@ from scipy.optimize import nnls
 from infinipipe_hf.ir.model_spec import ModelSpec
 
 PROFILE_FORMAT_VERSION = 1
+
+KEYS = ("backward", "forward_full", "forward_mlp", "forward_mlp_act")
+"""The keys of ``HardwareProfile.working_bytes_per_token`` (bytes per token, reference shape)."""
+
+
+def check_working_fields(fields: dict) -> None:
+    """``ValueError`` unless ``fields`` is empty or has exactly :data:`KEYS` with values >= 0."""
+    if not fields:
+        return
+    if set(fields) != set(KEYS) or any(not float(v) >= 0 for v in fields.values()):
+        raise ValueError(f"profile field working_bytes_per_token must be empty (linear bound) or give "
+                         f"bytes >= 0 for exactly {', '.join(KEYS)}; got {dict(fields)!r}")
 
 
 @dataclass(frozen=True)
@@ -112,11 +124,11 @@ class HardwareProfile:
     ``backward`` (one layer's gradient temporaries), ``forward_full`` / ``forward_mlp`` /
     ``forward_mlp_act`` (what a layer at that checkpoint level holds while it runs beyond what it
     keeps).  Set: the memory model takes a running action's peak phase by phase
-    (``planner/working_memory.py``); empty (default): the linear bound of ``CostModel.working_bytes``."""
+    (``planner/cost/working.py``); empty (default): the linear bound of ``StageActivations.working_bytes``."""
     shared_cores: float = 0.0
     """Cores that all ranks of a run share (CPU runs of several single-threaded ranks on one
     machine); the simulator then runs at most this many ranks at full speed and shares the cores
-    equally among the busy ones (``planner/shared_replay.py``).  0 (default): every rank has a
+    equally among the busy ones (``planner/simulate/shared_replay.py``).  0 (default): every rank has a
     device of its own, as on GPUs."""
     pinned_ranks: bool = False
     """With ``shared_cores``: every rank is pinned to one core, global rank ``r`` on core
@@ -133,8 +145,6 @@ class HardwareProfile:
                 raise ValueError(f"profile field {name} must be > 0 (bytes per second), got {getattr(self, name)!r}")
         if not self.collective_latency_s >= 0:
             raise ValueError(f"profile field collective_latency_s must be >= 0, got {self.collective_latency_s!r}")
-        from infinipipe_hf.planner.cost.working import check_working_fields
-
         check_working_fields(self.working_bytes_per_token)
         if not self.shared_cores >= 0:
             raise ValueError(f"profile field shared_cores must be >= 0 (0: a device per rank), got "

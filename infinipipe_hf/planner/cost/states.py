@@ -51,10 +51,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import LayoutSpec
 from infinipipe_hf.planner.cost.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
 from infinipipe_hf.planner.cost.profile import HardwareProfile
-from infinipipe_hf.layout import LayoutSpec
-from infinipipe_hf.ir.model_spec import ModelSpec
 
 GRAD_REDUCE_MODES = ("step", "unit")
 
@@ -181,7 +181,7 @@ class ShardedStates:
     @property
     def gathers_per_step(self) -> bool:
         """The shard group spans DP replicas: parameters are gathered once per step, not per unit."""
-        return self.sharded and self.layout.shard in ("dp", "sp+dp")
+        return self.sharded and self.layout.mode.per_step_gather
 
     def state_bytes_per_rank(self, stage_index: int) -> float:
         """:func:`stage_state_bytes_per_rank` of the stage (between steps)."""

@@ -34,10 +34,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import LayoutSpec
 from infinipipe_hf.planner.cost.collectives import all_to_all_time_two_level
 from infinipipe_hf.planner.cost.profile import HardwareProfile, TimeCoefficients
-from infinipipe_hf.layout import LayoutSpec
-from infinipipe_hf.ir.model_spec import ModelSpec
 
 ALL_TO_ALLS_PER_DIRECTION = 4
 """q, k, v and the attention output forward; their gradients backward."""

@@ -1,15 +1,13 @@
 """Working (transient) memory of a running forward or backward, phase by phase.
 
 The memory model counts, at every action of a stage, the activations its live units keep plus
-the *working set* of the action running now.  Without measurements of that working set the cost
-model bounds it linearly (``CostModel.working_bytes``: one layer's peak beyond what it keeps, the
-unit's input and output, in backward twice a layer's activations, a chunk of logits), which is
-what the checkpoint solver needs and what every profile without the figures below keeps using.
+the *working set* of the action running now.  Without measurements of that working set it is
+bounded linearly (:meth:`StageActivations.working_bytes`: one layer's peak beyond what it keeps,
+the unit's input and output, in backward twice a layer's activations, a chunk of logits), which
+is what the checkpoint solver needs and what every profile without the figures below keeps using.
 
-Measured on CPU (``benchmarks/cpu_profile.py`` probes each piece with the allocator's events), a
-running action's peak is not a sum of those terms but the *largest of its phases*, and the
-linear bound over-counted the step's peak by up to 70% on units checkpointed whole (a 2048-token
-unit's backward was charged two layers' activations plus the logits on top of each other).  With
+A running action's peak is not a sum of those terms but the *largest of its phases* (measured on
+CPU by ``benchmarks/cpu_profile.py`` with the allocator's events).  With
 ``HardwareProfile.working_bytes_per_token`` set, the peak of a unit whose stage has layers at
 levels ``l_0..l_{L-1}`` (heaviest first, as the runtime runs them) is, per GPU token ``T``:
 
@@ -30,81 +28,71 @@ backward
 
 plus the unit's input and output (``2 * hidden`` per token) and the stage's rotary cos/sin of
 its tokens (``2 * head_dim``) throughout; with context, a checkpointed layer's forward also holds
-the context K/V copy (measured; the mask is gone by the forward's peak).  The gradients the KV
-store accumulates for the context are the KV store's term (``CostModel.kv_bytes``), not this one.  The excess over what the
-unit keeps is :meth:`WorkingMemory.excess`; :meth:`WorkingMemory.bound` is a checkpoint-free upper
-bound of it (every phase's worst case), which the memory timeline keeps as its base so the
-checkpoint solver's constraints stay linear and safe, while the simulator and the validator
-evaluate the exact phases of the plan's own levels (``memory.StageTimeline.point_values``).
-With the phase model the executor's buffers are counted too (:meth:`WorkingMemory.pipeline_buffers`:
-receives posted ahead, outputs held until their unit's backward); they do not depend on
-checkpointing, so they are part of every point's base.  Trade-off: the per-token figures are measured on one layer shape and scaled with the activation
-bytes; the phases ignore allocator fragmentation (none on CPU; the CUDA caching allocator's
-reserved-but-free blocks are outside the model on GPUs too).
+the context K/V copy (the mask is gone by the forward's peak).  The gradients the KV store
+accumulates for the context are the KV store's term (:meth:`StageActivations.kv_bytes`), not
+this one.  The excess over what the unit keeps is :meth:`WorkingMemory.excess`;
+:meth:`WorkingMemory.bound` is a checkpoint-free upper bound of it (every phase's worst case),
+which the memory timeline keeps as its base so the checkpoint solver's constraints stay linear
+and safe, while the simulator and the validator evaluate the exact phases of the plan's own
+levels (``checkpointing.timeline.StageTimeline.point_values``).  With the phase model the
+executor's buffers are counted too (:meth:`WorkingMemory.pipeline_buffers`: receives posted
+ahead, outputs held until their unit's backward); they do not depend on checkpointing, so they
+are part of every point's base.  Trade-off: the per-token figures are measured on one layer shape
+and scaled with the activation bytes; the phases ignore allocator fragmentation (none on CPU; the
+CUDA caching allocator's reserved-but-free blocks are outside the model on GPUs too).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from infinipipe_hf.ir.levels import FULL, KEEP_ATTN, MLP, MLP_ACT, CheckpointMix, norm_elements
-
-if TYPE_CHECKING:
-    from infinipipe_hf.planner.cost.model import CostModel
-    from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.ir.levels import FULL, KEEP_ATTN, MLP, MLP_ACT, CheckpointMix
+from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.planner.cost.activations import StageActivations, norm_elements
+from infinipipe_hf.planner.cost.levels import LevelCosts
+from infinipipe_hf.planner.cost.profile import check_working_fields
 
 RECEIVE_LOOKAHEAD = 2
 """Receives the executor posts ahead of the running action (``PipelineExecutor(lookahead=2)``)."""
 
-KEYS = ("backward", "forward_full", "forward_mlp", "forward_mlp_act")
-"""The keys of ``HardwareProfile.working_bytes_per_token`` (bytes per token, reference shape)."""
-
-
-def check_working_fields(fields: dict) -> None:
-    """``ValueError`` unless ``fields`` is empty or has exactly :data:`KEYS` with values >= 0."""
-    if not fields:
-        return
-    if set(fields) != set(KEYS) or any(not float(v) >= 0 for v in fields.values()):
-        raise ValueError(f"profile field working_bytes_per_token must be empty (linear bound) or give "
-                         f"bytes >= 0 for exactly {', '.join(KEYS)}; got {dict(fields)!r}")
-
 
 class WorkingMemory:
-    """Phase model of one :class:`CostModel` (module docstring); only for profiles that measured it."""
+    """Phase model of one stage's bytes (module docstring); only for profiles that measured it."""
 
-    def __init__(self, cost: "CostModel"):
-        p = cost.profile
+    def __init__(self, acts: StageActivations, levels: LevelCosts):
+        p = acts.profile
         check_working_fields(p.working_bytes_per_token)
-        self.cost = cost
-        scale = cost._act_ratio  # the measured figures scale with the layer's activation bytes
+        self.acts = acts
+        self.levels = levels
+        scale = acts.act_ratio  # the measured figures scale with the layer's activation bytes
         w = {k: float(v) * scale for k, v in p.working_bytes_per_token.items()}
         self.gradients = w["backward"]
-        self.forward = {None: cost.layer_working_bytes_per_token, FULL: w["forward_full"],
+        self.forward = {None: acts.layer_working_bytes_per_token, FULL: w["forward_full"],
                         MLP: w["forward_mlp"], MLP_ACT: w["forward_mlp_act"]}
-        self.level_saved = {None: 0.0, **cost.levels.saved_bytes_per_token}
+        self.level_saved = {None: 0.0, **levels.saved_bytes_per_token}
 
     def _logits(self, stage: int, tokens: int) -> float:
-        c = self.cost
+        c = self.acts
         if stage != c.pp_degree - 1:
             return 0.0
         return min(tokens, c.loss_chunk_tokens) * c.spec.vocab_size * 4 * 2
 
-    def _mask_bytes(self, segments: Sequence["Segment"]) -> float:
+    def _mask_bytes(self, segments: Sequence[Segment]) -> float:
         """The explicit masks of the unit's segments with context (part of the context bytes)."""
-        bpe = self.cost.profile.attention_mask_bytes_per_element
+        bpe = self.acts.profile.attention_mask_bytes_per_element
         return sum(bpe * (s.end - s.start) * s.end for s in segments if s.start > 0) if bpe else 0.0
 
     def _per_layer(self, stage: int, tokens: int, ctx: float, mask: float, mix: CheckpointMix):
         """(kept, forward transient, backward rebuild) bytes of each layer, in forward order."""
-        c = self.cost
+        c = self.acts
         a, h = c.act_bytes_per_token, c.hidden_bytes_per_token
         out = []
         for level in mix.layer_levels(c.layers_per_stage[stage]):
             if level in (FULL, KEEP_ATTN):
                 # Measured: the context K/V copy is still alive at the forward's peak, the mask not.
                 # keep_attn's first forward runs like a whole layer's; what it keeps is counted as kept.
-                k = h + (c.levels.keep_attn_bytes_per_token if level == KEEP_ATTN else 0.0)
+                k = h + (self.levels.keep_attn_bytes_per_token if level == KEEP_ATTN else 0.0)
                 out.append((tokens * k, tokens * self.forward[FULL] + ctx - mask, tokens * (a - k) + ctx))
             else:
                 saved = self.level_saved[level]
@@ -113,12 +101,12 @@ class WorkingMemory:
 
     def _unit_extra(self, tokens: int) -> float:
         """Input and output hidden states, and the stage's rotary cos/sin the unit's layers share."""
-        c = self.cost
+        c = self.acts
         return tokens * (2 * c.hidden_bytes_per_token + 2 * c.spec.head_dim * c.profile.bytes_per_element)
 
-    def excess(self, stage: int, segments: Sequence["Segment"], mix: CheckpointMix, backward: bool) -> float:
+    def excess(self, stage: int, segments: Sequence[Segment], mix: CheckpointMix, backward: bool) -> float:
         """Peak bytes of the unit's action beyond what the unit keeps (its activations)."""
-        c = self.cost
+        c = self.acts
         t = c.gpu_tokens(sum(s.end - s.start for s in segments))
         ctx = c.context_bytes_per_layer(segments)
         mask = self._mask_bytes(segments)
@@ -144,8 +132,8 @@ class WorkingMemory:
 
     def bound(self, stage: int, tokens: int, ctx: float, backward: bool) -> float:
         """An upper bound of :meth:`excess` over every checkpoint mix (independent of the mix);
-        ``ctx`` is :meth:`CostModel.context_bytes_per_layer` of the unit (masks included)."""
-        c = self.cost
+        ``ctx`` is :meth:`StageActivations.context_bytes_per_layer` of the unit (masks included)."""
+        c = self.acts
         t = c.gpu_tokens(tokens)
         a, h = c.act_bytes_per_token, c.hidden_bytes_per_token
         if backward:
@@ -161,10 +149,10 @@ class WorkingMemory:
         on a non-last stage the output of every unit forwarded and not yet backward (the runner
         keeps it, with its graph, until the unit's backward; the send of it shares its storage).
         Not counted: input gradients sent back, which the executor holds until the schedule
-        proves them received (``runtime/send_release.py``: the previous stage's next forward
+        proves them received (``runtime/parallel/send_release.py``: the previous stage's next forward
         arriving, usually a few actions).  ``forward`` and ``tokens`` are per action (tokens of
         its unit)."""
-        c = self.cost
+        c = self.acts
         n = len(forward)
         per = -(-tokens.astype(np.int64) // c.sp_degree) * c.hidden_bytes_per_token
         first, last = stage == 0, stage == c.pp_degree - 1

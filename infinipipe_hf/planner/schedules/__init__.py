@@ -1,1 +1,1 @@
-"""Units become action lists: pipeline schedules, warm-ups, grouping."""
+"""Units become action lists: the Schedule interface, the pipeline schedules, warm-ups, grouping, grids."""

@@ -1,10 +1,9 @@
 """Closed-form estimate of a 1F1B pipeline's time, for the planner's inner searches.
 
 Pipeline grouping prices O(G^2) candidate pipelines and the slice-count search several whole
-plans; building, checkpoint-solving and simulating each costs a tenth of a second on a 512-sequence
-batch, which would put planning far over its one-second goal.  ``PipelineEstimator`` precomputes
-per-unit quantities once per replica and prices any contiguous run of units with a few numpy
-prefix-sum operations:
+plans; building, checkpoint-solving and simulating each is far too slow for that.
+``PipelineEstimator`` precomputes per-unit quantities once per replica and prices any contiguous
+run of units with a few numpy prefix-sum operations:
 
     time ~ sum over units of the bottleneck stage's F + B
          + (pp - 1) x the F + B of an average unit            (fill and drain)
@@ -23,8 +22,9 @@ from typing import Sequence
 
 import numpy as np
 
-from infinipipe_hf.planner.cost.model import CostModel, UnitShape
 from infinipipe_hf.ir.units import Unit
+from infinipipe_hf.planner.cost.compute import UnitShape
+from infinipipe_hf.planner.cost.model import CostModel
 
 # The estimate ignores some transient terms the exact memory model counts; aim a little lower.
 SAFETY = 0.95

@@ -16,6 +16,11 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from infinipipe_hf.ir.units import Unit
+
+MAX_GROUPING_BLOCKS = 24
+"""Most blocks the grouping DP sees; more are merged (smallest neighbours first)."""
+
 
 def group_pipelines(groups: Sequence[Sequence[int]],
                     pipeline_time: Callable[[Sequence[int]], float]) -> list[list[int]]:
@@ -56,3 +61,32 @@ def group_pipelines(groups: Sequence[Sequence[int]],
         j = i
     groups_out.reverse()
     return groups_out
+
+
+def blocks_by_slice_count(units: Sequence[Unit], slice_counts: dict[int, int]) -> list[list[int]]:
+    """Grouping blocks: one per slice chain of a long sequence, one per run of packed units.
+
+    A chain never straddles two pipelines; separate blocks per chain let the grouping DP put a
+    pipeline boundary between two long sequences (their K/V stores then never coexist).
+    """
+    blocks: list[list[int]] = []
+    last_is_chain = False
+    for u in units:
+        count = max(slice_counts.get(s.seq, 1) for s in u.segments)
+        continues_chain = any(s.start > 0 for s in u.segments)
+        starts_chain = count > 1 and not continues_chain
+        if not blocks or starts_chain or (count == 1 and last_is_chain):
+            blocks.append([u.id])
+            last_is_chain = starts_chain
+        else:
+            blocks[-1].append(u.id)
+    return blocks
+
+
+def merge_blocks(blocks: list[list[int]], limit: int) -> list[list[int]]:
+    """Merge neighbouring blocks (smallest first) until at most ``limit`` remain."""
+    blocks = [list(b) for b in blocks]
+    while len(blocks) > limit:
+        i = min(range(len(blocks) - 1), key=lambda j: len(blocks[j]) + len(blocks[j + 1]))
+        blocks[i:i + 2] = [blocks[i] + blocks[i + 1]]
+    return blocks

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from infinipipe_hf.ir.actions import Action, B, F
 from infinipipe_hf.ir.units import Unit
@@ -111,6 +111,7 @@ def build_pipeline_actions(forward_order: Sequence[int], backward_order: Sequenc
     return stages
 
 
+# Warm-up counts per stage; each pipeline schedule picks its own (``PipelineSchedule.warmup``).
 def epp_warmup(pp_degree: int, first_num_slices: int) -> list[int]:
     """EPP warm-up: ``(pp_degree - 1 - r) + (first_num_slices - 1)`` forwards on stage ``r``.
 
@@ -148,23 +149,16 @@ def concat_pipelines(per_pipeline: Sequence[list[list[Action]]]) -> list[list[Ac
     return [[a for p in per_pipeline for a in p[s]] for s in range(num_stages)]
 
 
-def replica_actions(lengths, cost, pipelines: Sequence[Sequence[Unit]], dp_rank: int, schedule: str,
-                     uniform_slices: int = 1) -> tuple[list[Unit], list[list]]:
-    """Units (tagged with pipeline and replica) and per-stage actions of one DP replica."""
+def replica_actions(lengths, cost, pipelines: Sequence[Sequence[Unit]], dp_rank: int,
+                    warmup: Callable[[list[Unit]], list[int]]) -> tuple[list[Unit], list[list]]:
+    """Units (tagged with pipeline and replica) and per-stage actions of one DP replica;
+    ``warmup(units)`` gives a pipeline's forwards per stage before its first backward."""
     pp = cost.pp_degree
     units: list[Unit] = []
     per_pipeline = []
     for p_index, punits in enumerate(pipelines):
         tagged = [replace(u, pipeline=p_index, dp_rank=dp_rank) for u in punits]
         units.extend(tagged)
-        if schedule == "gpipe":
-            warm = gpipe_warmup(pp, len(tagged))
-        elif schedule == "epp":
-            first_seq = tagged[0].segments[0].seq
-            warm = epp_warmup(pp, sum(1 for u in tagged if first_seq in u.seqs))
-        elif schedule == "seq1f1b":
-            warm = epp_warmup(pp, uniform_slices)
-        else:
-            warm = one_f_one_b_warmup(pp)
+        warm = warmup(tagged)
         per_pipeline.append(build_pipeline_actions([u.id for u in tagged], backward_order(tagged, lengths), pp, warm))
     return units, concat_pipelines(per_pipeline)

@@ -1,1 +1,1 @@
-"""Try candidate settings, keep the fastest feasible plan."""
+"""Plan a step: try a schedule's candidates, keep the fastest that fits; validate; limits; static settings."""

@@ -1,1 +1,1 @@
-"""A plan replayed with the cost model: step time, bubbles, memory; validation."""
+"""A plan replayed with the cost model: step time, bubbles, recompute, memory."""

@@ -14,7 +14,7 @@ All DP replicas of a plan share the machine, so they are replayed together; a st
 ``ranks_per_stage`` SP ranks runs each action on all of them at once (they move in lockstep
 between all-to-alls), so one running action counts that many busy ranks.  Transfers are pure
 delays here; the CPU gloo's threads spend on a message is the caller's to add to the work of
-the actions at its two ends (``simulator.ActionCosts.shared_work``).
+the actions at its two ends (``action_costs.ActionCosts.shared_work``).
 
 ``pinned``: every rank is pinned to one core, global rank ``(dp * pp + stage) * sp + sp_rank`` on
 core ``rank % cores`` (how ``benchmarks/runtime_worker.py`` pins them); a core is then shared only
@@ -51,71 +51,91 @@ def shared_replay(replicas: Sequence[Sequence[Sequence[Action]]], duration: Call
         raise ValueError(f"cores must be > 0, got {cores!r}")
     if int(ranks_per_stage) != ranks_per_stage or ranks_per_stage < 1:
         raise ValueError(f"ranks_per_stage must be a positive integer, got {ranks_per_stage!r}")
-    lanes = [(r, s) for r, stages in enumerate(replicas) for s in range(len(stages))]
-    if pinned:
-        ncores = int(cores)
-        if ncores != cores:
-            raise ValueError(f"pinned ranks need a whole number of cores, got {cores!r}")
-        pp = {len(stages) for stages in replicas}
-        assert len(pp) == 1, "replicas of one plan have the same number of stages"
-        width = pp.pop() * ranks_per_stage
-        # Global rank (dp * pp + stage) * sp + sp_rank runs on core rank % cores.
-        lane_cores = {(r, s): [((r * width) + s * ranks_per_stage + k) % ncores for k in range(ranks_per_stage)]
-                      for r, s in lanes}
+    lane_cores = _pinned_cores(replicas, cores, ranks_per_stage) if pinned else None
+    return _SharedReplay(replicas, duration, transfer, cores, ranks_per_stage, lane_cores).run()
 
-    def rates() -> dict[tuple[int, int], float]:
-        if not pinned:
-            busy = len(running) * ranks_per_stage
-            rate = min(1.0, cores / busy) if busy else 1.0
+
+Lane = tuple[int, int]
+"""(replica, stage)."""
+
+
+def _pinned_cores(replicas: Sequence[Sequence[Sequence[Action]]], cores: float,
+                  ranks_per_stage: int) -> dict[Lane, list[int]]:
+    """The cores of each lane's ranks: global rank ``(dp * pp + stage) * sp + sp_rank`` runs on
+    core ``rank % cores``."""
+    ncores = int(cores)
+    if ncores != cores:
+        raise ValueError(f"pinned ranks need a whole number of cores, got {cores!r}")
+    pp = {len(stages) for stages in replicas}
+    assert len(pp) == 1, "replicas of one plan have the same number of stages"
+    width = pp.pop() * ranks_per_stage
+    return {(r, s): [((r * width) + s * ranks_per_stage + k) % ncores for k in range(ranks_per_stage)]
+            for r, stages in enumerate(replicas) for s in range(len(stages))}
+
+
+class _SharedReplay:
+    """The event-driven replay's state: per lane its next action, running work and input waits."""
+
+    def __init__(self, replicas, duration, transfer, cores: float, ranks_per_stage: int,
+                 lane_cores: dict[Lane, list[int]] | None):
+        self.replicas, self.duration, self.transfer = replicas, duration, transfer
+        self.cores, self.ranks_per_stage, self.lane_cores = cores, ranks_per_stage, lane_cores
+        self.lanes = [(r, s) for r, stages in enumerate(replicas) for s in range(len(stages))]
+        self.starts = [[[0.0] * len(a) for a in stages] for stages in replicas]
+        self.ends = [[[0.0] * len(a) for a in stages] for stages in replicas]
+        self.done = [[0] * len(stages) for stages in replicas]
+        self.free = {lane: 0.0 for lane in self.lanes}
+        self.finished: dict[tuple[int, int, str, int], float] = {}
+        self.running: dict[Lane, float] = {}  # lane -> work left (seconds at full speed)
+        self.waiting: list[tuple[float, Lane]] = []  # (ready time, lane): input known, in flight
+        self.queued: set[Lane] = set()
+        self.now = 0.0
+
+    def rates(self) -> dict[Lane, float]:
+        """Share of a core each running lane gets now."""
+        running = self.running
+        if self.lane_cores is None:
+            busy = len(running) * self.ranks_per_stage
+            rate = min(1.0, self.cores / busy) if busy else 1.0
             return {lane: rate for lane in running}
         load: dict[int, int] = {}
         for lane in running:
-            for c in lane_cores[lane]:
+            for c in self.lane_cores[lane]:
                 load[c] = load.get(c, 0) + 1
         # SP ranks of a stage move in lockstep: the action advances at its slowest rank's share.
-        return {lane: min(1.0 / load[c] for c in lane_cores[lane]) for lane in running}
+        return {lane: min(1.0 / load[c] for c in self.lane_cores[lane]) for lane in running}
 
-    starts = [[[0.0] * len(a) for a in stages] for stages in replicas]
-    ends = [[[0.0] * len(a) for a in stages] for stages in replicas]
-    done = [[0] * len(stages) for stages in replicas]
-    free = {lane: 0.0 for lane in lanes}
-    finished: dict[tuple[int, int, str, int], float] = {}
-    running: dict[tuple[int, int], float] = {}  # lane -> work left (seconds at full speed)
-    waiting: list[tuple[float, tuple[int, int]]] = []  # (ready time, lane): input known, in flight
-    queued: set[tuple[int, int]] = set()
-    now = 0.0
-
-    def try_schedule(lane: tuple[int, int]) -> None:
+    def try_schedule(self, lane: Lane) -> None:
         """Start the lane's next action now, or queue it for when its input arrives."""
         r, s = lane
-        acts = replicas[r][s]
-        i = done[r][s]
-        if lane in running or lane in queued or i >= len(acts):
+        acts = self.replicas[r][s]
+        i = self.done[r][s]
+        if lane in self.running or lane in self.queued or i >= len(acts):
             return
         a = acts[i]
-        dep = input_of(a, s, len(replicas[r]))
-        ready = free[lane]
+        dep = input_of(a, s, len(self.replicas[r]))
+        ready = self.free[lane]
         if dep is not None:
-            got = finished.get((r, dep[0], dep[1], a.unit))
+            got = self.finished.get((r, dep[0], dep[1], a.unit))
             if got is None:
                 return  # its input does not exist yet; the producer's completion reschedules it
-            ready = max(ready, got + (transfer(a) if dep[0] != s else 0.0))
-        if ready <= now + _EPS:
-            starts[r][s][i] = now
-            running[lane] = max(duration(s, a), 0.0)
+            ready = max(ready, got + (self.transfer(a) if dep[0] != s else 0.0))
+        if ready <= self.now + _EPS:
+            self.starts[r][s][i] = self.now
+            self.running[lane] = max(self.duration(s, a), 0.0)
         else:
-            queued.add(lane)
-            heapq.heappush(waiting, (ready, lane))
+            self.queued.add(lane)
+            heapq.heappush(self.waiting, (ready, lane))
 
-    for lane in lanes:
-        try_schedule(lane)
-    while running or waiting:
-        rate = rates()
-        next_end = min((now + w / rate[lane] for lane, w in running.items()), default=float("inf"))
+    def advance(self) -> list[Lane]:
+        """Move time to the next completion or arrival; returns the lanes whose action completed."""
+        running, waiting = self.running, self.waiting
+        rate = self.rates()
+        next_end = min((self.now + w / rate[lane] for lane, w in running.items()), default=float("inf"))
         next_ready = waiting[0][0] if waiting else float("inf")
         t = min(next_end, next_ready)
-        dt = t - now
-        now = t
+        dt = t - self.now
+        self.now = now = t
         completed = []
         for lane in list(running):
             running[lane] -= rate[lane] * dt
@@ -124,25 +144,31 @@ def shared_replay(replicas: Sequence[Sequence[Sequence[Action]]], duration: Call
         for lane in completed:
             del running[lane]
             r, s = lane
-            i = done[r][s]
-            a = replicas[r][s][i]
-            ends[r][s][i] = free[lane] = now
-            finished[(r, s, a.kind, a.unit)] = now
-            done[r][s] = i + 1
+            i = self.done[r][s]
+            a = self.replicas[r][s][i]
+            self.ends[r][s][i] = self.free[lane] = now
+            self.finished[(r, s, a.kind, a.unit)] = now
+            self.done[r][s] = i + 1
         while waiting and waiting[0][0] <= now + _EPS:
             _, lane = heapq.heappop(waiting)
-            queued.discard(lane)
+            self.queued.discard(lane)
             r, s = lane
-            starts[r][s][done[r][s]] = now
-            running[lane] = max(duration(s, replicas[r][s][done[r][s]]), 0.0)
-        # Completions free their own stage and may feed a neighbour of the same replica.
-        for r, s in completed:
-            for nb in (s - 1, s, s + 1):
-                if 0 <= nb < len(replicas[r]):
-                    try_schedule((r, nb))
-    out = []
-    for r, stages in enumerate(replicas):
-        st = [row[:done[r][s]] for s, row in enumerate(starts[r])]
-        en = [row[:done[r][s]] for s, row in enumerate(ends[r])]
-        out.append(ReplayResult(st, en, list(done[r]), [len(a) for a in stages]))
-    return out
+            self.starts[r][s][self.done[r][s]] = now
+            running[lane] = max(self.duration(s, self.replicas[r][s][self.done[r][s]]), 0.0)
+        return completed
+
+    def run(self) -> list[ReplayResult]:
+        for lane in self.lanes:
+            self.try_schedule(lane)
+        while self.running or self.waiting:
+            # Completions free their own stage and may feed a neighbour of the same replica.
+            for r, s in self.advance():
+                for nb in (s - 1, s, s + 1):
+                    if 0 <= nb < len(self.replicas[r]):
+                        self.try_schedule((r, nb))
+        out = []
+        for r, stages in enumerate(self.replicas):
+            st = [row[:self.done[r][s]] for s, row in enumerate(self.starts[r])]
+            en = [row[:self.done[r][s]] for s, row in enumerate(self.ends[r])]
+            out.append(ReplayResult(st, en, list(self.done[r]), [len(a) for a in stages]))
+        return out

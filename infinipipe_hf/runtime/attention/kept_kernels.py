@@ -13,7 +13,7 @@ Two pairs, chosen by device:
   under its old and new names) go back to the backward in the same positions, which every torch
   since 2.4 accepts.
 
-As in ``attention_cuda.py``, the CUDA pair is plain Python around injected functions
+As in ``varlen.py``, the CUDA pair is plain Python around injected functions
 (``flash_varlen_kept_kernel(forward_fn, backward_fn)``): its packing, window arguments,
 log-sum-exp hand-over and the split of the key gradients back into segments run in CPU tests, in
 float64, against stand-ins with the aten signatures.  What CPU tests cannot show, whether the
@@ -30,7 +30,8 @@ from typing import Callable
 
 import torch
 
-from infinipipe_hf.runtime.attention.hf import AttentionSegments, sdpa_backend, segment_mask, square_causal
+from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
+from infinipipe_hf.runtime.attention.types import AttentionSegments, segment_mask, square_causal
 from infinipipe_hf.runtime.attention.varlen import check_problem, pack_unit
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -38,8 +38,8 @@ from typing import Callable
 
 import torch
 
-from infinipipe_hf.runtime.attention.hf import (AttentionSegments, register_backend, sdpa_backend,
-    square_causal)
+from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
+from infinipipe_hf.runtime.attention.types import AttentionSegments, square_causal
 
 _HALF = (torch.float16, torch.bfloat16)
 _CU_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -209,8 +209,8 @@ def make_backend(name: str, kernel_factory: Callable[[], VarlenKernel], *, check
 
     ``kernel_factory`` is called on the first call the kernel can serve (so importing this module
     never imports flash-attn); ``device_types``/``dtypes`` say where it may run.
-    ``whole_sequences_to_sdpa`` sends units of one whole sequence to SDPA's causal kernel, which
-    beat torch 2.11's ``varlen_attn`` on an H100 (docs/gpu.md)."""
+    ``whole_sequences_to_sdpa`` sends units of one whole sequence to SDPA's causal kernel, the
+    faster of the two for that case."""
     kernel: list[VarlenKernel] = []
     usable: dict[tuple, bool] = {}
 
@@ -256,11 +256,3 @@ def flash_available(device: torch.device) -> bool:
 
 varlen_backend = make_backend("varlen", torch_varlen_kernel, whole_sequences_to_sdpa=True)
 flash_backend = make_backend("flash", flash_attn_kernel)
-
-
-def register_cuda_backends() -> None:
-    register_backend("varlen", varlen_backend, varlen_available)
-    register_backend("flash", flash_backend, flash_available)
-
-
-register_cuda_backends()

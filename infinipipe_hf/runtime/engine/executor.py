@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from infinipipe_hf.runtime.engine.timeline import Timeline, TimelineEvent
 from infinipipe_hf.runtime.parallel.comm import GRAD, HIDDEN, StageComm, Transfer
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 from infinipipe_hf.runtime.parallel.send_release import send_release_points
-from infinipipe_hf.runtime.engine.timeline import Timeline, TimelineEvent
 
 
 @dataclass
@@ -51,6 +51,37 @@ class PipelineExecutor:
             return None if self.layout.is_first_stage else HIDDEN
         return None if self.layout.is_last_stage else GRAD
 
+    def _post_receives(self, actions, i: int, next_post: int, pending: dict[int, Transfer]) -> int:
+        """Post receives for action ``i`` and the next ``lookahead`` ones before computing, so the
+        peer's data lands while we work; returns the next action to post for."""
+        while next_post < len(actions) and next_post <= i + self.lookahead:
+            a = actions[next_post]
+            kind = self._recv_kind(a)
+            if kind is not None:
+                pending[next_post] = self.comm.post_recv(
+                    self.runner.output_shape(a.unit), kind, a.unit)
+            next_post += 1
+        return next_post
+
+    def _reap_sends(self, sends: list[Transfer], proven_by_action, *, step: int,
+                    label: str) -> tuple[list[Transfer], list[Transfer]]:
+        """``(finished, still in flight)`` of ``sends`` after an action.
+
+        The caller keeps ``finished`` for one more action, so that this thread, not gloo's worker
+        thread (which may still hold a reference when the send reports completion), frees their
+        buffers; a CPU allocator probe sees only this thread's frees (profiling/memory_events.py).
+        gloo never reports a send complete until it is waited on: wait on those this action's
+        receive proved the peer took (send_release.py; returns at once)."""
+        proven = set(proven_by_action)
+        done = []
+        for s in sends:
+            if ("F" if s.kind == HIDDEN else "B", s.unit_id) in proven:
+                self.comm.wait(s, step=step, action=label)
+                done.append(True)
+            else:
+                done.append(s.work.is_completed())  # asked once: a send may finish meanwhile
+        return [s for s, d in zip(sends, done) if d], [s for s, d in zip(sends, done) if not d]
+
     def run(self, plan, *, step: int, train: bool = True) -> ExecutorResult:
         """Run the actions (``train=False``: only the forwards, without autograd graphs).
 
@@ -72,16 +103,7 @@ class PipelineExecutor:
                                       is_first_stage=lay.is_first_stage) if train else {}
 
         for i, action in enumerate(actions):
-            # Post receives for this and the next actions before computing, so the peer's data
-            # lands while we work.
-            while next_post < len(actions) and next_post <= i + self.lookahead:
-                a = actions[next_post]
-                kind = self._recv_kind(a)
-                if kind is not None:
-                    pending[next_post] = self.comm.post_recv(
-                        self.runner.output_shape(a.unit), kind, a.unit)
-                next_post += 1
-
+            next_post = self._post_receives(actions, i, next_post, pending)
             start = time.time()
             cpu0 = time.thread_time()
             waited0 = self.comm.wait_time_s if self.comm else 0.0
@@ -102,22 +124,8 @@ class PipelineExecutor:
             waited = (self.comm.wait_time_s if self.comm else 0.0) - waited0
             timeline.add(TimelineEvent(lay.rank, lay.stage_index, lay.dp_rank, label, start,
                                        time.time(), waited, time.thread_time() - cpu0))
-            # Drop references to sends that already went out so their buffers can be freed: one
-            # action later, so that this thread, not gloo's worker thread (which may still hold a
-            # reference when the send reports completion), frees them; a CPU allocator probe
-            # sees only this thread's frees (profiling/memory_events.py).
-            # gloo never reports a send complete until it is waited on: wait on those this
-            # action's receive proved the peer took (send_release.py; returns at once).
-            proven = set(release.get(i, ()))
-            done = []
-            for s in sends:
-                if ("F" if s.kind == HIDDEN else "B", s.unit_id) in proven:
-                    self.comm.wait(s, step=step, action=label)
-                    done.append(True)
-                else:
-                    done.append(s.work.is_completed())  # asked once: a send may finish meanwhile
-            finished = [s for s, d in zip(sends, done) if d]
-            sends = [s for s, d in zip(sends, done) if not d]
+            # ``finished`` holds the sends that went out until the next action (``_reap_sends``).
+            finished, sends = self._reap_sends(sends, release.get(i, ()), step=step, label=label)
 
         assert not pending, f"receives posted but never consumed: {sorted(pending)}"
         for s in sends:

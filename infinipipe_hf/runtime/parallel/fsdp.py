@@ -1,8 +1,8 @@
 """``StageSharding``: a pipeline stage's model states sharded with torch's FSDP2 (``fully_shard``).
 
 Design.  Every rank of a stage holds only its shard of the stage's parameters, gradients and
-optimizer states (ZeRO-3 at rest); the parameters are ``DTensor`` s.  The shard group is a
-sub-mesh of the layout's ``DeviceMesh``:
+optimizer states (ZeRO-3 at rest); the parameters are ``DTensor`` s.  The shard group is the
+sub-mesh of the layout's ``DeviceMesh`` its ``ShardMode`` names (``layout.SHARD_TABLE``):
 
 - ``shard="sp"``: the stage's SP ranks (``mesh["sp"]``), as InfiniPipe shards inside a node;
 - ``shard="dp"``: the stage's DP replicas (``mesh["dp"]``);
@@ -42,112 +42,12 @@ mode, so a unit's chunked loss does not all-gather the head once per chunk.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 import torch
 from torch import nn
 
+from infinipipe_hf.layout import ShardMode, check_shard_mode, shard_mode
+from infinipipe_hf.runtime.parallel.fsdp_api import copy_full_, fsdp2_api, is_dtensor
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
-
-SHARDED_MODES = ("sp", "dp", "sp+dp", "hybrid")
-
-
-def check_shard_mode(shard: str, dp_degree: int, sp_degree: int) -> None:
-    """``ValueError`` when the world has no group for ``shard`` (pure arithmetic, no torch calls)."""
-    if shard == "none":
-        return
-    if shard not in SHARDED_MODES:
-        raise ValueError(f"shard={shard!r} is not known; use one of none, {', '.join(SHARDED_MODES)}")
-    world = f"dp_degree={dp_degree}, sp_degree={sp_degree}"
-    alt = [m for m, ok in (("sp", sp_degree > 1), ("dp", dp_degree > 1)) if ok]
-    instead = f"use shard={alt[0]!r} or 'none'" if alt else "use shard='none'"
-    if shard == "dp" and dp_degree < 2:
-        raise ValueError(f"shard='dp' shards each stage over its data-parallel replicas, but this "
-                         f"run has {world}: there is no DP group; launch more processes "
-                         f"(world = dp x pp x sp with dp >= 2) or {instead}")
-    if shard == "sp" and sp_degree < 2:
-        raise ValueError(f"shard='sp' shards each stage over its sequence-parallel ranks, but this "
-                         f"run has {world}: there is no SP group; set sp_degree >= 2 or {instead}")
-    if shard in ("sp+dp", "hybrid") and (dp_degree < 2 or sp_degree < 2):
-        what = "shards over SP x DP" if shard == "sp+dp" else "shards over SP and replicates over DP"
-        raise ValueError(f"shard={shard!r} {what}, which needs dp_degree >= 2 and sp_degree >= 2, "
-                         f"but this run has {world}; {instead}")
-
-
-# What this module calls on FSDP2: the public FSDPModule controls, and the two root-state hooks
-# torch.distributed.pipelining also drives by hand (lazy init, end-of-backward callback).
-_MODULE_API = ("set_requires_gradient_sync", "set_is_last_backward", "set_reshard_after_backward",
-               "set_reshard_after_forward", "set_gradient_divide_factor",
-               "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params",
-               "reset_iter_state", "unshard", "reshard")
-_STATE_API = ("_lazy_init", "_root_post_backward_final_callback")
-
-
-def fsdp2_api(shard: str):
-    """``(fully_shard, MixedPrecisionPolicy, FSDPModule)`` or a ``ValueError`` saying what is missing."""
-    try:
-        import torch.distributed as dist
-
-        if not dist.is_available():
-            raise ImportError("torch.distributed is not available")
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-        importlib.import_module("torch.distributed.tensor")  # DTensor
-    except ImportError as exc:
-        raise ValueError(f"shard={shard!r} needs torch's FSDP2 (torch.distributed.fsdp.fully_shard), "
-                         f"which this torch {torch.__version__} lacks ({exc}); upgrade torch (tested "
-                         f"with 2.13) or use shard='none'") from exc
-    missing = [n for n in _MODULE_API if not hasattr(FSDPModule, n)]
-    missing += [n for n in _STATE_API if not hasattr(FSDPState, n)]
-    if missing:
-        raise ValueError(f"shard={shard!r}: this torch {torch.__version__} has FSDP2 without "
-                         f"{', '.join(missing)}; upgrade torch (tested with 2.13) or use shard='none'")
-    return fully_shard, MixedPrecisionPolicy, FSDPModule
-
-
-# --- tensors that may be DTensors ---------------------------------------------------------------
-def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(t, DTensor)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard (the storage itself, so in-place ops change the DTensor) or ``t``."""
-    if not is_dtensor(t):
-        return t
-    with torch.no_grad():
-        return t.to_local()
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor; collective over the DTensor's mesh when sharded."""
-    return t.full_tensor() if is_dtensor(t) else t
-
-
-@torch.no_grad()
-def copy_full_(dst: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy ``full`` (the whole tensor, on any device) into ``dst``; a DTensor takes only the rows
-    of its own shard, so only those cross to the device.  No communication."""
-    if tuple(full.shape) != tuple(dst.shape):
-        raise ValueError(f"shape {tuple(full.shape)} does not match the parameter's {tuple(dst.shape)}")
-    if not is_dtensor(dst):
-        dst.copy_(full)
-        return
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(dst.shape, dst.device_mesh, dst.placements)
-    piece = full
-    for dim, (n, start) in enumerate(zip(shape, offset)):
-        if n != full.shape[dim]:
-            piece = piece.narrow(dim, start, n)
-    local = dst.to_local()
-    if tuple(local.shape) != tuple(shape):
-        raise AssertionError(f"local shard {tuple(local.shape)} != DTensor's {tuple(shape)}")
-    local.copy_(piece)
 
 
 class StageSharding:
@@ -161,11 +61,12 @@ class StageSharding:
             raise ValueError(f"shard={shard!r} needs the layout's DeviceMesh (a world of more than one "
                              f"rank with process groups)")
         self.shard = shard
+        self.mode = shard_mode(shard)
         self.layout = layout
         self.device = device
-        self.mesh = self._shard_mesh(layout, shard)
-        self.extra_group, self.extra_ranks = self._extra_group(layout, shard)
-        self.gather_per_step = shard in ("dp", "sp+dp")
+        self.mesh = self._shard_mesh(layout, self.mode)
+        self.extra_group, self.extra_ranks = self._extra_group(layout, self.mode)
+        self.gather_per_step = self.mode.per_step_gather
         """Gather every module once per step (shard group spans DP replicas, whose unit lists
         differ) instead of per unit.  Tests may set it to ``False`` with plans whose replicas
         run identical action sequences, to exercise the per-unit path on DP groups."""
@@ -196,24 +97,22 @@ class StageSharding:
 
     # --- construction --------------------------------------------------------------------
     @staticmethod
-    def _shard_mesh(layout: ParallelLayout, shard: str):
-        mesh = layout.mesh
-        if shard == "dp":
-            return mesh["dp"]
-        if shard == "sp":
-            return mesh["sp"]
-        if shard == "hybrid":
-            return mesh["dp", "sp"]  # 2-D: FSDP2 replicates over dim 0, shards over dim 1
-        return mesh["dp", "sp"]._flatten("dp_sp")
+    def _shard_mesh(layout: ParallelLayout, mode: ShardMode):
+        dims = mode.fsdp_dims
+        if len(dims) == 1:
+            return layout.mesh[dims[0]]
+        if mode.hsdp:
+            return layout.mesh[dims]  # 2-D: FSDP2 replicates over dim 0, shards over dim 1
+        return layout.mesh[dims]._flatten("_".join(dims))
 
     @staticmethod
-    def _extra_group(layout: ParallelLayout, shard: str):
+    def _extra_group(layout: ParallelLayout, mode: ShardMode):
         """Group whose ranks hold the same shard and partial gradients FSDP does not sum."""
-        if shard == "dp" and layout.sp_degree > 1:
-            return layout.sp_group, layout.sp_ranks_of_stage(layout.dp_rank, layout.stage_index)
-        if shard == "sp" and layout.dp_degree > 1:
-            return layout.dp_group, layout.dp_ranks_of_stage(layout.stage_index)
-        return None, []
+        dims = [d for d in mode.extra_dims if layout.degree(d) > 1]
+        if not dims:
+            return None, []
+        assert len(dims) == 1, dims  # a sharded mode replicates over at most one dim outside FSDP
+        return layout.group_of(dims[0])
 
     @staticmethod
     def _to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -330,6 +229,6 @@ class StageSharding:
         another rank's shard (other DP replicas under ``"sp"``/``"hybrid"``, other SP ranks under
         ``"dp"``) contribute nothing, so each piece of the stage is counted once."""
         lay = self.layout
-        spans_dp = self.shard in ("dp", "sp+dp")
-        spans_sp = self.shard in ("sp", "sp+dp", "hybrid")
+        spans_dp = "dp" in self.mode.shard_dims
+        spans_sp = "sp" in self.mode.shard_dims
         return (spans_dp or lay.dp_rank == 0) and (spans_sp or lay.sp_rank == 0)

@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 
 from infinipipe_hf.runtime.parallel.comm import wait_collective
+from infinipipe_hf.runtime.parallel.fsdp_api import local_tensor
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
-from infinipipe_hf.runtime.parallel.fsdp import local_tensor
 
 _BUCKET_ELEMENTS = 1 << 25
 

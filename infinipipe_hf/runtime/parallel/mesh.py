@@ -1,7 +1,7 @@
 """``ParallelLayout``: where this rank sits in the dp x pp x sp grid, on a torch ``DeviceMesh``.
 
-Design: rank = (dp_rank * pp_degree + stage_index) * sp_degree + sp_rank.  The SP ranks of one
-stage are neighbours (one node: Ulysses all-to-alls stay on NVLink), the stages of one replica
+Design: ranks are numbered as the planner's ``LayoutSpec`` numbers them (``layout.py``): the SP
+ranks of one stage are neighbours (one node: Ulysses all-to-alls stay on NVLink), the stages of one replica
 come next (pipeline point-to-point crosses nodes once per link), DP replicas are outermost (the
 once-per-step gradient all-reduce).  The process groups of the three dimensions come from one
 ``DeviceMesh`` with dims ``("dp", "pp", "sp")``, which FSDP2 takes as well (its shard and
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-MESH_DIMS = ("dp", "pp", "sp")
+from infinipipe_hf.layout import MESH_DIMS, LayoutSpec
 
 
 def set_group_timeout(group, timeout: timedelta) -> None:
@@ -73,6 +73,8 @@ class ParallelLayout:
     tied_group: Any = field(default=None, init=False, repr=False)
     link_groups: dict[tuple[int, int], Any] = field(default_factory=dict, init=False, repr=False)
     """``(src, dst)`` global ranks -> the group carrying that direction of one pipeline link."""
+    spec: LayoutSpec = field(default=None, init=False, repr=False)
+    """The degrees as the planner sees them: the rank formula and the groups."""
 
     def __post_init__(self) -> None:
         if self.pp_degree < 1 or self.dp_degree < 1 or self.sp_degree < 1:
@@ -84,21 +86,22 @@ class ParallelLayout:
                              f"sp_degree that divides the world size")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        self.spec = LayoutSpec(pp_degree=self.pp_degree, sp_degree=self.sp_degree, dp_degree=self.dp_degree)
         if self.groups_enabled and self.world_size > 1:
             self._build_groups()
 
     # --- coordinates ---------------------------------------------------------------------
     @property
     def sp_rank(self) -> int:
-        return self.rank % self.sp_degree
+        return self.spec.coords(self.rank)[2]
 
     @property
     def stage_index(self) -> int:
-        return (self.rank // self.sp_degree) % self.pp_degree
+        return self.spec.coords(self.rank)[1]
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.sp_degree * self.pp_degree)
+        return self.spec.coords(self.rank)[0]
 
     @property
     def is_first_stage(self) -> bool:
@@ -111,32 +114,43 @@ class ParallelLayout:
     def global_rank(self, dp_rank: int, stage_index: int, sp_rank: int | None = None) -> int:
         """Rank of ``(dp_rank, stage_index, sp_rank)``; ``sp_rank`` defaults to this rank's."""
         sp = self.sp_rank if sp_rank is None else sp_rank
-        return (dp_rank * self.pp_degree + stage_index) * self.sp_degree + sp
+        return self.spec.rank(dp_rank, stage_index, sp)
 
     @property
     def prev_rank(self) -> int | None:
         """The previous stage's rank with this SP rank in this replica (``None`` on the first stage)."""
-        return None if self.is_first_stage else self.rank - self.sp_degree
+        return None if self.is_first_stage else self.global_rank(self.dp_rank, self.stage_index - 1)
 
     @property
     def next_rank(self) -> int | None:
-        return None if self.is_last_stage else self.rank + self.sp_degree
+        return None if self.is_last_stage else self.global_rank(self.dp_rank, self.stage_index + 1)
 
     def dp_ranks_of_stage(self, stage_index: int) -> list[int]:
         """Ranks of ``stage_index`` with this rank's SP rank, one per replica."""
-        return [self.global_rank(d, stage_index) for d in range(self.dp_degree)]
+        return self.spec.dp_group(stage_index, self.sp_rank)
 
     def pp_ranks_of_replica(self, dp_rank: int) -> list[int]:
         """Ranks of every stage of replica ``dp_rank`` with this rank's SP rank."""
-        return [self.global_rank(dp_rank, s) for s in range(self.pp_degree)]
+        return self.spec.pipeline_group(dp_rank, self.sp_rank)
 
     def sp_ranks_of_stage(self, dp_rank: int, stage_index: int) -> list[int]:
-        return [self.global_rank(dp_rank, stage_index, r) for r in range(self.sp_degree)]
+        return self.spec.sp_group(dp_rank, stage_index)
 
     def grad_ranks_of_stage(self, stage_index: int) -> list[int]:
         """Every rank holding ``stage_index``: all replicas, all SP ranks (ascending)."""
-        return [self.global_rank(d, stage_index, r) for d in range(self.dp_degree)
-                for r in range(self.sp_degree)]
+        return self.spec.stage_group(stage_index)
+
+    def group_of(self, dim: str) -> tuple[Any, list[int]]:
+        """This rank's process group along mesh dim ``"dp"`` or ``"sp"``, and its ranks."""
+        if dim == "sp":
+            return self.sp_group, self.sp_ranks_of_stage(self.dp_rank, self.stage_index)
+        if dim == "dp":
+            return self.dp_group, self.dp_ranks_of_stage(self.stage_index)
+        raise ValueError(f"no group along mesh dim {dim!r}; use 'dp' or 'sp'")
+
+    def degree(self, dim: str) -> int:
+        """Ranks along mesh dim ``dim`` (``"dp"``, ``"pp"`` or ``"sp"``)."""
+        return {"dp": self.dp_degree, "pp": self.pp_degree, "sp": self.sp_degree}[dim]
 
     @property
     def has_tied_pair(self) -> bool:
@@ -145,9 +159,8 @@ class ParallelLayout:
 
     def describe(self, rank: int | None = None) -> str:
         r = self.rank if rank is None else rank
-        stage = (r // self.sp_degree) % self.pp_degree
-        dp = r // (self.sp_degree * self.pp_degree)
-        sp = f", sp {r % self.sp_degree}" if self.sp_degree > 1 else ""
+        dp, stage, sp_rank = self.spec.coords(r)
+        sp = f", sp {sp_rank}" if self.sp_degree > 1 else ""
         return f"rank {r} (stage {stage}, dp {dp}{sp})"
 
     # --- groups --------------------------------------------------------------------------

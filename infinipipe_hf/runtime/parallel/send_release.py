@@ -4,10 +4,10 @@ A pipeline send's buffer (a unit's output, or the gradient of its input) must li
 peer has received it.  NCCL reports that (``Work.is_completed`` queries its event); gloo does
 not: a gloo ``isend`` reports completion only once someone *waits* on it, so an executor that
 drops only sends reporting completion holds every buffer it sent until the end of the step, a
-full hidden state per unit and direction, the whole batch's worth on a middle stage (measured:
-11 MB above the memory model on a pp 4 CPU step).  Waiting on a send the peer has not received
-yet would stall this rank behind the peer, so the executor waits on a send only when the
-schedule proves the peer already took it, and the wait returns at once:
+full hidden state per unit and direction, the whole batch's worth on a middle stage.  Waiting on
+a send the peer has not received yet would stall this rank behind the peer, so the executor
+waits on a send only when the schedule proves the peer already took it, and the wait returns at
+once:
 
 - the output of unit ``u`` (sent at ``F u`` to the next stage): the next stage ran ``F u``
   before it could send back ``u``'s output gradient, so it is complete once *this* stage has
@@ -16,9 +16,9 @@ schedule proves the peer already took it, and the wait returns at once:
   stage has received the output of a unit ``v`` that the previous stage forwarded after its
   ``B u`` (which consumed the gradient).
 
-Sends no later receive proves (the step's last gradients) are waited at the end of the step, as
-before.  Trade-off: a proof can come later than the actual completion (a buffer lives a few
-actions longer than it must), never earlier, so a wait here never blocks on the peer.
+Sends no later receive proves (the step's last gradients) are waited at the end of the step.
+Trade-off: a proof can come later than the actual completion (a buffer lives a few actions
+longer than it must), never earlier, so a wait here never blocks on the peer.
 """
 from __future__ import annotations
 

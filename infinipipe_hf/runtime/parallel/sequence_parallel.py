@@ -238,3 +238,6 @@ class SPUnit:
 
     def to_sequence(self, out, what: str):
         return self.comm.to_sequence(out, self.tokens, what)
+
+    def expand_index(self, device: torch.device) -> torch.Tensor | None:
+        return self.comm.expand_index(device)

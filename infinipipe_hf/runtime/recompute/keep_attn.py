@@ -10,15 +10,15 @@ float per head per token more than ``full``) and replays everything but the core
 Design: :class:`KeptAttention` is a per-(unit, stage-call) store that rides in the unit context
 (``EPPUnitContext.kept_attention``) of the layers the plan gives this level, so the checkpoint's
 replay, which re-enters the layer with the same keyword arguments, finds it.  The attention
-function hands the unit's attention problem to :func:`kept_attention`, an autograd function whose
+function hands the unit's attention problem to :meth:`KeptAttention.run`, an autograd function whose
 first forward computes the output with its log-sum-exp and stores both, and whose replay (inside
 the checkpoint's recompute, during backward) pops them instead of recomputing; either way it saves
 q, k, v, output and log-sum-exp for its backward, so the checkpoint's saved-tensor bookkeeping sees
 the same tensors in both runs.  The KV store's puts, the context reads and the SP all-to-alls
-around the core replay as before (their outputs are q, k, v and the context keys, which the
+around the core replay unchanged (their outputs are q, k, v and the context keys, which the
 backward needs).
 
-Kernels (``attention_kept_kernels.py``): torch's flash attention for CPU, per segment, and torch's
+Kernels (``attention/kept_kernels.py``): torch's flash attention for CPU, per segment, and torch's
 flash-attention varlen pair on CUDA (float16/bfloat16, checked on the device before the level is
 planned there).  Dropout inside attention is refused: a replay that skips the forward could not
 reproduce its mask.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from infinipipe_hf.runtime.attention import kept_kernels as kernels
-from infinipipe_hf.runtime.attention.hf import AttentionSegments
+from infinipipe_hf.runtime.attention.types import AttentionSegments
 
 
 def kept_attention_supported(device: torch.device | str, dtype: torch.dtype, dropout: float = 0.0,
@@ -59,6 +59,10 @@ class KeptAttention:
 
     def pop(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]] | None:
         return self._entries.pop(layer, None)
+
+    def run(self, problem: AttentionSegments, layer: int) -> torch.Tensor:
+        """The attention core of ``layer`` at ``keep_attn`` (what the attention function calls)."""
+        return kept_attention(problem, self, layer)
 
 
 class _KeptAttentionFunction(torch.autograd.Function):

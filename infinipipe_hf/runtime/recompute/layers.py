@@ -4,7 +4,7 @@ Design: the stage runs its first ``num_checkpointed`` decoder layers under
 ``torch.utils.checkpoint`` (non-reentrant, so keyword arguments such as the unit context pass
 through and backward works with inputs that do not require grad), the next ones at the plan's
 finer levels (``keep_attn``: the same checkpoint with the attention core's output kept,
-runtime/attention_kept.py; then ``mlp`` and ``mlp_act`` inside the MLP: runtime/mlp_levels.py)
+``keep_attn.py``; then ``mlp`` and ``mlp_act`` inside the MLP: ``mlp_levels.py``)
 and the rest normally.  The planner's solver chooses the counts per unit: long units trade recompute time for
 memory, short ones keep everything.  Heaviest level first (rather than last) means the layers
 whose activations are kept are the ones backward needs first, so they are freed earliest, and the

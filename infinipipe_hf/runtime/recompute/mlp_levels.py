@@ -1,6 +1,6 @@
 """Checkpoint levels inside a decoder layer's gated MLP, chosen per (unit, layer) call.
 
-The planner may recompute part of a layer instead of all of it (planner/checkpoint_levels.py):
+The planner may recompute part of a layer instead of all of it (``ir/levels.py``):
 ``mlp`` reruns the MLP in backward and keeps only its input; ``mlp_act`` keeps the gate and up
 outputs and reruns only ``act_fn(g) * u``.  Design: :func:`install_mlp_levels` gives each layer's
 MLP module an instance ``forward`` (the module, its class and its parameter names stay as they

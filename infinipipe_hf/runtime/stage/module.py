@@ -182,7 +182,7 @@ def build_stage(model: nn.Module, stage_index: int, layer_range: range) -> Stage
     kept = nn.ModuleDict({str(i): layers[i] for i in layer_range})
     for _, layer in kept.items():
         layer.gradient_checkpointing = False
-        install_mlp_levels(layer)  # checkpoint levels inside the layer (runtime/mlp_levels.py)
+        install_mlp_levels(layer)  # checkpoint levels inside the layer (recompute/mlp_levels.py)
     inner.layers = kept
     del layers
 

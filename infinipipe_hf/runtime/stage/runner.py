@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.runtime.attention.hf import EPPUnitContext, select_backend
 from infinipipe_hf.runtime.attention.kv_store import KVStore
-from infinipipe_hf.runtime.stage.loss import chunked_lm_loss
+from infinipipe_hf.runtime.attention.select import select_backend
+from infinipipe_hf.runtime.attention.types import EPPUnitContext
 from infinipipe_hf.runtime.parallel.sequence_parallel import SequenceParallel, SPUnit
+from infinipipe_hf.runtime.stage.loss import chunked_lm_loss
 from infinipipe_hf.runtime.stage.module import StageModule
 from infinipipe_hf.runtime.stage.unit_tensors import UnitTensors, build_unit_tensors
 

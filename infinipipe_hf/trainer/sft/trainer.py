@@ -1,26 +1,17 @@
 """``EPPSFTTrainer``: supervised fine-tuning the way TRL users write it, on the elastic pipeline.
 
-Design: a TRL script swaps ``SFTTrainer`` -> ``EPPSFTTrainer`` and ``SFTConfig`` ->
-``EPPSFTConfig`` (which adds ``pp_degree`` and the other pipeline settings).  The trainer takes
-what ``SFTTrainer`` takes: a model id or path (loaded like TRL loads it, float32 unless
-``model_init_kwargs`` say otherwise) or a model, ``peft_config``, a tokenizer (loaded from the model
-id when omitted), ``formatting_func``, and TRL's dataset formats: plain text, prompt/completion
-(``completion_only_loss``), conversational ``messages`` with the chat template
-(``assistant_only_loss`` where the template marks generations, or with TRL's training template),
-and pre-tokenized ``input_ids`` with ``labels`` or ``completion_mask`` / ``assistant_masks``.
+A TRL script swaps ``SFTTrainer`` -> ``EPPSFTTrainer`` and ``SFTConfig`` -> ``EPPSFTConfig``.  The
+trainer takes what ``SFTTrainer`` takes: a model id or a model, ``peft_config``, a tokenizer,
+``formatting_func``, and TRL's dataset formats (text, prompt/completion, conversational
+``messages``, pre-tokenized ``input_ids`` with ``labels`` or mask columns).
 
-The data is prepared by TRL's own code: ``SFTTrainer._prepare_dataset`` runs on a small stand-in
-holding the three attributes it reads (the tokenizer, the chat template, the completion-only
-decision), so tokens, loss masks and truncation to ``max_length`` are exactly those
-``SFTTrainer`` trains on; only ``input_ids`` and ``labels`` are kept.  From there it is
-``EPPTrainer``: the token-budget sampler packs and the planner slices (TRL's ``packing`` and
+The data is prepared by TRL's own ``SFTTrainer._prepare_dataset``, run on a stand-in holding the
+three attributes it reads, so tokens, loss masks and truncation are exactly ``SFTTrainer``'s; only
+``input_ids`` and ``labels`` are kept.  From there it is ``EPPTrainer`` (TRL's ``packing`` and
 ``padding_free`` are what the pipeline always does, so they are ignored with a warning).
-
-Not supported, refused with a ``ValueError`` rather than silently changed: vision datasets and
-processors, ``loss_type='dft'``, ``compute_loss_func``, quantized models, MoE router losses.
-TRL's extra metrics (``entropy``, ``mean_token_accuracy``) need the logits, which stay inside the
-last stage's chunked loss; they are not logged.  Trade-off: calling a private TRL method ties
-this file to a TRL release; ``sft_config.py`` refuses an untested TRL at import.
+Vision data, ``loss_type='dft'``, ``compute_loss_func``, quantized models and MoE router losses are
+refused.  Trade-off: calling a private TRL method ties this file to a TRL release; ``config.py``
+refuses an untested TRL at import.
 """
 from __future__ import annotations
 
@@ -32,8 +23,12 @@ from typing import Any, Callable
 from datasets import IterableDataset
 from transformers import AutoProcessor, PreTrainedTokenizerBase, ProcessorMixin, set_seed
 from trl import SFTTrainer
-from trl.chat_template_utils import (clone_chat_template, get_training_chat_template,
-                                     has_generation_markers, is_chat_template_stop_token_trained)
+from trl.chat_template_utils import (
+    clone_chat_template,
+    get_training_chat_template,
+    has_generation_markers,
+    is_chat_template_stop_token_trained,
+)
 from trl.data_utils import get_dataset_column_names, is_conversational
 from trl.trainer.utils import create_model_from_path, get_config_model_id
 
@@ -82,6 +77,46 @@ def _refuse_unsupported(args: EPPSFTConfig, compute_loss_func, quantization_conf
                          "remove it")
 
 
+def _sft_config(model, args: EPPSFTConfig | None) -> EPPSFTConfig:
+    """``args``, or TRL's default config named after the model."""
+    if args is None:
+        name = model if isinstance(model, str) else get_config_model_id(model.config)
+        args = EPPSFTConfig(f"{name.rstrip('/').split('/')[-1]}-SFT")
+    if not isinstance(args, EPPSFTConfig):
+        raise ValueError(f"EPPSFTTrainer needs EPPSFTConfig, got {type(args).__name__}; replace "
+                         f"SFTConfig(...) by EPPSFTConfig(..., pp_degree=N)")
+    return args
+
+
+def _check_train_dataset(train_dataset) -> None:
+    if train_dataset is None:
+        raise ValueError("EPPSFTTrainer: train_dataset is required")
+    if isinstance(train_dataset, IterableDataset):
+        raise ValueError("train_dataset is an IterableDataset; EPPSFTTrainer plans batches from "
+                         "document lengths, so it needs a datasets.Dataset (materialise it with "
+                         "Dataset.from_generator or .take(n))")
+
+
+def _trl_preparation(sample: dict, args: EPPSFTConfig, tokenizer) -> _TRLPreparation:
+    """The chat template and completion-only decision ``SFTTrainer`` would make for this data."""
+    if "image" in sample or "images" in sample:
+        raise ValueError("vision datasets are not supported by EPPSFTTrainer; use a text dataset")
+    if args.assistant_only_loss and not is_conversational(sample):
+        raise ValueError("assistant_only_loss=True needs a conversational dataset ('messages' or "
+                         "conversational 'prompt'/'completion'); this one is not")
+    chat_template = None
+    if args.assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
+        chat_template = get_training_chat_template(tokenizer)
+    if args.assistant_only_loss and not is_chat_template_stop_token_trained(
+            tokenizer, chat_template=chat_template):
+        warnings.warn("the chat template leaves the assistant's end-of-turn token out of the loss "
+                      "mask, so the model may not learn to stop; put it inside "
+                      "{% generation %}...{% endgeneration %}", UserWarning, stacklevel=3)
+    completion_only = (("prompt" in sample and "completion" in sample)
+                       if args.completion_only_loss is None else bool(args.completion_only_loss))
+    return _TRLPreparation(tokenizer, chat_template, completion_only)
+
+
 class EPPSFTTrainer(EPPTrainer):
     """TRL's ``SFTTrainer`` interface on :class:`EPPTrainer`; ``args`` is an :class:`EPPSFTConfig`."""
 
@@ -91,18 +126,8 @@ class EPPSFTTrainer(EPPTrainer):
                  optimizers=(None, None), optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None, quantization_config=None, peft_config=None,
                  formatting_func: Callable[[dict], str] | None = None, *, planner=None):
-        if args is None:
-            name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = EPPSFTConfig(f"{name.rstrip('/').split('/')[-1]}-SFT")
-        if not isinstance(args, EPPSFTConfig):
-            raise ValueError(f"EPPSFTTrainer needs EPPSFTConfig, got {type(args).__name__}; replace "
-                             f"SFTConfig(...) by EPPSFTConfig(..., pp_degree=N)")
-        if train_dataset is None:
-            raise ValueError("EPPSFTTrainer: train_dataset is required")
-        if isinstance(train_dataset, IterableDataset):
-            raise ValueError("train_dataset is an IterableDataset; EPPSFTTrainer plans batches from "
-                             "document lengths, so it needs a datasets.Dataset (materialise it with "
-                             "Dataset.from_generator or .take(n))")
+        args = _sft_config(model, args)
+        _check_train_dataset(train_dataset)
         _refuse_unsupported(args, compute_loss_func, quantization_config)
         _warn_ignored(args)
 
@@ -113,26 +138,10 @@ class EPPSFTTrainer(EPPTrainer):
         if peft_config is not None:
             model = self._wrap_peft(model, peft_config)
 
-        sample = _sample(train_dataset)
-        if "image" in sample or "images" in sample:
-            raise ValueError("vision datasets are not supported by EPPSFTTrainer; use a text dataset")
-        if args.assistant_only_loss and not is_conversational(sample):
-            raise ValueError("assistant_only_loss=True needs a conversational dataset ('messages' or "
-                             "conversational 'prompt'/'completion'); this one is not")
-        chat_template = None
-        if args.assistant_only_loss and not has_generation_markers(processing_class.chat_template):
-            chat_template = get_training_chat_template(processing_class)
-        if args.assistant_only_loss and not is_chat_template_stop_token_trained(
-                processing_class, chat_template=chat_template):
-            warnings.warn("the chat template leaves the assistant's end-of-turn token out of the loss "
-                          "mask, so the model may not learn to stop; put it inside "
-                          "{% generation %}...{% endgeneration %}", UserWarning, stacklevel=2)
-        completion_only = (("prompt" in sample and "completion" in sample)
-                           if args.completion_only_loss is None else bool(args.completion_only_loss))
-        self._trl = _TRLPreparation(processing_class, chat_template, completion_only)
+        self._trl = _trl_preparation(_sample(train_dataset), args, processing_class)
         self._formatting_func = formatting_func
         self._skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False))
-        if completion_only and formatting_func is not None and not self._skip_prepare:
+        if self._trl.completion_only_loss and formatting_func is not None and not self._skip_prepare:
             raise ValueError("formatting_func turns the dataset into plain text, which has no completion "
                              "to train on alone; apply it before, or set completion_only_loss=False")
 

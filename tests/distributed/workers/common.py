@@ -21,8 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from infinipipe_hf import InfiniPipeConfig  # noqa: E402
 from infinipipe_hf.runtime.engine.engine import PipelineEngine  # noqa: E402
 from tests.distributed.plans import make_plan  # noqa: E402
-from tests.helpers.reference import (assert_grads_close, random_batch,  # noqa: E402
-                                     reference_loss_and_grads, tiny_model)
+from tests.helpers.reference import assert_grads_close, random_batch, reference_loss_and_grads, tiny_model  # noqa: E402
 
 CKPT = {
     "none": None,
@@ -72,7 +71,8 @@ def saved_bytes(fn, params) -> int:
     """Bytes of the distinct storages autograd saves while ``fn`` runs (parameters excluded), plus
     the inputs every checkpoint region keeps (whole layers and the levels inside a layer) and
     what keep_attn layers keep in their unit's store (outside autograd's saved tensors)."""
-    from infinipipe_hf.runtime.recompute import layers as checkpointing, mlp_levels
+    from infinipipe_hf.runtime.recompute import layers as checkpointing
+    from infinipipe_hf.runtime.recompute import mlp_levels
 
     skip = {storage_key(p) for p in params}
     seen = {}

@@ -9,8 +9,18 @@ import os
 import sys
 import time
 
-from common import (LENGTHS, UNITS_DP1, InfiniPipeConfig, PipelineEngine, dist, exit_now, init,
-                    make_plan, random_batch, tiny_model)
+from common import (
+    LENGTHS,
+    UNITS_DP1,
+    InfiniPipeConfig,
+    PipelineEngine,
+    dist,
+    exit_now,
+    init,
+    make_plan,
+    random_batch,
+    tiny_model,
+)
 
 TIMEOUT_S = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
 

@@ -11,9 +11,25 @@ from __future__ import annotations
 import math
 import sys
 
-from common import (LENGTHS, UNITS_DP1, UNITS_DP2, CKPT, InfiniPipeConfig, PipelineEngine, check_grads,
-                    dist, expect_value_error, init, log, make_plan, random_batch, reference, run_case, tiny_model,
-                    torch)
+from common import (
+    CKPT,
+    LENGTHS,
+    UNITS_DP1,
+    UNITS_DP2,
+    InfiniPipeConfig,
+    PipelineEngine,
+    check_grads,
+    dist,
+    expect_value_error,
+    init,
+    log,
+    make_plan,
+    random_batch,
+    reference,
+    run_case,
+    tiny_model,
+    torch,
+)
 
 
 def accumulation(name: str, *, family: str, tie: bool, pp: int, units_a, units_b, lengths_b) -> None:

@@ -13,10 +13,24 @@ from __future__ import annotations
 
 import time
 
-from common import (CKPT, LENGTHS, UNITS_DP2, InfiniPipeConfig, PipelineEngine, dist, expect_value_error, init, log,
-                    make_plan, random_batch, reference, tiny_model, torch)
+from common import (
+    CKPT,
+    LENGTHS,
+    UNITS_DP2,
+    InfiniPipeConfig,
+    PipelineEngine,
+    dist,
+    expect_value_error,
+    init,
+    log,
+    make_plan,
+    random_batch,
+    reference,
+    tiny_model,
+    torch,
+)
 
-from infinipipe_hf.runtime.parallel.fsdp import full_tensor, is_dtensor, local_tensor
+from infinipipe_hf.runtime.parallel.fsdp_api import full_tensor, is_dtensor, local_tensor
 from tests.helpers.reference import assert_grads_close, reference_loss_and_grads
 
 # Both replicas run one 3-slice chain and one packed unit: identical action sequences, which the
@@ -342,7 +356,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
 
     init()
     main()

@@ -8,11 +8,24 @@ case and ``ALL OK``.
 """
 from __future__ import annotations
 
-from common import (CKPT, LENGTHS, UNITS_DP2, InfiniPipeConfig, PipelineEngine, dist, init, log, make_plan,
-                    random_batch, reference, tiny_model, torch)
+from common import (
+    CKPT,
+    LENGTHS,
+    UNITS_DP2,
+    InfiniPipeConfig,
+    PipelineEngine,
+    dist,
+    init,
+    log,
+    make_plan,
+    random_batch,
+    reference,
+    tiny_model,
+    torch,
+)
 from sharded_grads import check_full_grads, close
 
-from infinipipe_hf.runtime.parallel.fsdp import full_tensor
+from infinipipe_hf.runtime.parallel.fsdp_api import full_tensor
 from tests.helpers.reference import assert_grads_close
 
 # Four runners of dp 2 x sp 2 used as four independent replicas (no SP runtime): SP neighbours
@@ -24,9 +37,9 @@ UNITS_FOUR = [[[(0, 0, 13)], [(0, 13, 25)], [(0, 25, 37)]], [[(4, 0, 8)], [(4, 8
 def sp_meshes(shard: str) -> None:
     """The SP-group meshes (HSDP, flattened, extra sums, norm) before the SP runtime exists: every
     rank of a dp 2 x sp 2 stage runs its own units; the step's gradient is still their sum."""
+    from infinipipe_hf.runtime.parallel.fsdp import StageSharding
     from infinipipe_hf.runtime.parallel.grad_sync import GradientSync
     from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
-    from infinipipe_hf.runtime.parallel.fsdp import StageSharding
     from infinipipe_hf.runtime.stage.module import build_stage
     from infinipipe_hf.runtime.stage.runner import StageRunner
     from infinipipe_hf.runtime.stage.unit_tensors import label_token_count

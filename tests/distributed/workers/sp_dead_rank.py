@@ -9,8 +9,7 @@ import os
 import sys
 import time
 
-from common import (LENGTHS, UNITS_DP1, InfiniPipeConfig, PipelineEngine, dist, exit_now, init,
-                    make_plan, random_batch)
+from common import LENGTHS, UNITS_DP1, InfiniPipeConfig, PipelineEngine, dist, exit_now, init, make_plan, random_batch
 
 from tests.helpers.reference import tiny_model
 

@@ -14,8 +14,23 @@ import math
 import sys
 import time
 
-from common import (LENGTHS, UNITS_DP1, UNITS_DP2, CKPT, InfiniPipeConfig, PipelineEngine, add_levels,
-                    check_grads, dist, expect_value_error, init, log, make_plan, random_batch, torch)
+from common import (
+    CKPT,
+    LENGTHS,
+    UNITS_DP1,
+    UNITS_DP2,
+    InfiniPipeConfig,
+    PipelineEngine,
+    add_levels,
+    check_grads,
+    dist,
+    expect_value_error,
+    init,
+    log,
+    make_plan,
+    random_batch,
+    torch,
+)
 
 from tests.helpers.reference import reference_loss_and_grads, tiny_model
 

@@ -20,16 +20,17 @@ import dataclasses
 import json
 
 from common import InfiniPipeConfig, PipelineEngine, dist, init, log, saved_bytes, torch
-from sp_memory import T, VOCAB, model
+from sp_memory import VOCAB, T, model
 
 from infinipipe_hf.ir.actions import Action
-from infinipipe_hf.ir.levels import CheckpointMix, act_elements
-from infinipipe_hf.planner.cost.model import CostModel
-from infinipipe_hf.planner.cost.profile import default_profile
+from infinipipe_hf.ir.levels import CheckpointMix
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.profiling.runtime_fit import reference_of
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.planner.cost.activations import act_elements
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.cost.profile import default_profile
+from infinipipe_hf.profiling.runtime_fit import reference_of
 
 MIXES = [(0, 0, 0), (2, 0, 0), (4, 0, 0), (0, 4, 0), (0, 0, 4), (1, 1, 2), (0, 0, 0, 4), (1, 1, 0, 2)]
 

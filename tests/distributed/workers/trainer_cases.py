@@ -14,12 +14,21 @@ import sys
 import time
 import warnings
 
-from trainer_common import (GA_RTOL, LOSS_RTOL, SCENARIOS, assert_close_list, assert_weights_match,
-                            epp_trainer, load_reference, make_model, per_step, slicing_planner,
-                            stage_state)
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from trainer_common import (
+    GA_RTOL,
+    LOSS_RTOL,
+    SCENARIOS,
+    assert_close_list,
+    assert_weights_match,
+    epp_trainer,
+    load_reference,
+    make_model,
+    per_step,
+    slicing_planner,
+    stage_state,
+)
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 SUITE, REF_DIR, OUT_DIR, PLANNER = sys.argv[1:5]

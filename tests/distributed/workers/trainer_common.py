@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import torch  # noqa: E402
 
 from infinipipe_hf.trainer.arguments import EPPTrainingArguments  # noqa: E402
-from infinipipe_hf.trainer.data.batches import GlobalBatchCollator, build_global_batch_loader  # noqa: E402
+from infinipipe_hf.trainer.data.loader import GlobalBatchCollator, build_global_batch_loader  # noqa: E402
 from infinipipe_hf.trainer.trainer import EPPTrainer  # noqa: E402
 from tests.helpers.reference import tiny_model  # noqa: E402
 

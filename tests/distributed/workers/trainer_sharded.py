@@ -16,14 +16,24 @@ import sys
 import time
 import warnings
 
-from trainer_common import (GA_RTOL, LOSS_RTOL, SCENARIOS, EVAL_LENGTHS, RecordingEPPTrainer,
-                            assert_close_list, assert_weights_match, load_reference, make_model,
-                            per_step, slicing_planner, token_dataset)
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from trainer_common import (
+    EVAL_LENGTHS,
+    GA_RTOL,
+    LOSS_RTOL,
+    SCENARIOS,
+    RecordingEPPTrainer,
+    assert_close_list,
+    assert_weights_match,
+    load_reference,
+    make_model,
+    per_step,
+    slicing_planner,
+    token_dataset,
+)
 
-from infinipipe_hf.runtime.parallel.fsdp import full_tensor, is_dtensor  # noqa: E402
+from infinipipe_hf.runtime.parallel.fsdp_api import full_tensor, is_dtensor  # noqa: E402
 from infinipipe_hf.trainer.arguments import EPPTrainingArguments  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)

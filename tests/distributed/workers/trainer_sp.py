@@ -12,11 +12,19 @@ import sys
 import time
 import warnings
 
-from trainer_common import (LOSS_RTOL, SCENARIOS, assert_close_list, assert_weights_match, epp_trainer,
-                            load_reference, per_step, slicing_planner, stage_state)
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from trainer_common import (
+    LOSS_RTOL,
+    SCENARIOS,
+    assert_close_list,
+    assert_weights_match,
+    epp_trainer,
+    load_reference,
+    per_step,
+    slicing_planner,
+    stage_state,
+)
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 REF_DIR, OUT_DIR, PLANNER = sys.argv[1:4]

@@ -4,7 +4,7 @@ Design: checks run from the data outwards -- structure, token coverage, placemen
 per-stage action completeness, forward-before-backward, slice order, send/receive pairing between
 neighbouring stages, deadlock freedom (a dependency replay must finish), checkpoint counts,
 memory -- and the first failure raises :class:`PlanValidationError`.  Each check knows which
-action is to blame, so the message carries the grid of that DP replica (:mod:`grid`) with the
+action is to blame, so the message carries the grid of that DP replica (:mod:`~infinipipe_hf.planner.simulate.grid`) with the
 action printed ``[B7]!``.  Later checks rely on earlier ones (the replay assumes complete, paired
 lists), which is why they stop at the first failure rather than collect every problem.
 
@@ -17,12 +17,13 @@ from typing import Sequence
 
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import FINER_LEVELS
-from infinipipe_hf.planner.cost.model import CostModel
-from infinipipe_hf.planner.simulate.grid import format_grid, slot_replay
-from infinipipe_hf.layout import SHARD_MODES
-from infinipipe_hf.planner.checkpointing.timeline import memory_points, point_bytes, stage_peak_bytes
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.layout import SHARD_MODES
+from infinipipe_hf.planner.checkpointing.points import memory_points, point_bytes, stage_peak_bytes
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.registry import SCHEDULES
+from infinipipe_hf.planner.simulate.grid import format_grid, slot_replay
 
 
 class PlanValidationError(ValueError):
@@ -151,7 +152,9 @@ class _Checker:
                                    f"sequence's slices in one pipeline of one replica", u)
 
     def tail_slices(self) -> None:
-        if self.plan.schedule != "epp":
+        """A schedule whose units hold at most one tail slice (EPP's) gets no unit with two."""
+        schedule = SCHEDULES.get(self.plan.schedule)
+        if schedule is None or not schedule.one_tail_per_unit:
             return
         for u in self.plan.units:
             tails = [s for s in u.segments if s.start > 0 and s.end == self.plan.sequences[s.seq]]

@@ -1,0 +1,132 @@
+"""Memory points of one stage: the bytes at the peak of each action, and the stage's peak.
+
+A :class:`MemoryPoint` keeps a point's checkpoint-independent ``base_bytes`` apart from its live
+units (:mod:`.timeline` explains the split), so the checkpoint solver turns every point into one
+linear constraint and the simulator and validator evaluate any checkpoint choice with
+:func:`point_bytes`.  :func:`stage_peak_bytes` takes the peak over a stage through its
+:class:`~.timeline.StageTimeline` (a cumulative sum) or, given the points, through a running sum
+of live activations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.planner.checkpointing.timeline import (
+    LevelCounts,
+    StageTimeline,
+    finer_bytes,
+    phase_model,
+    stage_timeline,
+    working_correction,
+)
+from infinipipe_hf.planner.cost.model import CostModel
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """Memory of one stage at the peak of one of its actions."""
+
+    action_index: int
+    """Index into ``plan.stage_actions(dp_rank, stage)``."""
+    base_bytes: float
+    """Model states + KV store + working set of the running action; independent of checkpointing."""
+    live_units: tuple[int, ...]
+    """Units whose activations are held at that point (forward done or running, backward not
+    finished), the running one included, in the order of their forwards."""
+    running_unit: int | None = None
+    """The unit of the action at this point (its working memory is part of ``base_bytes``)."""
+    forward: bool = True
+    """Whether that action is a forward."""
+
+
+def memory_points(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list[MemoryPoint]:
+    """One :class:`MemoryPoint` per action of ``plan.stage_actions(dp_rank, stage)``, in order."""
+    return timeline_points(stage_timeline(plan, cost, dp_rank, stage))
+
+
+def timeline_points(tl: StageTimeline) -> list[MemoryPoint]:
+    """The :class:`MemoryPoint` list of a :class:`StageTimeline` (what :func:`memory_points` returns)."""
+    units = tl.units.tolist()
+    live: dict[int, None] = {}  # insertion-ordered set: forwards arrive in time order
+    points: list[MemoryPoint] = []
+    for i, (k, fw, base) in enumerate(zip(tl.slot.tolist(), tl.forward.tolist(), tl.base.tolist())):
+        u = units[k]
+        if fw:
+            live[u] = None
+            points.append(MemoryPoint(i, base, tuple(live), u, True))
+        else:
+            # A backward without its forward is the validator's to report; count the unit live
+            # while it runs so the point is still conservative.
+            live.setdefault(u, None)
+            points.append(MemoryPoint(i, base, tuple(live), u, False))
+            del live[u]
+    return points
+
+
+def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
+                checkpoint_layers: Mapping[int, int], checkpoint_levels: LevelCounts | None = None) -> float:
+    """Bytes of ``point`` on ``stage`` when unit ``u`` checkpoints ``checkpoint_layers.get(u, 0)`` layers
+    (and the finer levels ``checkpoint_levels.get(u)``)."""
+    by_id = plan.unit_by_id
+    levels = checkpoint_levels or {}
+    total = point.base_bytes
+    if phase_model(cost) is not None and point.running_unit is not None:
+        u = point.running_unit
+        total += working_correction(cost, stage, by_id[u].segments, checkpoint_layers.get(u, 0),
+                                     levels.get(u))[0 if point.forward else 1]
+    for uid in point.live_units:
+        segs = by_id[uid].segments
+        total += (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(uid, 0))
+                  - finer_bytes(cost, stage, segs, levels.get(uid)))
+    return total
+
+
+def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
+                     checkpoint_layers: Mapping[int, int] | None = None, *,
+                     checkpoint_levels: LevelCounts | None = None,
+                     points: list[MemoryPoint] | None = None,
+                     timeline: StageTimeline | None = None) -> float:
+    """Peak over the stage's actions of :func:`point_bytes` (the plan's ``checkpoint_layers`` and
+    ``checkpoint_levels`` when ``checkpoint_layers`` is not given; else none of the finer levels
+    unless ``checkpoint_levels`` is).
+
+    ``points`` may pass :func:`memory_points` of the same stage, or ``timeline`` its
+    :func:`stage_timeline`, when the caller has them.  Keeps a running sum of live activations
+    instead of summing every point's live set, so it is linear in the number of actions even for
+    GPipe-like schedules where everything is live.
+    """
+    if checkpoint_layers is None:
+        checkpoint_layers = plan.checkpoint_layers.get(stage, {})
+        if checkpoint_levels is None:
+            checkpoint_levels = plan.checkpoint_levels.get(stage, {})
+    levels = checkpoint_levels or {}
+    if points is None:
+        if timeline is None:
+            timeline = stage_timeline(plan, cost, dp_rank, stage)
+        assert timeline.actions is plan.stage_actions(dp_rank, stage), "timeline is not this stage's"
+        return timeline.peak(cost, stage, checkpoint_layers, levels)
+    if not points:
+        return cost.static_bytes(stage)
+    actions = plan.stage_actions(dp_rank, stage)
+    assert len(points) == len(actions), "points are not this stage's"
+    by_id = plan.unit_by_id
+    act: dict[int, float] = {}
+    live_sum = 0.0
+    peak = float("-inf")
+    for p in points:
+        a = actions[p.action_index]
+        if a.unit not in act:
+            segs = by_id[a.unit].segments
+            act[a.unit] = (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(a.unit, 0))
+                           - finer_bytes(cost, stage, segs, levels.get(a.unit)))
+            live_sum += act[a.unit]
+        base = p.base_bytes
+        if phase_model(cost) is not None:
+            base += working_correction(cost, stage, by_id[a.unit].segments, checkpoint_layers.get(a.unit, 0),
+                                        levels.get(a.unit))[0 if a.is_forward else 1]
+        peak = max(peak, base + live_sum)
+        if not a.is_forward:
+            live_sum -= act.pop(a.unit)
+    return peak

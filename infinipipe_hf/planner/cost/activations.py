@@ -1,0 +1,162 @@
+"""Bytes of one pipeline stage, per GPU: model states, kept activations, KV store, working set.
+
+Memory of a stage = model states + for every unit alive in its window the activations it keeps
+(non-checkpointed layers keep ``act_bytes_per_token`` per token, checkpointed ones only their
+input), the KV store (K/V of slices whose sequence continues, and their pending gradients) and
+the transient working set of the action running now (one layer's peak, a recompute, a chunk of
+logits).  Per-token figures come from the profile's reference layer, scaled by the activation
+element count of :func:`act_elements`; under Ulysses SP a GPU holds ``ceil(T / sp)`` tokens
+(:mod:`ulysses`), with FSDP2 its states are sharded (:mod:`states`).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.layout import LayoutSpec
+from infinipipe_hf.planner.cost.profile import HardwareProfile, reference_spec
+from infinipipe_hf.planner.cost.states import ShardedStates
+from infinipipe_hf.planner.cost.ulysses import UlyssesCost, tokens_per_gpu
+
+
+def act_elements(hidden_size: int, intermediate_size: int, kv_dim: int, bytes_per_element: float = 2) -> float:
+    """Activation elements per token a Llama layer saves, in the activation dtype.
+
+    Each RMSNorm keeps its input upcast to float32 (``4 / bytes_per_element`` elements; in float32
+    the input itself) and its normalised output (1); the q/k/v input, SDPA's query and output
+    (``o_proj`` reads the output in place), the MLP input (4 with the two norms' ``2 * 3`` in
+    bf16: ``10 * hidden``); K and V (``2 * kv_dim``); the MLP's gate, act, up and product
+    (``4 * intermediate``).  The tests check it against ``saved_tensors_hooks``.
+    """
+    return (2 * norm_elements(bytes_per_element) + 4) * hidden_size + 4 * intermediate_size + 2 * kv_dim
+
+
+def norm_elements(bytes_per_element: float = 2) -> float:
+    """Elements per hidden element an RMSNorm keeps: its float32 input and its normalised output."""
+    return 4 / bytes_per_element + 1 if bytes_per_element < 4 else 2
+
+
+def _act_elements(spec: ModelSpec, bytes_per_element: float = 2) -> float:
+    """:func:`act_elements` of ``spec``'s layer, bf16 unless told."""
+    return act_elements(spec.hidden_size, spec.intermediate_size, spec.kv_dim, bytes_per_element)
+
+
+class StageActivations:
+    """Bytes of the actions of one stage, per GPU (module docstring)."""
+
+    def __init__(self, spec: ModelSpec, profile: HardwareProfile, layout: LayoutSpec,
+                 layers_per_stage: list[int], states: ShardedStates, *, loss_chunk_tokens: int = 4096,
+                 ulysses: UlyssesCost | None = None):
+        p = profile
+        self.spec = spec
+        self.profile = profile
+        self.pp_degree = layout.pp_degree
+        self.sp_degree = layout.sp_degree
+        self.layers_per_stage = layers_per_stage
+        self.states = states
+        self.loss_chunk_tokens = loss_chunk_tokens
+        ref = reference_spec(p)
+        self.act_ratio = _act_elements(spec, p.bytes_per_element) / _act_elements(ref, p.bytes_per_element)
+        """Activation bytes of ``spec``'s layer over the reference layer's (per token)."""
+        self.act_bytes_per_token = p.activation_bytes_per_token_per_layer * self.act_ratio
+        self.layer_working_bytes_per_token = p.layer_working_bytes_per_token * self.act_ratio
+        self.hidden_bytes_per_token = spec.hidden_size * p.bytes_per_element
+        self.kv_bytes_per_token_per_layer = 2 * spec.kv_dim * p.bytes_per_element
+        if ulysses is not None:
+            self.act_bytes_per_token *= ulysses.activation_scale(_act_elements(spec, p.bytes_per_element))
+            self.kv_bytes_per_token_per_layer = ulysses.kv_bytes_per_token_per_layer()
+            # While an all-to-all runs, q, k, v exist in both layouts: the received copy is extra.
+            self.layer_working_bytes_per_token += sum(ulysses.all_to_all_bytes_per_token()[:3])
+
+    def gpu_tokens(self, tokens: int) -> int:
+        """Tokens of a unit of ``tokens`` on the busiest GPU of a stage (``ceil(tokens / sp)``)."""
+        return tokens if self.sp_degree == 1 else tokens_per_gpu(tokens, self.sp_degree)
+
+    def stage_params(self, stage_index: int) -> int:
+        spec = self.spec
+        n = self.layers_per_stage[stage_index] * spec.layer_params
+        if stage_index == 0:
+            n += spec.embedding_params
+        if stage_index == self.pp_degree - 1:
+            n += spec.hidden_size
+            # A tied head on a single stage shares the embedding; on a separate stage it is a copy.
+            if not (spec.tie_word_embeddings and self.pp_degree == 1):
+                n += spec.embedding_params
+        return n
+
+    def static_bytes(self, stage_index: int) -> float:
+        """Model states: weights, gradients and optimizer states of the stage (per GPU: sharded
+        ones with FSDP2's unsharded gradients and working copies, see :mod:`states`)."""
+        if self.states.sharded:
+            return self.states.peak_static_bytes(stage_index)
+        return self.stage_params(stage_index) * self.profile.state_bytes_per_param
+
+    def activation_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int) -> float:
+        """Bytes a unit keeps alive on the stage from its forward to its backward."""
+        layers = self.layers_per_stage[stage_index]
+        assert 0 <= checkpointed_layers <= layers, (checkpointed_layers, layers)
+        tokens = self.gpu_tokens(tokens)
+        per_token = ((layers - checkpointed_layers) * self.act_bytes_per_token
+                     + checkpointed_layers * self.hidden_bytes_per_token)
+        if stage_index == self.pp_degree - 1:
+            # The final norm's saved tensors and its output, the chunked (checkpointed) head's input.
+            per_token += self.hidden_bytes_per_token * (norm_elements(self.profile.bytes_per_element) + 1)
+        return tokens * per_token
+
+    def activation_bytes_per_checkpointed_layer(self, stage_index: int, tokens: int) -> float:
+        """Bytes saved by checkpointing one more layer of the unit (the solver's slope)."""
+        return self.gpu_tokens(tokens) * (self.act_bytes_per_token - self.hidden_bytes_per_token)
+
+    def context_bytes_per_layer(self, segments: Iterable[Segment]) -> float:
+        """Extra bytes one non-checkpointed layer saves for segments that attend to context.
+
+        The attention concatenates a slice's context K/V (read from the KV store) with its own and
+        autograd keeps that concatenation for backward: ``2 * start * kv_dim`` elements beyond the
+        slice's own K/V, which the per-token figure already counts.  Backends that need an explicit
+        lower-right mask also keep it (``attention_mask_bytes_per_element`` per query-key pair).
+        A checkpointed layer keeps neither (its forward reruns in backward).
+        """
+        total = 0.0
+        mask_bpe = self.profile.attention_mask_bytes_per_element
+        for seg in segments:
+            if seg.start > 0:
+                total += seg.start * self.kv_bytes_per_token_per_layer
+                if mask_bpe:
+                    total += mask_bpe * (seg.end - seg.start) * seg.end
+        return total
+
+    def unit_activation_bytes(self, stage_index: int, segments: Sequence[Segment],
+                              checkpointed_layers: int) -> float:
+        """:meth:`activation_bytes` of a unit with these segments, context copies included."""
+        tokens = sum(seg.end - seg.start for seg in segments)
+        act = self.activation_bytes(stage_index, tokens, checkpointed_layers)
+        extra = self.context_bytes_per_layer(segments)
+        if extra:
+            act += (self.layers_per_stage[stage_index] - checkpointed_layers) * extra
+        return act
+
+    def unit_checkpoint_saving(self, stage_index: int, segments: Sequence[Segment]) -> float:
+        """Bytes saved by checkpointing one more layer of a unit with these segments."""
+        tokens = sum(seg.end - seg.start for seg in segments)
+        return (self.activation_bytes_per_checkpointed_layer(stage_index, tokens)
+                + self.context_bytes_per_layer(segments))
+
+    def kv_bytes(self, stage_index: int, continuing_tokens: int) -> float:
+        """KV-store bytes for tokens whose K/V later slices need: K/V plus pending gradients."""
+        return 2 * continuing_tokens * self.layers_per_stage[stage_index] * self.kv_bytes_per_token_per_layer
+
+    def working_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int, backward: bool) -> float:
+        """Transient bytes while the unit's forward or backward runs on the stage (the linear
+        bound; :mod:`working` holds the phase model of profiles that measured it)."""
+        tokens = self.gpu_tokens(tokens)
+        per_token = self.layer_working_bytes_per_token + 2 * self.hidden_bytes_per_token
+        if backward:
+            # Gradients of one layer's activations exist while it runs backward; a checkpointed
+            # layer first rebuilds its activations.
+            per_token += self.act_bytes_per_token * (2 if checkpointed_layers else 1)
+        w = tokens * per_token
+        if stage_index == self.pp_degree - 1:
+            chunk = min(tokens, self.loss_chunk_tokens)
+            w += chunk * self.spec.vocab_size * 4 * 2  # fp32 logits and their gradient
+        return w

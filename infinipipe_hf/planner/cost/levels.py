@@ -1,0 +1,123 @@
+"""What each checkpoint level inside a decoder layer saves, and what it costs to redo.
+
+The levels are the plan's vocabulary (:mod:`infinipipe_hf.ir.levels`).  Per token, autograd keeps
+in a Llama MLP ``x`` (shared by gate/up), the gate output ``g``, ``act(g)``, the up output ``u``
+and their product: ``hidden + 4 * intermediate`` elements of the layer's
+``10 * hidden + 4 * intermediate + 2 * kv_dim`` (:func:`~.activations.act_elements`).  ``mlp``
+drops ``4 * intermediate`` of them, ``mlp_act`` ``2 * intermediate``; ``keep_attn`` keeps a whole
+layer checkpoint's input plus the attention output and log-sum-exp (``hidden`` elements and one
+float per head per token).
+
+Bytes saved are shares of the profile's measured whole-layer figure, the share being the element
+count above over the layer's (checked against ``saved_tensors_hooks`` in the tests).  Recompute
+seconds are derived, not measured (the shipped profile times whole layers only): ``mlp_act``
+moves ``5 * intermediate`` elements per token at the profile's ``elementwise_bytes_per_s``;
+``mlp`` adds the gate/up share of the layer's linear FLOPs of the fitted token and fixed terms;
+``full`` is the layer's forward less ``down_proj``'s share (no replay reaches that GEMM);
+``keep_attn`` is ``full`` less the fit's attention-core (pair) term.  Trade-off: a FLOP share is
+exact for GEMM-bound layers and optimistic where small GEMMs run below peak; the attention term
+never enters a level below ``full``, which is what makes them cheap for long slices.  Every level
+costs at most the next heavier one (clamped), so upgrading a layer never lowers cost.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from infinipipe_hf.ir.levels import FINER_LEVELS, FULL, KEEP_ATTN, LEVELS, MLP, MLP_ACT, CheckpointMix
+from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.planner.cost.activations import StageActivations, act_elements
+from infinipipe_hf.planner.cost.compute import StageCompute, UnitShape
+
+
+class LevelCosts:
+    """Per-layer bytes saved and recompute seconds of each level, for one stage's time and bytes."""
+
+    def __init__(self, compute: StageCompute, acts: StageActivations):
+        spec, p = acts.spec, acts.profile
+        self.compute = compute
+        self.acts = acts
+        inter = spec.intermediate_size
+        elements = act_elements(spec.hidden_size, inter, spec.kv_dim, p.bytes_per_element)
+        self.saved_share = {MLP: 4 * inter / elements, MLP_ACT: 2 * inter / elements}
+        """Share of the whole layer's saved bytes (one GPU, whole heads) each finer level drops."""
+        # Per token a GPU holds: the MLP is token-sharded under sequence parallelism, so its
+        # bytes are the single-GPU share of the profile's figure (not of the head-sharded mix).
+        whole_layer = p.activation_bytes_per_token_per_layer * acts.act_ratio
+        self.saved_bytes_per_token = {lv: s * whole_layer for lv, s in self.saved_share.items()}
+        # The single-GPU linear coefficients, per GPU token: the MLP runs no all-to-all.
+        c = compute.coefficients
+        self._linear = p.layer_forward.scaled(c.attn_ratio, c.linear_ratio)
+        self.gate_up_share = 4.0 * spec.hidden_size * inter / spec.layer_linear_flops_per_token()
+        """Gate and up projections' share of the layer's linear FLOPs."""
+        self.down_share = self.gate_up_share / 2
+        """``down_proj``'s share, which no replay reruns."""
+        self.act_s_per_token = 5.0 * inter * p.bytes_per_element / p.elementwise_bytes_per_s
+        # The attention output (activation dtype) and the log-sum-exp (float32 from the GPU
+        # kernels, the compute dtype on CPU) per GPU token: under Ulysses a GPU keeps its heads
+        # of all the unit's tokens, the same count as all heads of its own tokens.
+        self.keep_attn_bytes_per_token = (acts.hidden_bytes_per_token
+                                          + spec.num_attention_heads * max(4.0, p.bytes_per_element))
+        """Bytes per GPU token a ``keep_attn`` layer keeps beyond a whole-layer checkpoint's input."""
+
+    def layer_recompute_s(self, level: str, shape: UnitShape) -> float:
+        """Seconds to redo ``level`` of one layer on a unit of ``shape`` (monotone in the level).
+
+        A whole layer's replay is its forward less ``down_proj``'s GEMM: non-reentrant
+        checkpointing stops once ``down_proj``'s input is rebuilt (the residual add after it saves
+        nothing), which the runtime tests check by counting GEMMs.  ``keep_attn`` also skips the
+        attention core: the fit's pair term (what remains is linear in tokens)."""
+        tokens = self.compute.gpu_tokens(shape.tokens)
+        linear = self._linear.token_s * tokens + self._linear.fixed_s
+        full = self.compute.layer_fwd(shape.pairs, shape.tokens) - self.down_share * linear
+        if level == FULL:
+            return full
+        act = min(self.act_s_per_token * tokens, full)
+        if level == MLP_ACT:
+            return act
+        mlp = min(self.gate_up_share * linear + act, full)
+        if level == MLP:
+            return mlp
+        if level == KEEP_ATTN:
+            no_core = self.compute.layer_fwd(0, shape.tokens) - self.down_share * linear
+            return min(max(no_core, mlp), full)
+        raise ValueError(f"unknown checkpoint level {level!r}; use one of {', '.join(LEVELS)}")
+
+    def layer_saved_bytes(self, level: str, stage_index: int, segments: Sequence[Segment]) -> float:
+        """Bytes one layer at ``level`` drops from a unit with these segments, against keeping
+        everything (monotone in the level).  Whole layers and ``keep_attn`` also drop the
+        context K/V copies (their attention reruns or runs from what is kept); the MLP levels
+        leave the attention's saved tensors as they are."""
+        if level == FULL:
+            return self.acts.unit_checkpoint_saving(stage_index, segments)
+        tokens = self.acts.gpu_tokens(sum(s.end - s.start for s in segments))
+        if level in (MLP, MLP_ACT):
+            return tokens * self.saved_bytes_per_token[level]
+        if level == KEEP_ATTN:
+            full = self.acts.unit_checkpoint_saving(stage_index, segments)
+            return min(max(full - tokens * self.keep_attn_bytes_per_token,
+                           tokens * self.saved_bytes_per_token[MLP]), full)
+        raise ValueError(f"unknown checkpoint level {level!r}; use one of {', '.join(LEVELS)}")
+
+    def finer_recompute_s(self, shape: UnitShape, mix: CheckpointMix) -> float:
+        """Recompute seconds of the mix's finer levels (its whole layers: :meth:`recompute_time`)."""
+        return sum(n * self.layer_recompute_s(lv, shape) for lv in FINER_LEVELS if (n := getattr(mix, lv)))
+
+    def finer_saved_bytes(self, stage_index: int, segments: Sequence[Segment], mix: CheckpointMix) -> float:
+        """Bytes the mix's finer levels drop from a unit with these segments."""
+        return sum(n * self.layer_saved_bytes(lv, stage_index, segments)
+                   for lv in FINER_LEVELS if (n := getattr(mix, lv)))
+
+    def unit_activation_bytes(self, stage_index: int, segments: Iterable[Segment], mix: CheckpointMix) -> float:
+        """:meth:`StageActivations.unit_activation_bytes` of a unit under ``mix``."""
+        segments = tuple(segments)
+        act = self.acts.unit_activation_bytes(stage_index, segments, mix.full)
+        if mix.total > mix.full:
+            act -= self.finer_saved_bytes(stage_index, segments, mix)
+        return act
+
+    def recompute_time(self, stage_index: int, shape: UnitShape, mix: CheckpointMix) -> float:
+        """All recompute seconds of a unit's backward on the stage under ``mix``."""
+        t = mix.full * self.layer_recompute_s(FULL, shape)
+        if mix.total > mix.full:
+            t += self.finer_recompute_s(shape, mix)
+        return t

@@ -1,0 +1,98 @@
+"""The pipeline baselines: micro-batches of whole sequences (packed, or uniformly sliced) in 1F1B pipelines.
+
+``packed-1f1b``, ``seq1f1b`` and ``gpipe`` share this class.  Their knobs are a packing length
+(``max(longest, 2^k)``, :func:`~.grids.packing_candidates`) and, for seq1f1b, a uniform slice
+count; every setting of the small grid is planned with the least uniform checkpoint count that
+fits, so the speed ratios compare tuned baselines.  A subclass names itself, gives its warm-up
+and, when it cuts micro-batches, its slice counts and units.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterator, Sequence
+
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.units import Unit
+from infinipipe_hf.planner.batch.uniform import make_packed_units
+from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.schedules.base import Candidate, Knobs, SearchState
+from infinipipe_hf.planner.schedules.grids import packing_candidates
+from infinipipe_hf.planner.schedules.pipeline import replica_actions
+from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext, PipelineSchedule
+
+
+@dataclass(frozen=True)
+class PackKnobs(Knobs):
+    pack_tokens: int
+    num_slices: int | None = None
+    """Uniform slices per micro-batch (seq1f1b only)."""
+
+    def record(self) -> dict:
+        d = {"pack_tokens": self.pack_tokens}
+        if self.num_slices is not None:
+            d["num_slices"] = self.num_slices
+        return d
+
+
+class BaselineSchedule(PipelineSchedule):
+    """A baseline over packing lengths (module docstring); micro-batches run whole by default."""
+
+    static_packing = True
+
+    def knobs(self, pack: int, k: int) -> PackKnobs:
+        """The knobs of packing length ``pack`` and ``k`` slices (ignored unless the schedule slices)."""
+        return PackKnobs(pack)
+
+    def slice_counts(self, ctx: PipelineContext) -> list[int]:
+        """Slice counts searched per packing length."""
+        return [1]
+
+    def leanest_slices(self, cost: CostModel, n: int, max_slices: int) -> int:
+        """Slice count of the leanest plan of one ``n``-token sequence."""
+        return 1
+
+    def make_units(self, lengths: Sequence[int], cost: CostModel, pack: int, k: int, seqs: Sequence[int],
+                   first_unit_id: int) -> list[Unit]:
+        """The units of one replica's sequences ``seqs``, in forward order."""
+        return make_packed_units(lengths, cost, pack, seqs=seqs, first_unit_id=first_unit_id)
+
+    def candidates(self, ctx: PipelineContext, state: SearchState) -> Iterator[Candidate]:
+        packs = packing_candidates(ctx.lengths, ctx.cost.sp_degree)
+        if ctx.max_tokens_per_unit is not None:
+            # The cap itself (or the longest sequence, which packing never cuts) as the tightest pack.
+            packs = sorted(set(packs) | {max(max(ctx.lengths), int(ctx.max_tokens_per_unit))})
+        slice_counts = self.slice_counts(ctx)
+        for pack in packs:
+            for k in slice_counts:
+                yield Candidate(self.knobs(pack, k), partial(self.plan, ctx.lengths, ctx.replicas, ctx.cost,
+                                                             pack, k, ctx.policy))
+
+    def leanest_plan(self, cost: CostModel, n: int, max_slices: int) -> Plan:
+        return self.plan([n], [[0]], cost, n, self.leanest_slices(cost, n, max_slices), "full")
+
+    def plan(self, lengths, replicas, cost, pack, k, policy) -> Plan:
+        """One pipeline per replica of its micro-batches, checkpointed under ``policy``."""
+        units: list[Unit] = []
+        actions = {}
+        for dp_rank, seqs in enumerate(replicas):
+            if not seqs:
+                actions[dp_rank] = [[] for _ in range(cost.pp_degree)]
+                continue
+            made = self.make_units(lengths, cost, pack, k, seqs, len(units))
+            part_units, actions[dp_rank] = replica_actions(lengths, cost, [made], dp_rank,
+                                                           partial(self.warmup, cost.pp_degree, num_slices=k))
+            units.extend(part_units)
+        info = self.knobs(pack, k).record()
+        plan = Plan(self.name, cost.pp_degree, len(replicas), list(lengths), units, actions, {},
+                    list(cost.layers_per_stage), info, cost.sp_degree, cost.shard)
+        sol = solve_checkpointing(plan, cost, policy=policy)
+        if not sol.feasible:
+            raise ValueError(sol.message or "no checkpointing fits the memory budget")
+        plan.checkpoint_layers = sol.checkpoint_layers
+        plan.info["checkpoint_method"] = sol.method
+        if policy == "uniform":  # the one count (static settings over a run take the largest of a run)
+            plan.info["uniform_layers"] = max((c for per in sol.checkpoint_layers.values() for c in per.values()),
+                                              default=0)
+        return plan

@@ -1,0 +1,15 @@
+"""``gpipe``: packed micro-batches, every forward before any backward (GPipe)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from infinipipe_hf.ir.units import Unit
+from infinipipe_hf.planner.schedules.baseline import BaselineSchedule
+from infinipipe_hf.planner.schedules.pipeline import gpipe_warmup
+
+
+class GPipeSchedule(BaselineSchedule):
+    name = "gpipe"
+
+    def warmup(self, pp_degree: int, units: Sequence[Unit], num_slices: int = 1) -> list[int]:
+        return gpipe_warmup(pp_degree, len(units))

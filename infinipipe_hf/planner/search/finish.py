@@ -1,0 +1,77 @@
+"""What ``plan_step`` does after the search: the final checkpoint solve and validation of the
+winner, or the message saying why nothing fits.
+
+Candidates are compared with the greedy checkpoint solve (milliseconds); only the winner pays for
+the finer levels, per-cell counts and the LP/MILP.  Its plan is kept when its simulated step is
+not slower (per-cell counts save recompute but can add bubbles on the other stages).
+"""
+from __future__ import annotations
+
+import time
+
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.schedules.base import SearchState
+from infinipipe_hf.planner.schedules.grids import DEFAULT_SLICE_COUNTS
+from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext, PipelineSchedule
+from infinipipe_hf.planner.search.limits import largest_trainable_length
+from infinipipe_hf.planner.search.result import PlanResult
+from infinipipe_hf.planner.search.validator import validate
+from infinipipe_hf.planner.simulate.result import SimulationResult
+from infinipipe_hf.planner.simulate.simulator import simulate
+
+
+def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: SearchState, t0: float,
+                    levels: tuple[str, ...], sharing: str) -> PlanResult:
+    """The ``PlanResult`` of a pipeline search started at ``t0`` (``time.perf_counter``)."""
+    cost = ctx.cost
+    elapsed = time.perf_counter() - t0
+    if state.best is None:
+        error = infeasible_message(ctx.lengths, cost, schedule.name, state.last_error)
+        return PlanResult(schedule.name, None, None, False, error, elapsed, state.tried, cost.sp_degree, cost.shard)
+    plan, sim = state.best
+    if ctx.policy == "adaptive":
+        sim = final_solve(plan, sim, cost, ctx.time_limit_s, levels, sharing)
+    validate(plan, cost, max_tokens_per_unit=ctx.max_tokens_per_unit)
+    plan.info["candidates_tried"] = len(state.tried)
+    return PlanResult(schedule.name, plan, sim, True, None, time.perf_counter() - t0, state.tried,
+                      cost.sp_degree, cost.shard)
+
+
+def final_solve(plan: Plan, sim: SimulationResult, cost: CostModel, time_limit_s: float,
+                levels: tuple[str, ...], sharing: str) -> SimulationResult:
+    """Re-solve ``plan``'s checkpointing adaptively (in place); returns the kept plan's simulation."""
+    sol = solve_checkpointing(plan, cost, policy="adaptive", time_limit_s=time_limit_s, levels=levels,
+                              sharing=sharing)
+    if sol.feasible and sol.recompute_time_s < plan.info.get("recompute_time_s", float("inf")):
+        before = (plan.checkpoint_layers, plan.checkpoint_levels, dict(plan.info))
+        plan.checkpoint_layers = sol.checkpoint_layers
+        plan.checkpoint_levels = sol.checkpoint_levels
+        plan.info["checkpoint_method"] = sol.method
+        plan.info["recompute_time_s"] = sol.recompute_time_s  # the info describes the kept plan
+        solved = simulate(plan, cost)
+        if solved.step_time_s <= sim.step_time_s:
+            sim = solved
+        else:
+            plan.checkpoint_layers, plan.checkpoint_levels, plan.info = before
+            plan.info["checkpoint_note"] = (f"final solve ({sol.method}) saved recompute but simulated "
+                                            f"{solved.step_time_s:.4g} s > {sim.step_time_s:.4g} s; kept the greedy")
+    return sim
+
+
+def infeasible_message(lengths: list[int], cost: CostModel, schedule: str, last_error: str | None) -> str:
+    """Why no candidate of ``schedule`` fits: a sequence over the largest trainable length, or the
+    last candidate's error."""
+    longest = max(lengths)
+    limit = largest_trainable_length(cost)
+    budget = cost.memory_budget_bytes / 2**30
+    if longest > limit:
+        seq = lengths.index(longest)
+        more = "sp_degree, " if cost.sp_degree < cost.spec.num_attention_heads else ""
+        return (f"sequence {seq} of {longest} tokens cannot fit in {budget:.1f} GiB per GPU even fully "
+                f"checkpointed and cut into {max(DEFAULT_SLICE_COUNTS)} slices; the largest that fits is "
+                f"{limit} tokens: split or truncate longer documents, raise pp_degree, {more}or raise the memory budget")
+    return (f"no {schedule} plan fits {budget:.1f} GiB per GPU for this batch "
+            f"({len(lengths)} sequences, {sum(lengths)} tokens, longest {longest}); "
+            f"last candidate said: {last_error}; use fewer tokens per step or schedule='epp'")

@@ -1,0 +1,123 @@
+"""Plans for an engine's steps: the default planner, and the agreement of every rank on one plan.
+
+The default planner calls the planner's ``plan_step`` with the engine's degrees, layer split,
+memory budget and the checkpoint levels its stage can run.  This is the runtime's one seam into
+the planner; the imports are lazy, so the engine imports without it.  A planner can be injected
+instead (``planner=callable(lengths, engine) -> Plan | PlanResult``) so tests and baselines do
+not depend on the default one.  Plans must be identical on every rank: ``make_plan`` checks that
+they are (or takes rank 0's) before any rank runs one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+
+from infinipipe_hf.config import InfiniPipeConfig
+from infinipipe_hf.ir.plan import Plan
+
+
+def memory_budget_bytes(config: InfiniPipeConfig, device: torch.device) -> float | None:
+    """The plan's memory limit per device (``None``: unlimited)."""
+    if config.memory_budget_gib is not None:
+        return config.memory_budget_gib * 2**30
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return total * (1.0 - config.memory_margin) - config.memory_reserve_gib * 2**30
+    return None
+
+
+def runnable_checkpoint_levels(engine) -> tuple[str, ...]:
+    """The configured levels this stage can run (the others dropped with a warning)."""
+    from infinipipe_hf.runtime.recompute.layers import runnable_levels
+
+    levels = tuple(engine.config.checkpoint_levels)
+    kept, why = runnable_levels(levels, [lay for _, lay in engine.stage.decoder_layers()], engine.device,
+                                engine.dtype)
+    if why is not None:
+        warnings.warn(f"checkpoint_levels={levels}: planning with {kept or 'whole layers only'}: {why}. "
+                      f"Set InfiniPipeConfig(checkpoint_levels={kept!r}) to silence this", stacklevel=4)
+        engine.config.checkpoint_levels = kept
+    return kept
+
+
+class DefaultPlanner:
+    """``plan_step`` for an engine's batch; the cost profile is loaded on first use."""
+
+    def __init__(self) -> None:
+        self.profile = None
+
+    def _load_profile(self, engine):
+        from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+        from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
+
+        c = engine.config
+        profile = HardwareProfile.load(c.profile) if c.profile is not None else default_profile()
+        if engine.runner.backend is sdpa_backend and not profile.attention_mask_bytes_per_element:
+            # The SDPA fallback keeps a dense mask (in the compute dtype) per slice with
+            # context; plan with it so the memory model matches what this rank really holds.
+            profile = dataclasses.replace(profile, attention_mask_bytes_per_element=float(
+                torch.finfo(engine.dtype).bits // 8 if engine.dtype.is_floating_point else 4))
+        return profile
+
+    def __call__(self, lengths: list[int], engine):
+        from infinipipe_hf.planner.search.api import plan_step
+
+        c = engine.config
+        if self.profile is None:
+            self.profile = self._load_profile(engine)
+        return plan_step(lengths, engine.spec, pp_degree=c.pp_degree, dp_degree=engine.layout.dp_degree,
+                         schedule=c.schedule, memory_budget_bytes=memory_budget_bytes(c, engine.device),
+                         profile=self.profile, layers_per_stage=engine.layers_per_stage,
+                         max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
+                         checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
+                         sp_degree=c.sp_degree, shard=c.shard,
+                         checkpoint_levels=runnable_checkpoint_levels(engine))
+
+
+def plan_locally(engine, lengths: list[int]) -> tuple[Plan, Any]:
+    """This rank's own plan of ``lengths`` and its simulation, with no communication."""
+    planner = engine.planner if engine.planner is not None else engine.default_planner
+    result = planner(lengths, engine)
+    if isinstance(result, Plan):
+        return result, None
+    if not getattr(result, "feasible", False) or result.plan is None:
+        raise ValueError(f"no feasible plan for a batch of {len(lengths)} sequences "
+                         f"({sum(lengths)} tokens, longest {max(lengths)}): "
+                         f"{getattr(result, 'error', None)}; raise memory_budget_gib, pp_degree "
+                         f"or lower the batch's token budget")
+    return result.plan, getattr(result, "simulation", None)
+
+
+def make_plan(engine, lengths: list[int]) -> tuple[Plan, Any]:
+    """Plan a step, the same on every rank (collective when the world has more than one rank)."""
+    if engine.layout.world_size == 1:
+        return engine.plan_locally(lengths)
+    step = engine.step_count
+    if engine.config.seed_plan_on_rank0:
+        return engine.plan_agreement.from_rank0(lambda: engine.plan_locally(lengths), step=step)
+    planned = engine.plan_locally(lengths)
+    if engine.plan_agreement.all_agree(planned[0], step=step):
+        return planned
+    # A planner with a wall-clock limit (the MILP solver) can differ between ranks; running
+    # different plans would mismatch shapes, so everyone takes rank 0's.
+    warnings.warn(f"step {step}: ranks planned differently (is the planner "
+                  f"deterministic? a solver time limit can make it not); using rank 0's plan. "
+                  f"Set InfiniPipeConfig(seed_plan_on_rank0=True) to always do so", stacklevel=4)
+    return engine.plan_agreement.from_rank0(lambda: planned, step=step)
+
+
+def check_plan(engine, plan: Plan, lengths: list[int]) -> None:
+    """``ValueError`` when ``plan`` was not made for this engine's degrees, layers and batch."""
+    lay = engine.layout
+    if plan.pp_degree != lay.pp_degree or plan.dp_degree != lay.dp_degree:
+        raise ValueError(f"plan is for pp={plan.pp_degree}, dp={plan.dp_degree} but the engine "
+                         f"runs pp={lay.pp_degree}, dp={lay.dp_degree}; plan with the engine's degrees")
+    if list(plan.sequences) != list(lengths):
+        raise ValueError(f"plan covers sequence lengths {list(plan.sequences)[:8]}... but the batch "
+                         f"has {lengths[:8]}...; plan the same batch that you run")
+    if plan.layers_per_stage and list(plan.layers_per_stage) != engine.layers_per_stage:
+        raise ValueError(f"plan assumes layers per stage {plan.layers_per_stage}, the engine has "
+                         f"{engine.layers_per_stage}; pass layers_per_stage=engine.layers_per_stage")

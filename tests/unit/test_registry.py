@@ -1,0 +1,50 @@
+"""The schedule registry: names in order, kinds, lookups and their errors, the recipe's hooks."""
+import pytest
+
+from infinipipe_hf.config import InfiniPipeConfig
+from infinipipe_hf.planner.registry import ALTERNATIVES, PIPELINE_SCHEDULES, SCHEDULES, get_schedule
+from infinipipe_hf.planner.schedules.base import PIPELINE, ROUNDS
+from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineSchedule
+
+
+def test_names_kinds_and_order():
+    assert PIPELINE_SCHEDULES == ("epp", "packed-1f1b", "seq1f1b", "gpipe")
+    assert ALTERNATIVES == ("ulysses-zero3", "ring-cp", "flexsp")
+    assert list(SCHEDULES) == [*PIPELINE_SCHEDULES, *ALTERNATIVES]
+    assert all(SCHEDULES[n].kind == PIPELINE for n in PIPELINE_SCHEDULES)
+    assert all(SCHEDULES[n].kind == ROUNDS for n in ALTERNATIVES)
+    assert [n for n, s in SCHEDULES.items() if s.reference] == ["epp"]
+    assert [n for n, s in SCHEDULES.items() if s.one_tail_per_unit] == ["epp"]
+
+
+def test_get_schedule_errors_name_the_choices():
+    assert get_schedule("flexsp").name == "flexsp"
+    with pytest.raises(ValueError, match="schedule='flexsp' is not known; use one of epp, packed-1f1b, seq1f1b, gpipe$"):
+        get_schedule("flexsp", PIPELINE)
+    with pytest.raises(ValueError, match="schedule='zb' is not known; use one of epp, .*, flexsp$"):
+        get_schedule("zb")
+    with pytest.raises(ValueError, match="schedule='ring-cp' is not known"):
+        InfiniPipeConfig(schedule="ring-cp")
+
+
+def test_checkpoint_policy_and_warmups():
+    epp, packed, seq, gpipe = (get_schedule(n) for n in PIPELINE_SCHEDULES)
+    assert isinstance(epp, PipelineSchedule)
+    assert epp.checkpoint_policy("adaptive") == "adaptive"
+    assert {s.checkpoint_policy("adaptive") for s in (packed, seq, gpipe)} == {"uniform"}
+    assert packed.checkpoint_policy("full") == "full"
+    units = [object()] * 5
+    assert packed.warmup(4, units) == [3, 2, 1, 0]
+    assert seq.warmup(4, units, num_slices=3) == [5, 4, 3, 2]
+    assert gpipe.warmup(3, units) == [5, 5, 5]
+
+
+def test_knob_records_keep_their_key_order():
+    from infinipipe_hf.planner.schedules.baseline import PackKnobs
+    from infinipipe_hf.planner.schedules.epp import EPPKnobs
+
+    assert list(EPPKnobs(4, 1.5, True, 8192).record()) == ["num_slices", "estimate_s", "always_planned",
+                                                           "unit_token_floor"]
+    assert EPPKnobs(1, 0.5).record() == {"num_slices": 1, "estimate_s": 0.5}
+    assert PackKnobs(4096).record() == {"pack_tokens": 4096}
+    assert list(PackKnobs(4096, 2).record()) == ["pack_tokens", "num_slices"]
