@@ -13,7 +13,7 @@ working memory of ``planner/working_memory.py``).  ``planner/runtime_fit.py`` fi
 the *fit* shapes, and the profile is then checked on *held-out* shapes it never saw (other
 lengths, contexts and packs, every checkpoint level: recompute is derived, never fitted), giving
 measured / predicted per row.  Memory fields come from the cost model's formulas in float32
-(checked against ``saved_tensors_hooks`` in ``tests/unit/test_memory_model_vs_runtime.py``) and
+(checked against ``saved_tensors_hooks`` in ``tests/runtime/test_memory_model_vs_runtime.py``) and
 ``state_bytes_per_param = 8`` (float32 weights and gradients; the benchmarks run no optimizer).
 ``shared_cores`` is the number of cores this process may use: the ranks of a run share them
 (``sim_vs_real.py`` pins each rank to one of them and sets ``pinned_ranks``).

@@ -12,9 +12,9 @@
 # Each step runs under `set -euo pipefail` with its own time limit, writes its JSON as soon as it
 # has it, and a failing step does not stop the next; gpu_suite.json records every step's status
 # and gpu_suite.log everything printed (8 files in all: what the device tool brings back).
-# --dry-run runs every step's Python on the CPU with tiny shapes (tests/benchmarks runs it), so a
-# typo cannot waste a lease. Needs only what the lent machine has (torch, transformers, scipy,
-# pytest); the fitted profiles live in a scratch folder, not OUTDIR.
+# --dry-run runs every step's Python on the CPU with tiny shapes (tests/scripts/test_gpu_suite_script.py
+# runs it), so a typo cannot waste a lease. Needs only what the lent machine has (torch, transformers,
+# scipy, pytest); the fitted profiles live in a scratch folder, not OUTDIR.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DRY=0

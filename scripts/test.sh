@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the test suite: bootstrap the venv, then pytest on tests/ (and the notebooks, with nbmake,
 # when there are any).  Arguments pass through to pytest; if any of them names a path, only the
-# given paths run (so `scripts/test.sh tests/unit -x` does what it says).  A full run (no paths)
+# given paths run (so `scripts/test.sh tests/planner -x` does what it says).  A full run (no paths)
 # records its wall time and pass/fail/skip counts in benchmarks/results/test_suite.json.
 set -euo pipefail
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import CheckpointMix
+from infinipipe_hf.ir.rounds import SubGroup, whole_group
 from infinipipe_hf.ir.units import Segment, Unit
 
 
@@ -46,6 +47,12 @@ class Plan:
     """stage -> unit id -> finer level -> layers (``{"mlp": n, "mlp_act": n}``), beside the whole
     layers of ``checkpoint_layers``; missing entries are 0.  JSON key ``checkpoint_levels``,
     written only when some count is non-zero."""
+    sp_groups: dict[int, SubGroup] = field(default_factory=dict)
+    """unit id -> the SP sub-group that runs it (``ir.rounds``); a unit not listed runs on the
+    whole SP group.  JSON key ``sp_groups`` (``{"<unit>": [offset, size]}``), written when used."""
+    rounds: list[list[int]] = field(default_factory=list)
+    """Unit ids that run at the same time on disjoint sub-groups covering the stage's SP ranks;
+    empty: every unit is its own round.  JSON key ``rounds``, written when used."""
 
     def __post_init__(self) -> None:
         assert len(self.actions) == self.dp_degree, (len(self.actions), self.dp_degree)
@@ -70,6 +77,13 @@ class Plan:
         """Whole and finer checkpointed layers of the unit on the stage."""
         finer = self.checkpoint_levels.get(stage_index, {}).get(unit_id)
         return CheckpointMix.of(self.checkpointed(stage_index, unit_id), finer)
+
+    def sub_group(self, unit_id: int) -> SubGroup:
+        return self.sp_groups.get(unit_id) or whole_group(self.sp_degree)
+
+    def runs_on(self, unit_id: int, sp_rank: int) -> bool:
+        """Whether SP rank ``sp_rank`` of a stage takes part in the unit."""
+        return self.sub_group(unit_id).contains(sp_rank)
 
     @property
     def num_tokens(self) -> int:
@@ -109,8 +123,12 @@ class Plan:
             "info": self.info,
         })
         levels = self._levels_dict()
-        if levels:  # absent when no finer level is used: such plans serialise as before
+        if levels:  # absent when no finer level is used
             d["checkpoint_levels"] = levels
+        if self.sp_groups:
+            d["sp_groups"] = {str(u): [g.offset, g.size] for u, g in sorted(self.sp_groups.items())}
+        if self.rounds:
+            d["rounds"] = [list(r) for r in self.rounds]
         return d
 
     def _levels_dict(self) -> dict:
@@ -149,6 +167,8 @@ class Plan:
                 int(s): {int(u): {str(lv): int(n) for lv, n in per.items()} for u, per in per_unit.items()}
                 for s, per_unit in d.get("checkpoint_levels", {}).items()
             },
+            sp_groups={int(u): SubGroup(int(g[0]), int(g[1])) for u, g in d.get("sp_groups", {}).items()},
+            rounds=[[int(u) for u in r] for r in d.get("rounds", [])],
         )
 
     @staticmethod

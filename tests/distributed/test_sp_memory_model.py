@@ -14,7 +14,8 @@ import json
 import re
 
 import pytest
-from launch import run_torchrun
+
+from tests.distributed.launch import run_torchrun
 
 
 @pytest.mark.timeout(420)

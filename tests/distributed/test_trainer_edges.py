@@ -1,4 +1,4 @@
-"""EPPTrainer (one process) where a new user used to get a silently wrong result.
+"""EPPTrainer (one process) in the cases where a new user could get a silently wrong result.
 
 Each case is compared with an independent computation: the unsplit float64 model on the same
 tokens (``tests/helpers/reference.py``) or HF's own ``Trainer``.
@@ -184,9 +184,9 @@ def test_pipeline_settings_reach_the_engine(tmp_path):
 
 # --- datasets with nothing to train on fail at construction ----------------------------------------
 def test_empty_or_trivial_text_dataset_fails_at_construction(tmp_path):
-    from tests.unit.test_trainer_data import _char_tokenizer
+    from tests.helpers.char_tokenizer import char_tokenizer
 
-    tok = _char_tokenizer()
+    tok = char_tokenizer()
     with pytest.raises(ValueError, match=r"train_dataset is empty \(0 examples\)"):
         EPPTrainer(model=_model(), args=_args(tmp_path), processing_class=tok,
                    train_dataset=datasets.Dataset.from_dict({"text": []}))

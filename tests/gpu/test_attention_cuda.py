@@ -7,12 +7,11 @@ from infinipipe_hf.runtime.attention import varlen as ac
 from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
 from infinipipe_hf.runtime.attention.select import select_backend
 from infinipipe_hf.runtime.attention.types import AttentionSegments
+from tests.helpers.cuda_attention import KERNELS, as_float, cuda_kernel, input_grads, rel_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 H, KV, D = 8, 2, 64
-KERNELS = {"varlen": (ac.torch_varlen_kernel, ac.varlen_available),
-           "flash": (ac.flash_attn_kernel, ac.flash_available)}
 PROBLEMS = {
     "packed": ([300, 129, 77], [0, 0, 0]),
     "slice_with_context": ([200], [333]),
@@ -33,55 +32,33 @@ def _problem(lengths, contexts, dtype, seed=0):
     return AttentionSegments(q, keys, values, tuple(offsets), list(contexts), D ** -0.5, 0.0, None)
 
 
-def _as_float(a):
-    leaf = lambda t: t.detach().float().requires_grad_(True)
-    return AttentionSegments(leaf(a.query), [leaf(k) for k in a.keys], [leaf(v) for v in a.values],
-                             a.q_offsets, a.context_lens, a.scaling, a.dropout, a.sliding_window)
-
-
-def _grads(a, out, g):
-    return torch.autograd.grad(out, [a.query, *a.keys, *a.values], g)
-
-
-def _rel(x, y):
-    x, y = x.detach().float(), y.detach().float()
-    return float((x - y).norm() / y.norm().clamp_min(1e-12))
-
-
-def _kernel(name):
-    factory, available = KERNELS[name]
-    if not available(torch.device("cuda")):
-        pytest.skip(f"{name} attention is not installed here")
-    return factory()
-
-
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_self_check_passes(name):
-    assert ac.self_check(_kernel(name), torch.device("cuda"), torch.bfloat16), \
+    assert ac.self_check(cuda_kernel(name), torch.device("cuda"), torch.bfloat16), \
         f"{name} is not lower-right causal on this build (torch {torch.__version__})"
 
 
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_equals_sdpa_bf16_forward_and_grads(name, problem):
-    kernel = _kernel(name)
+    kernel = cuda_kernel(name)
     a = _problem(*PROBLEMS[problem], torch.bfloat16)
-    ref = _as_float(a)
+    ref = as_float(a)
     got = ac.run_kernel(a, kernel)
     want = sdpa_backend(ref)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
-    assert _rel(got, want) < 1e-2
+    assert rel_error(got, want) < 1e-2
     g = torch.randn_like(want)
-    for i, (x, y) in enumerate(zip(_grads(a, got, g.bfloat16()), _grads(ref, want, g))):
-        assert _rel(x, y) < 2e-2, f"gradient {i} of {problem}: relative error {_rel(x, y):.3e}"
+    for i, (x, y) in enumerate(zip(input_grads(a, got, g.bfloat16()), input_grads(ref, want, g))):
+        assert rel_error(x, y) < 2e-2, f"gradient {i} of {problem}: relative error {rel_error(x, y):.3e}"
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_selected_backend_bf16_and_fp32_fallback(name):
-    _kernel(name)
+    cuda_kernel(name)
     backend = select_backend(name, "cuda")
     a = _problem(*PROBLEMS["hybrid"], torch.bfloat16, seed=1)
-    assert _rel(backend(a), sdpa_backend(_as_float(a))) < 1e-2
+    assert rel_error(backend(a), sdpa_backend(as_float(a))) < 1e-2
     a32 = _problem(*PROBLEMS["hybrid"], torch.float32, seed=2)
     assert not ac.kernel_can_run(a32)  # fp32 runs the exact SDPA path
     torch.testing.assert_close(backend(a32), sdpa_backend(a32), rtol=1e-6, atol=1e-6)

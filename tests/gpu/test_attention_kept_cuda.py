@@ -1,7 +1,7 @@
 """keep_attn on CUDA: torch's flash-attention pair passes its self-check, equals SDPA (forward and
 the gradients from the kept output and log-sum-exp) in bf16, and an engine step at keep_attn on
 every layer equals one with whole layers recomputed (the same kernels, so within bf16 rounding).
-The pair's code around the kernels is tested on CPU (tests/unit/test_attention_kept_cuda_cpu.py)."""
+The pair's code around the kernels is tested on CPU (tests/runtime/attention/test_kept_kernels_cpu.py)."""
 import pytest
 import torch
 

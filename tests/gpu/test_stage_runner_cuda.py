@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from infinipipe_hf.runtime.stage.local import run_plan_locally
+from tests.helpers.local_pipeline import LENGTHS, NUM_LAYERS, build_stages, collect_grads, make_plan
 from tests.helpers.reference import assert_grads_close, random_batch, reference_loss_and_grads, tiny_model
-from tests.unit.test_local_pipeline import LENGTHS, NUM_LAYERS, build_stages, collect_grads, make_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -144,7 +144,8 @@ def _add_replica(plan: Plan, cost: CostModel, costs: ActionCosts, r: int, rep: R
 
 def _point_values(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list[float]:
     """``points.point_bytes`` of every point of the stage (the array timeline: a cumulative sum of
-    live activations, bit-identical to summing each point's live set, tested in test_memory.py)."""
+    live activations, bit-identical to summing each point's live set; see
+    tests/planner/checkpointing/test_memory_points.py)."""
     ck = plan.checkpoint_layers.get(stage, {})
     levels = plan.checkpoint_levels.get(stage, {})
     return stage_timeline(plan, cost, dp_rank, stage).point_values(cost, stage, ck, levels).tolist()

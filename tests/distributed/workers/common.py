@@ -11,17 +11,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from infinipipe_hf import InfiniPipeConfig  # noqa: E402
-from infinipipe_hf.runtime.engine.engine import PipelineEngine  # noqa: E402
-from tests.distributed.plans import make_plan  # noqa: E402
-from tests.helpers.reference import assert_grads_close, random_batch, reference_loss_and_grads, tiny_model  # noqa: E402
+from infinipipe_hf import InfiniPipeConfig
+from infinipipe_hf.runtime.engine.engine import PipelineEngine
+from tests.distributed.plans import make_plan
+from tests.helpers.reference import assert_grads_close, random_batch, reference_loss_and_grads, tiny_model
 
 CKPT = {
     "none": None,

@@ -3,13 +3,10 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from infinipipe_hf import EPPTrainer, EPPTrainingArguments  # noqa: E402
-from tests.distributed.workers.trainer_common import token_dataset  # noqa: E402
-from tests.helpers.reference import tiny_model  # noqa: E402
+from infinipipe_hf import EPPTrainer, EPPTrainingArguments
+from tests.distributed.workers.trainer_common import token_dataset
+from tests.helpers.reference import tiny_model
 
 args = EPPTrainingArguments(output_dir=tempfile.mkdtemp(), pp_degree=int(sys.argv[1]), report_to=[],
                             use_cpu=True, max_steps=1)

@@ -11,15 +11,12 @@ import os
 import sys
 import time
 import warnings
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from tests.helpers import sft  # noqa: E402
+from tests.helpers import sft
 
 warnings.filterwarnings("ignore")
 REF_DIR, OUT_DIR = sys.argv[1:3]

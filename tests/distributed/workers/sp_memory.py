@@ -5,7 +5,7 @@ through a plain ``StageRunner`` (sp 1, no communication) and through its ``Pipel
 runner (sp 2, its half of every unit's tokens), both on the same Llama-shaped model (hidden 256,
 8 heads, 4 K/V heads, 4 layers, pp 1).  While a unit's forward runs, ``saved_tensors_hooks``
 record every tensor autograd saves; distinct storages count once and parameters not at all
-(the counting of ``tests/unit/test_memory_model_vs_runtime.py``); a checkpointed layer counts
+(the counting of ``tests/runtime/test_memory_model_vs_runtime.py``); a checkpointed layer counts
 its kept inputs.  The KV store is measured after the first slice's forward (its K/V are kept for
 the second slice), by ``KVStore.bytes()`` and by the storages its leaves really hold.
 Prints ``MEM <json>`` per measurement and ``ALL OK``.

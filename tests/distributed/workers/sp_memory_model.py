@@ -8,7 +8,7 @@ record the distinct storages autograd keeps (parameters excluded; a checkpoint r
 inputs it keeps: whole layers and both MLP levels go through ``checkpoint`` calls that are
 wrapped).  The prediction is ``CostModel(..., sp_degree=2).levels.unit_activation_bytes`` with a
 float32 profile whose per-token figure is the cost model's own formula (as in
-``tests/unit/test_memory_model_vs_runtime.py``): the formula against the runtime, per rank.  The
+``tests/runtime/test_memory_model_vs_runtime.py``): the formula against the runtime, per rank.  The
 KV store after the first slice is compared with ``CostModel.kv_bytes`` (K/V and, once backward
 ran, their gradients: here the forward has run, so half of it).  Prints ``MODEL <json>`` per case
 and ``ALL OK``.

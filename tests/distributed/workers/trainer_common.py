@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+import torch
 
-import torch  # noqa: E402
-
-from infinipipe_hf.trainer.arguments import EPPTrainingArguments  # noqa: E402
-from infinipipe_hf.trainer.data.loader import GlobalBatchCollator, build_global_batch_loader  # noqa: E402
-from infinipipe_hf.trainer.trainer import EPPTrainer  # noqa: E402
-from tests.helpers.reference import tiny_model  # noqa: E402
+from infinipipe_hf.trainer.arguments import EPPTrainingArguments
+from infinipipe_hf.trainer.data.loader import GlobalBatchCollator, build_global_batch_loader
+from infinipipe_hf.trainer.trainer import EPPTrainer
+from tests.helpers.reference import tiny_model
 
 VOCAB = 97
 LENGTHS = [37, 11, 8, 5, 23, 6, 40, 3, 17, 9, 29, 14, 1, 31, 12, 7, 90]
