@@ -78,7 +78,9 @@ def test_dry_run_executes_every_step_on_cpu(tmp_path):
     mem = json.loads((out / "memory_model_check.json").read_text())["rows"]
     assert [r.get("error") for r in mem] == [None] * 4
     kinds = [set(r["unit_kinds"]) for r in mem]
-    assert kinds[0] == {"slice"} and kinds[1] == {"packed"} and {"slice", "packed"} <= kinds[2] | kinds[3]
+    # the planner may pack the last two cases' short sequences alone or into a hybrid with a slice
+    mixed = kinds[2] | kinds[3]
+    assert kinds[0] == {"slice"} and kinds[1] == {"packed"} and "slice" in mixed and mixed & {"packed", "hybrid"}
     prof = json.loads((out / "gpu_profile.json").read_text())["models"][0]
     assert "error" not in prof and prof["comparison"]
     sim = json.loads((out / "gpu_sim_vs_real.json").read_text())
