@@ -149,7 +149,8 @@ def main(spec_path: str) -> None:
             pp_degree=spec["pp_degree"], sp_degree=spec.get("sp_degree", 1), schedule=schedule,
             profile=spec.get("profile"), memory_budget_gib=budget_gib(spec, schedule), p2p_timeout_s=600,
             loss_chunk_tokens=spec.get("loss_chunk_tokens", 4096), seed_plan_on_rank0=True,
-            max_tokens_per_unit=spec.get("max_tokens_per_unit"), num_slices=spec.get("num_slices")))
+            max_tokens_per_unit=spec.get("max_tokens_per_unit"), num_slices=spec.get("num_slices"),
+            **({"sp_rounds": spec["sp_rounds"]} if spec.get("sp_rounds") is not None and schedule == "epp" else {})))
         times, spans, timelines, losses, background, out, plan, sim = [], [], [], [], [], None, None, None
         process_cpu, main_thread_cpu = [], []
         # Speed probes: one before the first timed step (and, with ``speed_probe_every_step``,

@@ -43,7 +43,7 @@ def measured_work_replay(plan, cost, timeline) -> float:
     """Step time of the simulator's replay with each action's work = its measured CPU seconds (the
     busiest SP rank of the stage), plus on shared cores its modelled share of its messages' CPU
     (spent on gloo's threads, outside the action's own thread); one DP replica (the benchmark's
-    layouts)."""
+    layouts).  A round of SP sub-groups is one step: its slowest unit's measured work."""
     from infinipipe_hf.planner.simulate.replay import replay
     from infinipipe_hf.planner.simulate.shared_replay import shared_replay
 
@@ -54,11 +54,18 @@ def measured_work_replay(plan, cost, timeline) -> float:
     cpu: dict[tuple[int, str], float] = defaultdict(float)
     for e in timeline.events:
         cpu[(e.stage, e.action)] = max(cpu[(e.stage, e.action)], e.cpu_s)
-    costs = ActionCosts(plan, cost)
-    stages = plan.actions[0]
+    from infinipipe_hf.ir.actions import Action
+    from infinipipe_hf.ir.rank_views import has_sub_groups
+    from infinipipe_hf.planner.simulate.round_steps import RoundSteps
+
+    # With SP rounds a round's units run side by side: one step, as long as its slowest unit.
+    steps = RoundSteps(plan) if has_sub_groups(plan) else None
+    costs = ActionCosts(plan, cost, steps)
+    stages = plan.actions[0] if steps is None else steps.lists[0]
 
     def measured(s, a):
-        return cpu[(s, str(a))]
+        units = [a.unit] if steps is None else steps.units(a.unit)
+        return max(cpu[(s, str(Action(a.kind, u)))] for u in units)
 
     if cost.profile.shared_cores:
         (rep,) = shared_replay([stages], lambda s, a: measured(s, a) + costs.message_cpu(s, a), costs.transfer,
@@ -174,7 +181,7 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=No
             executed = [e.action for e in sorted(last.events, key=lambda e: e.start_s)
                         if e.stage == s and e.dp_rank == r and e.rank == min(
                             x.rank for x in last.events if x.stage == s and x.dp_rank == r)]
-            orders_equal &= executed == [str(a) for a in acts]
+            orders_equal &= executed == [str(a) for a in acts if plan.runs_on(a.unit, 0)]  # SP rank 0's units
     replayed = statistics.median(measured_work_replay(plan, cost, tl) for tl in timelines)
     from infinipipe_hf.planner.checkpointing.timeline import stage_timeline
 

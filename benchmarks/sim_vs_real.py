@@ -1,4 +1,5 @@
-"""Simulator vs real CPU runs that slice, pack and checkpoint: every schedule, pp 2, pp 4, pp 2 x sp 2.
+"""Simulator vs real CPU runs that slice, pack and checkpoint: every schedule, pp 2, pp 4, pp 2 x sp 2
+(with and without elastic SP rounds).
 
     python benchmarks/sim_vs_real.py [--repeats 3] [--out benchmarks/results/sim_vs_real.json] [--quick]
 
@@ -55,8 +56,34 @@ from sim_compare import compare_run  # noqa: E402
 
 LENGTHS = [2048, 1024, 700, 420, 300, 260, 180, 120, 90, 64, 40]
 SCHEDULES = ["epp", "packed-1f1b", "seq1f1b", "gpipe"]
-LAYOUTS = {"pp2": (2, 1), "pp4": (4, 1), "pp2xsp2": (2, 2)}
-TOLERANCE = {"pp2": 0.10, "pp4": 0.10, "pp2xsp2": 0.20}
+LAYOUTS = {"pp2": (2, 1), "pp4": (4, 1), "pp2xsp2": (2, 2), "pp2xsp2_rounds": (2, 2), "pp2xsp2_whole": (2, 2)}
+TOLERANCE = {"pp2": 0.10, "pp4": 0.10, "pp2xsp2": 0.20, "pp2xsp2_rounds": 0.20, "pp2xsp2_whole": 0.20}
+ROUND_LENGTHS = [1024, 512, 300, 260, 180, 120, 90, 64, 40, 40, 32, 30]
+"""A long tail of short sequences: with elastic SP rounds the planner runs them on one rank each."""
+OPTIONS = {"pp2xsp2_rounds": {"lengths": ROUND_LENGTHS, "sp_rounds": True, "budget_slack": 1.5},
+           "pp2xsp2_whole": {"lengths": ROUND_LENGTHS, "sp_rounds": False, "budget_slack": 1.5}}
+"""Per layout: its batch (default ``LENGTHS``), ``sp_rounds`` (default: the planner's choice) and
+budget slack (default ``--budget-slack``).  A single-rank unit keeps its whole activations on one
+rank, so near the smallest budget the planner keeps every unit on the whole group: the rounds
+layout gets 1.5x.  ``pp2xsp2_whole`` runs the same batch and slack with every unit on the whole SP
+group, for comparison."""
+
+
+def lengths_of(layout: str) -> list[int]:
+    return OPTIONS.get(layout, {}).get("lengths", LENGTHS)
+
+
+def rounds_of(layout: str) -> bool | None:
+    return OPTIONS.get(layout, {}).get("sp_rounds")
+
+
+def round_summary(plan_dict: dict) -> dict:
+    """How a plan uses SP sub-groups: rounds, units per sub-group size."""
+    from infinipipe_hf.ir.plan import Plan
+
+    plan = Plan.from_dict(plan_dict)
+    sizes = [plan.sub_group(u.id).size for u in plan.units]
+    return {"rounds": len(plan.rounds), "units_per_group_size": {str(g): sizes.count(g) for g in sorted(set(sizes))}}
 MEMORY_TOLERANCE = 0.10
 
 
@@ -76,14 +103,17 @@ def cost_for(profile, pp: int, sp: int, budget_bytes: float | None = None):
                      memory_budget_bytes=budget_bytes, loss_chunk_tokens=LOSS_CHUNK_TOKENS)
 
 
-def tight_budget(profile, pp: int, sp: int, schedule: str, slack: float, iterations: int = 8) -> tuple[float, dict]:
+def tight_budget(profile, pp: int, sp: int, schedule: str, slack: float, iterations: int = 8,
+                 lengths: list[int] = LENGTHS, sp_rounds: bool | None = None) -> tuple[float, dict]:
     """``slack`` x the smallest budget (bytes) at which ``plan_step`` finds a plan, and that plan's
     summary at the returned budget."""
     from infinipipe_hf.planner.search.api import plan_step
 
+    knobs = {"sp_rounds": sp_rounds} if sp_rounds is not None and schedule == "epp" else {}
+
     def feasible(b):
-        return plan_step(LENGTHS, spec_of(MODEL), pp_degree=pp, schedule=schedule,
-                         cost=cost_for(profile, pp, sp, b), sp_degree=sp).feasible
+        return plan_step(lengths, spec_of(MODEL), pp_degree=pp, schedule=schedule,
+                         cost=cost_for(profile, pp, sp, b), sp_degree=sp, **knobs).feasible
 
     cost = cost_for(profile, pp, sp)
     lo = max(cost.static_bytes(s) for s in range(pp))
@@ -96,8 +126,8 @@ def tight_budget(profile, pp: int, sp: int, schedule: str, slack: float, iterati
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
     budget = hi * slack
-    res = plan_step(LENGTHS, spec_of(MODEL), pp_degree=pp, schedule=schedule,
-                    cost=cost_for(profile, pp, sp, budget), sp_degree=sp)
+    res = plan_step(lengths, spec_of(MODEL), pp_degree=pp, schedule=schedule,
+                    cost=cost_for(profile, pp, sp, budget), sp_degree=sp, **knobs)
     return budget, {"min_feasible_bytes": hi, "budget_bytes": budget, "units": len(res.plan.units),
                     "checkpointed_layers": sum(sum(v.values()) for v in res.plan.checkpoint_layers.values())}
 
@@ -195,6 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-load", type=float, default=1.0)
     ap.add_argument("--max-wait-s", type=float, default=600)
     ap.add_argument("--profile-report", help="reuse a cpu_profile.py report (JSON) instead of fitting anew")
+    ap.add_argument("--profile", help="reuse a saved HardwareProfile (e.g. results/sim_vs_real.profile.json)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--render", action="store_true", help="do not run: rewrite the markdown of --out from its data")
     args = ap.parse_args(argv)
@@ -212,7 +243,10 @@ def main(argv=None) -> int:
     from infinipipe_hf.planner.cost.profile import HardwareProfile
     from infinipipe_hf.profiling.runtime_fit import rescale_compute, speed_factor
 
-    if args.profile_report:
+    if args.profile:
+        profile = HardwareProfile.load(args.profile)
+        report = {"reused_profile": args.profile}
+    elif args.profile_report:
         report = json.loads(Path(args.profile_report).read_text())
         profile = HardwareProfile.from_dict(report["profile"])
     else:
@@ -228,8 +262,9 @@ def main(argv=None) -> int:
     budgets = {}
     for layout in layouts:
         pp, sp = LAYOUTS[layout]
-        budgets[layout] = {s: tight_budget(profile, pp, sp, s, args.budget_slack, 5 if args.quick else 8)
-                           for s in schedules}
+        slack = OPTIONS.get(layout, {}).get("budget_slack", args.budget_slack)
+        budgets[layout] = {s: tight_budget(profile, pp, sp, s, slack, 5 if args.quick else 8,
+                                           lengths_of(layout), rounds_of(layout)) for s in schedules}
         log(f"  {layout} budgets: " + ", ".join(f"{s} {b[0] / 2**20:.0f} MiB ({b[1]['units']} units, "
                                                  f"{b[1]['checkpointed_layers']} ckpt)" for s, b in budgets[layout].items()))
     runs = []
@@ -239,7 +274,8 @@ def main(argv=None) -> int:
             "what": "simulated vs measured step time and peak memory of real CPU runs (gloo, 1 thread per rank)",
             "complete": final, "machine": machine(), "model": MODEL, "lengths": LENGTHS,
             "loss_chunk_tokens": LOSS_CHUNK_TOKENS,
-            "layouts": {k: {"pp_degree": LAYOUTS[k][0], "sp_degree": LAYOUTS[k][1]} for k in layouts},
+            "layouts": {k: {"pp_degree": LAYOUTS[k][0], "sp_degree": LAYOUTS[k][1], **OPTIONS.get(k, {})}
+                        for k in layouts},
             "tolerance": {"time": TOLERANCE, "memory": MEMORY_TOLERANCE},
             "budgets": budgets, "budget_slack": args.budget_slack, "max_load": args.max_load,
             "pinned_ranks": not args.no_pin,
@@ -248,8 +284,7 @@ def main(argv=None) -> int:
                 "load_after", "elapsed_s", "repeat", "p2p_rows")},
                 "coefficients": {k: v for k, v in dataclasses.asdict(profile).items() if k != "meta"}},
             "summary": summarise(runs_so_far), "repeats": runs_so_far, "elapsed_s": time.time() - t0,
-            "command": "python benchmarks/sim_vs_real.py" + (" --quick" if args.quick else "")
-                       + (" --no-pin" if args.no_pin else ""),
+            "command": " ".join(["python benchmarks/sim_vs_real.py", *(argv if argv is not None else sys.argv[1:])]),
         }
         result["markdown"] = markdown(result)
         out.write_text(json.dumps(result, indent=1))
@@ -260,7 +295,8 @@ def main(argv=None) -> int:
         for layout in layouts:
             pp, sp = LAYOUTS[layout]
             load = wait_for_low_load(args.max_load, args.max_wait_s, log)
-            spec = {"model": MODEL, "lengths": LENGTHS, "schedules": schedules, "pp_degree": pp, "sp_degree": sp,
+            spec = {"model": MODEL, "lengths": lengths_of(layout), "schedules": schedules, "pp_degree": pp,
+                    "sp_degree": sp, "sp_rounds": rounds_of(layout),
                     "profile": str(profile_path), "loss_chunk_tokens": LOSS_CHUNK_TOKENS, "memory_probe": True,
                     "memory_budget_gib": {s: b[0] / 2**30 for s, b in budgets[layout].items()},
                     "warmup": 1, "steps": steps, "seed": 0, "speed_probe_every_step": not args.probe_once,
@@ -283,6 +319,9 @@ def main(argv=None) -> int:
                 res[s] = compare_run(r, cost_for(rescale_compute(profile, factor), pp, sp, cost_budgets[s]),
                                      tol=TOLERANCE[layout], uncalibrated=uncalibrated,
                                      step_costs=step_costs(r, profile, pp, sp, cost_budgets[s]))
+                res[s]["sp_rounds"] = round_summary(r["plan"])
+                if rounds_of(layout) and not res[s]["sp_rounds"]["rounds"]:
+                    log(f"  {layout} {s}: the planner chose no SP rounds at this budget")
                 log(f"  repeat {rep} {layout} {s} (speed x{factor:.3f}): simulated {res[s]['simulated_step_s']:.3f} s, measured "
                     f"{res[s]['measured_step_s']:.3f} s ({res[s]['relative_difference']:+.1%}, pooled factor "
                     f"{res[s]['pooled_relative_difference']:+.1%}, uncalibrated "

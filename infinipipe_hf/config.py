@@ -37,6 +37,13 @@ class InfiniPipeConfig:
     """``epp`` (elastic units, adaptive checkpointing) or a baseline: ``packed-1f1b``,
     ``seq1f1b``, ``gpipe``."""
 
+    sp_rounds: bool | None = None
+    """Elastic SP rounds: with ``sp_degree > 1`` EPP may run short sequences side by side, each on
+    an aligned sub-group of the stage's SP ranks (one GPU pays no all-to-all), while long ones keep
+    the whole group.  ``None``: on whenever the schedule has them and ``sp_degree`` is a power of
+    two above 1; ``False``: every unit on the whole SP group; ``True``: on, an error where they
+    cannot be (``sp_degree=1``, a baseline schedule)."""
+
     memory_budget_gib: float | None = None
     """Memory per device the plan must stay under.  ``None``: the CUDA device's total memory less
     ``memory_margin`` of it and ``memory_reserve_gib``, or unlimited on CPU."""
@@ -98,6 +105,9 @@ class InfiniPipeConfig:
         from infinipipe_hf.planner.registry import get_schedule  # here: importing the config stays light
 
         get_schedule(self.schedule, "pipeline")
+        from infinipipe_hf.planner.search.api import resolve_sp_rounds
+
+        resolve_sp_rounds(self.sp_rounds, self.sp_degree, self.schedule)  # ValueError when asked and impossible
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(
                 f"checkpointing={self.checkpointing!r} is not known; use one of {', '.join(CHECKPOINTING)}")

@@ -5,7 +5,9 @@ one replica, DP replicas outermost::
 
     rank = (dp_rank * pp_degree + stage_index) * sp_degree + sp_rank
 
-A stage of one replica is a group of ``sp_degree`` ranks that share every unit (Ulysses SP).
+A stage of one replica is a group of ``sp_degree`` ranks that share every unit (Ulysses SP), or,
+in a plan with rounds (``ir.rounds``), that run units on aligned sub-groups of it: ``size`` ranks
+from SP rank ``offset``, a power of two dividing ``sp_degree`` (:func:`sub_group_sizes`).
 Model states of a stage may be sharded (FSDP2) over a *shard group* and its gradients reduced
 over the ranks that hold the same shard (the *replica group*); :data:`SHARD_TABLE` says which
 mesh dims do which for each mode:
@@ -185,6 +187,15 @@ class LayoutSpec:
     def sp_groups(self) -> list[list[int]]:
         return [self.sp_group(d, s) for d in range(self.dp_degree) for s in range(self.pp_degree)]
 
+    def sub_group(self, dp_rank: int, stage_index: int, offset: int, size: int) -> list[int]:
+        """SP ranks ``offset .. offset + size - 1`` of one stage of one replica (an SP sub-group)."""
+        return [self.rank(dp_rank, stage_index, r) for r in range(offset, offset + size)]
+
+    def sub_groups(self, size: int) -> list[list[int]]:
+        """Every aligned SP sub-group of ``size`` ranks, over all stages and replicas."""
+        return [self.sub_group(d, s, o, size) for d in range(self.dp_degree) for s in range(self.pp_degree)
+                for o in range(0, self.sp_degree, size)]
+
     def dp_groups(self) -> list[list[int]]:
         return [self.dp_group(s, r) for s in range(self.pp_degree) for r in range(self.sp_degree)]
 
@@ -284,6 +295,13 @@ def check_launch(world: int, pp_degree: int, sp_degree: int) -> int:
                          f"processes launched; with pp_degree={pp_degree} use sp_degree in {fits}, or "
                          f"launch a multiple of {group} processes")
     return world // group
+
+
+def sub_group_sizes(sp_degree: int) -> list[int]:
+    """Sizes of the aligned SP sub-groups that need a process group of their own: the powers of
+    two ``2 <= g < sp_degree`` dividing ``sp_degree`` (a group of one needs none, and the whole
+    SP group has its own)."""
+    return [g for g in (1 << k for k in range(1, sp_degree.bit_length())) if g < sp_degree and sp_degree % g == 0]
 
 
 def check_sp_heads(sp_degree: int, num_heads: int, pp_degree: int, world: int) -> None:

@@ -3,6 +3,9 @@
     python scripts/plan_snapshot.py write OUT.json     # plan every case, write the snapshot
     python scripts/plan_snapshot.py compare OUT.json   # re-plan, print every difference, exit 1 if any
 
+``PLAN_SNAPSHOT_EXTRA_ARGS`` (environment) adds CLI flags to every case without recording them,
+e.g. ``PLAN_SNAPSHOT_EXTRA_ARGS=--no-sp-rounds`` compares plans with elastic SP rounds switched off.
+
 Only stable entry points are used: the planner CLI ``python -m infinipipe_hf.plan --json
 --emit-plan`` (DESIGN.md section 9) run as a subprocess, and ``import infinipipe_hf`` to find the
 shipped model configs (by file name anywhere under the package, so moving them inside it is fine;
@@ -25,7 +28,9 @@ it emits (``--schedule all`` writes ``plan.json`` plus ``plan.<schedule>.json``)
 from __future__ import annotations
 
 import json
+import os
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -140,8 +145,9 @@ def run_case(args: list[str], inputs: dict) -> dict:
         (tmp / "lengths.txt").write_text("\n".join(map(str, inputs["batches"][batch])) + "\n")
         plans = tmp / "plans"
         plans.mkdir()
+        extra = shlex.split(os.environ.get("PLAN_SNAPSHOT_EXTRA_ARGS", ""))
         cmd = [sys.executable, "-m", "infinipipe_hf.plan", "--model", str(tmp / "config.json"),
-               "--lengths", str(tmp / "lengths.txt"), *flags, "--json", "--emit-plan", str(plans / "plan.json")]
+               "--lengths", str(tmp / "lengths.txt"), *flags, *extra, "--json", "--emit-plan", str(plans / "plan.json")]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         out = {"args": args, "returncode": proc.returncode, "stderr": proc.stderr}
         out["json"] = strip(json.loads(proc.stdout)) if proc.returncode == 0 else proc.stdout

@@ -9,18 +9,26 @@ fits).  The paper reports EPP 1.27x (48K) and 1.40x (96K) over Seq1F1B in this s
 Seq1F1B uses one static slice count and checkpointing setting, not a per-batch tuned one, so the
 table also plans seq1f1b with the slice count fixed at 2, 4 and 8 (``seq1f1b-K<k>``; packing
 length and the least uniform checkpointing that fits still tuned).
+
+EPP runs with elastic SP rounds (short sequences on sub-groups of a stage's 8 GPUs, its default at
+sp > 1) and again on whole SP groups (``epp-whole``); each row says what the rounds look like
+(units per sub-group size).  FlexSP and DeepSpeed-Ulysses + ZeRO-3 run on the same 32 GPUs
+(ZeRO-3 over all of them, tuned per batch) for the ratio per row.
 """
 from __future__ import annotations
 
 from infinipipe_hf.data import synthetic
 
-from .common import fmt_tps, plan_schedules, ratio
+from .common import WHOLE, fmt_tps, geo_mean, plan_schedules, ratio, rounds_text
 
 NAME = "paper_layout"
 DESCRIPTION = "4 nodes x 8 GPUs, sp 8 x pp 4, shard over SP; Llama 7B/13B/30B; 512-seq batches capped at 48K/96K"
 MODELS = ("llama2-7b", "llama2-13b", "llama-30b")
 CAPS = (48 * 1024, 96 * 1024)
-SCHEDULES = ("epp", "seq1f1b", "packed-1f1b")
+SCHEDULES = ("epp", "seq1f1b", "packed-1f1b", "flexsp", "ulysses-zero3")
+PIPELINE_BASELINES = ("seq1f1b", "packed-1f1b")
+GOAL_OVER_BEST_PIPELINE = 1.27
+"""The goal at this layout: EPP with rounds over the best pipeline baseline, geometric mean."""
 FIXED_SLICES = (2, 4, 8)
 PAPER_EPP_OVER_SEQ1F1B = {48 * 1024: 1.27, 96 * 1024: 1.40}
 LAYOUT = dict(pp=4, sp=8, dp=1, shard="sp")
@@ -39,11 +47,36 @@ def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:
                    "epp_over_seq1f1b": ratio(plans["epp"], plans["seq1f1b"]),
                    "epp_over_packed": ratio(plans["epp"], plans["packed-1f1b"]),
                    "epp_over_seq1f1b_fixed": {k: ratio(plans["epp"], plans[f"seq1f1b-K{k}"]) for k in FIXED_SLICES},
-                   "paper_epp_over_seq1f1b": PAPER_EPP_OVER_SEQ1F1B[cap]}
+                   "paper_epp_over_seq1f1b": PAPER_EPP_OVER_SEQ1F1B[cap], **_with_and_without(plans)}
             rows.append(row)
             print(_line(row), flush=True)
     return {"layout": {**LAYOUT, "gpus": 32, "gpus_per_node": 8}, "memory_budget_gib": memory_gib,
-            "batch": "synthetic.slimpajama_like(n=512, max_len=cap, seed=0)", "rows": rows}
+            "batch": "synthetic.slimpajama_like(n=512, max_len=cap, seed=0)", "rows": rows, "summary": _summary(rows)}
+
+
+def _with_and_without(plans: dict) -> dict:
+    """EPP with rounds and on whole SP groups over the best pipeline baseline, FlexSP and DeepSpeed."""
+    best = max(PIPELINE_BASELINES, key=lambda k: plans[k]["tokens_per_s"] if plans[k]["feasible"] else 0.0)
+    out = {"best_pipeline_baseline": best}
+    for key, epp in (("epp", plans["epp"]), ("epp_whole", plans[WHOLE])):
+        out[f"{key}_over_best_pipeline"] = ratio(epp, plans[best])
+        out[f"{key}_over_flexsp"] = ratio(epp, plans["flexsp"])
+        out[f"{key}_over_ulysses_zero3"] = ratio(epp, plans["ulysses-zero3"])
+    out["rounds_over_whole"] = ratio(plans["epp"], plans[WHOLE])
+    return out
+
+
+def _summary(rows: list[dict]) -> dict:
+    """Geometric means over the rows, and whether the goal over the best pipeline baseline is met."""
+    out = {}
+    for key in ("epp", "epp_whole"):
+        for other in ("best_pipeline", "flexsp", "ulysses_zero3"):
+            out[f"{key}_over_{other}_geo_mean"] = geo_mean(r[f"{key}_over_{other}"] for r in rows)
+    out["rounds_over_whole_geo_mean"] = geo_mean(r["rounds_over_whole"] for r in rows)
+    out["goal_over_best_pipeline"] = GOAL_OVER_BEST_PIPELINE
+    g = out["epp_over_best_pipeline_geo_mean"]
+    out["goal_met"] = bool(g and g >= GOAL_OVER_BEST_PIPELINE)
+    return out
 
 
 def _line(row: dict) -> str:
@@ -59,6 +92,36 @@ def _x(r) -> str:
 
 
 def markdown(report: dict) -> str:
+    return _markdown_seq1f1b(report) + "\n\n" + _markdown_rounds(report)
+
+
+def _markdown_rounds(report: dict) -> str:
+    """EPP with and without rounds against the best pipeline baseline, FlexSP and DeepSpeed."""
+    lines = ["| model | cap | EPP, rounds | EPP, whole groups | best pipeline baseline | FlexSP | DeepSpeed | "
+             "rounds / whole | EPP (rounds / whole) over best pipeline | over FlexSP | over DeepSpeed | "
+             "rounds: units per sub-group size |", "|" + "---|" * 12]
+    for row in report["rows"]:
+        s = row["schedules"]
+        b = row["best_pipeline_baseline"]
+
+        def pair(other: str) -> str:
+            return f"{_x(row[f'epp_over_{other}'])} / {_x(row[f'epp_whole_over_{other}'])}"
+
+        lines.append(f"| {row['model']} | {row['cap'] // 1024}K | {fmt_tps(s['epp'])} | {fmt_tps(s[WHOLE])} | "
+                     f"{fmt_tps(s[b])} ({b}) | {fmt_tps(s['flexsp'])} | {fmt_tps(s['ulysses-zero3'])} | "
+                     f"{_x(row['rounds_over_whole'])} | {pair('best_pipeline')} | {pair('flexsp')} | "
+                     f"{pair('ulysses_zero3')} | {rounds_text(s['epp'])} |")
+    g = report.get("summary", {})
+    if g:
+        lines.append(f"| geometric mean | | | | | | | {_x(g['rounds_over_whole_geo_mean'])} | "
+                     f"{_x(g['epp_over_best_pipeline_geo_mean'])} / {_x(g['epp_whole_over_best_pipeline_geo_mean'])} "
+                     f"(goal {g['goal_over_best_pipeline']:.2f}x: {'met' if g['goal_met'] else 'not met'}) | "
+                     f"{_x(g['epp_over_flexsp_geo_mean'])} / {_x(g['epp_whole_over_flexsp_geo_mean'])} | "
+                     f"{_x(g['epp_over_ulysses_zero3_geo_mean'])} / {_x(g['epp_whole_over_ulysses_zero3_geo_mean'])} | |")
+    return "\n".join(lines)
+
+
+def _markdown_seq1f1b(report: dict) -> str:
     fixed = " | ".join(f"seq1f1b K={k}" for k in FIXED_SLICES)
     lines = [f"| model | cap | EPP tok/s | seq1f1b (tuned) | packed-1f1b | EPP / seq1f1b (paper) | {fixed} | "
              f"EPP / seq1f1b K={'/'.join(map(str, FIXED_SLICES))} | EPP, seq1f1b slices |",

@@ -16,14 +16,18 @@ gradients reduce-scattered after every unit as ZeRO-3 does (the runtime reduces 
 keeps fp32 unsharded gradients meanwhile), and the ``slow network`` ratios re-plan EPP, DeepSpeed
 and FlexSP with inter-node links of ``SLOW_INTER_NODE_GBPS`` per GPU instead of the profile's 40.
 The paper reports EPP up to 1.40x over Seq1F1B, 1.69x over FlexSP and 2.07x over DeepSpeed.
+EPP runs with elastic SP rounds (its default at sp 8) and again on whole SP groups (``epp-whole``:
+ratios ``*-whole``); the what-ifs (reduce per unit, slow network) plan EPP as named in their rows.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from infinipipe_hf.data import synthetic
 from infinipipe_hf.planner.cost.profile import default_profile
 
+from .common import WHOLE
 from .runs import fmt_k, plan_run, run_tps
 
 NAME = "paper_table"
@@ -32,7 +36,8 @@ DESCRIPTION = ("InfiniPipe paper table: 32 GPUs (4 x 8), Llama 7B/13B/30B, Commo
 MODELS = ("llama2-7b", "llama2-13b", "llama-30b")
 DATASETS = {"commoncrawl": synthetic.commoncrawl_like, "github": synthetic.github_like}
 CAPS = (48 * 1024, 96 * 1024)
-NUM_BATCHES = 20
+NUM_BATCHES = int(os.environ.get("PAPER_TABLE_BATCHES", "20"))
+"""Batches per setting (seeds 0..N-1); ``PAPER_TABLE_BATCHES`` sets fewer for a shorter run."""
 LAYOUT = dict(pp=4, sp=8, dp=1, shard="sp", gpus_per_node=8)
 SLOW_INTER_NODE_GBPS = 12.5
 FIXED_SLICES = (4, 8)
@@ -56,9 +61,10 @@ def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:
                                fixed_seq1f1b_slices=FIXED_SLICES, **LAYOUT)
                 print("  slow network:", flush=True)
                 slow_out = plan_run(batches, model, profile=slow, memory_gib=memory_gib, baselines=(),
-                                    alternatives=("ulysses-zero3", "flexsp"), **LAYOUT)
+                                    alternatives=("ulysses-zero3", "flexsp"), whole_group_epp=False, **LAYOUT)
                 row = {"model": model, "dataset": dataset, "cap": cap, "num_batches": n, "run": out,
-                       "slow_network": slow_out, "ratios": _ratios(out), "slow_ratios": _ratios(slow_out)}
+                       "slow_network": slow_out, "ratios": _ratios(out), "slow_ratios": _ratios(slow_out),
+                       "rounds": rounds_of(out)}
                 rows.append(row)
                 print("  " + _line(row), flush=True)
     return {"layout": {**LAYOUT, "gpus": 32}, "memory_budget_gib": memory_gib,
@@ -68,7 +74,32 @@ def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:
 
 
 def _ratios(out: dict) -> dict:
-    epp = run_tps(out, "epp")
+    r = _ratios_of(out, "epp")
+    if WHOLE in out["tuned"]:
+        r.update({f"{k}-whole": v for k, v in _ratios_of(out, WHOLE).items()})
+        r["rounds-over-whole"] = _div(run_tps(out, "epp"), run_tps(out, WHOLE))
+    return r
+
+
+def _div(a, b):
+    return a / b if a and b else None
+
+
+def rounds_of(out: dict) -> dict:
+    """Over a run's batches: EPP's units per SP sub-group size and batches with rounds."""
+    sizes: dict[str, int] = {}
+    with_rounds = 0
+    for b in out["tuned"]["epp"]["batches"]:
+        r = b["knobs"].get("sp_rounds")
+        if r:
+            with_rounds += 1
+            for g, n in r["units_per_group_size"].items():
+                sizes[g] = sizes.get(g, 0) + n
+    return {"batches_with_rounds": with_rounds, "units_per_group_size": dict(sorted(sizes.items(), key=lambda kv: int(kv[0])))}
+
+
+def _ratios_of(out: dict, name: str) -> dict:
+    epp = run_tps(out, name)
     r = {}
     for name in ("seq1f1b", "ulysses-zero3", "flexsp", "ring-cp"):
         for static in (True, False):
@@ -92,6 +123,10 @@ def _summary(rows: list[dict]) -> dict:
             fixed = [r["ratios"][f"seq1f1b-K{k}"] for r in rows for k in FIXED_SLICES if r["ratios"].get(f"seq1f1b-K{k}")]
             out["seq1f1b-fixed-K"] = {"paper_max": paper, "ours_min": min(fixed, default=None),
                                       "ours_max": max(fixed, default=None), "slow_network_max": None}
+    for name in ("seq1f1b", "flexsp", "ulysses-zero3"):
+        whole = [r["ratios"].get(f"{name}-whole") for r in rows if r["ratios"].get(f"{name}-whole")]
+        if whole:
+            out[name]["whole_groups_min"], out[name]["whole_groups_max"] = min(whole), max(whole)
     return out
 
 
@@ -145,4 +180,22 @@ def markdown(report: dict) -> str:
     for name, v in report["summary"].items():
         lines.append(f"| {names[name]} | {v['paper_max']:.2f}x | {_x(v['ours_min'])} - {_x(v['ours_max'])} | "
                      f"{_x(v['slow_network_max'])} |")
+    return "\n".join(lines + ["", _markdown_rounds(report)])
+
+
+def _markdown_rounds(report: dict) -> str:
+    """EPP with elastic SP rounds against EPP on whole SP groups, and what the rounds look like."""
+    lines = ["| model | data | cap | EPP, rounds | EPP, whole groups | rounds / whole | EPP / Seq1F1B static "
+             "(rounds / whole) | EPP / FlexSP static (rounds / whole) | EPP / DeepSpeed static (rounds / whole) | "
+             "batches with rounds | units per sub-group size, all batches |", "|" + "---|" * 11]
+    for row in report["rows"]:
+        o, r, rd = row["run"], row["ratios"], row.get("rounds", {})
+        if WHOLE not in o["tuned"]:
+            continue
+        sizes = ", ".join(f"{n} x{g}" for g, n in rd.get("units_per_group_size", {}).items()) or "-"
+        lines.append(f"| {row['model']} | {row['dataset']} | {row['cap'] // 1024}K | {fmt_k(run_tps(o, 'epp'))} | "
+                     f"{fmt_k(run_tps(o, WHOLE))} | {_x(r.get('rounds-over-whole'))} | "
+                     + " | ".join(f"{_x(r.get(n))} / {_x(r.get(n + '-whole'))}"
+                                  for n in ("seq1f1b", "flexsp", "ulysses-zero3"))
+                     + f" | {rd.get('batches_with_rounds', 0)} / {row['num_batches']} | {sizes} |")
     return "\n".join(lines)

@@ -6,7 +6,9 @@ what-if per-unit gradient reduction), the pipeline baselines tuned per batch, an
 alternatives tuned per batch on the same GPUs; then the best static setting of each baseline and
 alternative over the whole run (``infinipipe_hf.planner.search.static_pipeline`` / ``static_alternative``).
 A run's throughput is
-its total tokens over its total (simulated) step time.
+its total tokens over its total (simulated) step time.  At ``sp > 1`` EPP runs with elastic SP
+rounds (its default) and again on whole SP groups (``epp-whole``); the what-if with per-unit
+gradient reduction is planned on whole SP groups.
 """
 from __future__ import annotations
 
@@ -15,20 +17,21 @@ import time
 
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.search.api import plan_alternative, plan_step
+from infinipipe_hf.planner.search.api import plan_alternative, plan_step, resolve_sp_rounds
 from infinipipe_hf.planner.search.static_alternative import static_alternative
 from infinipipe_hf.planner.search.static_pipeline import static_pipeline_baseline
 
-from .common import spec_of
+from .common import WHOLE, spec_of
 
 
 def plan_run(batches, model: str, *, pp: int, sp: int = 1, dp: int = 1, shard: str = "none",
              memory_gib: float = 80.0, profile=None, gpus_per_node: int | None = None,
              baselines=("seq1f1b",), alternatives=("ulysses-zero3", "ring-cp", "flexsp"),
-             epp_unit_reduce: bool = False, fixed_seq1f1b_slices=(), log=print) -> dict:
+             epp_unit_reduce: bool = False, fixed_seq1f1b_slices=(), whole_group_epp: bool = True,
+             log=print) -> dict:
     """Per-schedule run throughput (tuned per batch and static) and per-batch details;
     ``fixed_seq1f1b_slices``: also the best static seq1f1b with each of these slice counts
-    (keys ``seq1f1b-K<k>``)."""
+    (keys ``seq1f1b-K<k>``); ``whole_group_epp``: also EPP on whole SP groups where it has rounds."""
     spec = spec_of(model)
     cost = CostModel(spec, profile, pp_degree=pp, sp_degree=sp, dp_degree=dp, shard=shard,
                      memory_budget_bytes=memory_gib * GIB, gpus_per_node=gpus_per_node)
@@ -40,6 +43,9 @@ def plan_run(batches, model: str, *, pp: int, sp: int = 1, dp: int = 1, shard: s
                               memory_budget_bytes=memory_gib * GIB, gpus_per_node=gpus_per_node, grad_reduce="unit")
     tokens = [sum(b) for b in batches]
     per: dict[str, list] = {"epp": []}
+    rounds = resolve_sp_rounds(None, sp)
+    if rounds and whole_group_epp:
+        per[WHOLE] = []
     if unit_cost is not None:
         per["epp-unit-reduce"] = []
     tuned_results: dict[str, list] = {s: [] for s in baselines}
@@ -49,9 +55,13 @@ def plan_run(batches, model: str, *, pp: int, sp: int = 1, dp: int = 1, shard: s
         t0 = time.perf_counter()
         runs = [("epp", lambda: plan_step(lengths, spec, pp_degree=pp, dp_degree=dp, sp_degree=sp, shard=shard,
                                           schedule="epp", cost=cost))]
+        if WHOLE in per:
+            runs.append((WHOLE, lambda: plan_step(lengths, spec, pp_degree=pp, dp_degree=dp, sp_degree=sp, shard=shard,
+                                                  schedule="epp", cost=cost, sp_rounds=False)))
         if unit_cost is not None:
             runs.append(("epp-unit-reduce", lambda: plan_step(lengths, spec, pp_degree=pp, dp_degree=dp, sp_degree=sp,
-                                                              shard=shard, schedule="epp", cost=unit_cost)))
+                                                              shard=shard, schedule="epp", cost=unit_cost,
+                                                              sp_rounds=False if rounds else None)))
         runs += [(s, lambda s=s: plan_step(lengths, spec, pp_degree=pp, dp_degree=dp, sp_degree=sp, shard=shard,
                                            schedule=s, cost=cost)) for s in baselines]
         runs += [(s, lambda s=s: plan_alternative(lengths, spec, s, world_size=world, cost=flat)) for s in alternatives]
@@ -64,7 +74,8 @@ def plan_run(batches, model: str, *, pp: int, sp: int = 1, dp: int = 1, shard: s
                               "planning_time_s": d["planning_time_s"],
                               "knobs": {k: v for k, v in d.get("info", {}).items()
                                         if k in ("num_slices", "pack_tokens", "sp_degree", "cp_degree", "num_rounds",
-                                                 "checkpoint_layers", "unit_token_floor")}})
+                                                 "checkpoint_layers", "unit_token_floor", "sp_rounds",
+                                                 "group_sizes")}})
         log(f"    batch {i}: {tokens[i] / 1e6:.2f}M tokens, longest {max(lengths)}: "
             + "  ".join(f"{n}={_tps(per[n][-1], tokens[i])}" for n in per) + f"  ({time.perf_counter() - t0:.1f} s)")
     out = {"world_size": world, "num_batches": len(batches), "num_tokens": sum(tokens), "tuned": {}, "static": {}}

@@ -1,4 +1,5 @@
-"""Input files of the planner CLI: JSON objects, HF model configs and sequence-length lists.
+"""Inputs of the planner CLI: JSON objects, HF model configs, sequence-length lists, cost
+profiles, and the planning options its flags set.
 
 Every reader raises a ``ValueError`` naming the file (and line) it cannot use, which the CLI
 prints as an input error (exit status 2).
@@ -9,6 +10,7 @@ import json
 from pathlib import Path
 
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.planner.cost.profile import HardwareProfile
 
 
 def _read_text(path: str, what: str) -> str:
@@ -66,3 +68,22 @@ def read_lengths(path: str) -> list[int]:
         except ValueError:
             raise ValueError(f"{path}:{lineno}: expected one integer sequence length per line, got {line!r}") from None
     return lengths
+
+
+def read_profile(path: str) -> HardwareProfile:
+    """``--profile``: a cost profile JSON written by ``python -m infinipipe_hf.profile``."""
+    data = read_json(path, "profile")
+    try:
+        return HardwareProfile.from_dict(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"profile {path} is not a usable cost profile ({type(exc).__name__}: "
+                         f"{exc}); write one with python -m infinipipe_hf.profile") from None
+
+
+def plan_options(args) -> dict:
+    """The keyword arguments of ``plan_step`` the CLI's flags set beside the layout and schedule
+    (one place, so a single plan and the layout search plan alike)."""
+    levels = () if args.checkpoint_levels.strip() in ("", "none") else tuple(
+        lv.strip() for lv in args.checkpoint_levels.split(","))
+    return {"max_tokens_per_unit": args.max_tokens_per_unit, "checkpointing": args.checkpointing,
+            "checkpoint_levels": levels, "sp_rounds": getattr(args, "sp_rounds", None)}

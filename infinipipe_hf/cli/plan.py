@@ -12,6 +12,9 @@ says which groups cross nodes; ``--world-size`` checks ``pp x sp`` against a job
 derives ``--dp``.  ``--schedule all`` plans every schedule with the same layout.  Times, bytes
 and the memory budget are per GPU.
 
+``--search-layout --world-size N`` (no ``--pp``) plans EPP on every ``pp x sp x dp x shard`` of
+N GPUs instead and recommends one (:mod:`infinipipe_hf.cli.plan_layouts`).
+
 The users' alternatives that are not pipelines (``ulysses-zero3``, ``ring-cp``, ``flexsp``; see
 ``infinipipe_hf.planner.alternatives``) are planned on the same ``pp x sp x dp`` GPUs, every GPU
 running every layer with ZeRO-3 states; ``--schedule all`` includes them after the pipeline
@@ -29,18 +32,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
-from infinipipe_hf.cli.inputs import read_json, read_lengths, read_model_spec
+from infinipipe_hf.cli.inputs import plan_options, read_lengths, read_model_spec, read_profile
+from infinipipe_hf.cli.plan_layouts import add_search_arguments, search_main
 from infinipipe_hf.config import InfiniPipeConfig
 from infinipipe_hf.ir.levels import CHECKPOINTING, FINER_LEVELS
 from infinipipe_hf.layout import SHARD_MODES
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.cost.profile import HardwareProfile
 from infinipipe_hf.planner.registry import ALTERNATIVES, PIPELINE_SCHEDULES, get_schedule
 from infinipipe_hf.planner.schedules.base import ROUNDS
-from infinipipe_hf.planner.search.api import plan_alternative, plan_step
+from infinipipe_hf.planner.search.api import plan_alternative, plan_step, resolve_sp_rounds
 from infinipipe_hf.planner.search.result import PlanResult
 
 
@@ -48,13 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infinipipe_hf.plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="HF config.json of the model, or a checkpoint directory")
     p.add_argument("--lengths", required=True, help="text file: one sequence length per line (one global batch)")
-    p.add_argument("--pp", type=int, required=True, help="pipeline stages (pp_degree)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (pp_degree; required unless "
+                   "--search-layout)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (dp_degree; default 1, "
                    "or world size / (pp x sp) with --world-size)")
-    p.add_argument("--sp", type=int, default=1, help="GPUs per stage sharing each unit (sp_degree, Ulysses)")
-    p.add_argument("--shard", default="none", choices=SHARD_MODES,
+    p.add_argument("--sp", type=int, default=None, help="GPUs per stage sharing each unit (sp_degree, Ulysses; "
+                   "default 1; with --search-layout: search only this sp)")
+    p.add_argument("--shard", default=None, choices=SHARD_MODES,
                    help="shard model states (FSDP2) over the stage's SP group (sp), DP replicas (dp), "
-                        "both (sp+dp), or over SP replicated over DP (hybrid)")
+                        "both (sp+dp), or over SP replicated over DP (hybrid); default none; with "
+                        "--search-layout: search only this mode")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node (default: the profile's, 8): groups crossing nodes use the "
                         "inter-node bandwidth")
@@ -64,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="cost profile JSON (default: shipped H100/bf16)")
     p.add_argument("--schedule", default="epp", choices=[*PIPELINE_SCHEDULES, *ALTERNATIVES, "all"],
                    help="a pipeline schedule, a non-pipeline alternative on the same GPUs, or all of them")
+    p.add_argument("--sp-rounds", action=argparse.BooleanOptionalAction, default=None,
+                   help="EPP: run short sequences on SP sub-groups in rounds (default: whenever --sp > 1 is a "
+                        "power of two); --no-sp-rounds runs every unit on the whole SP group")
     p.add_argument("--max-tokens-per-unit", type=int, default=None)
     p.add_argument("--checkpointing", default="adaptive", choices=list(CHECKPOINTING))
     p.add_argument("--checkpoint-levels", default=",".join(FINER_LEVELS), metavar="LEVELS",
@@ -72,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emit-plan", default=None, metavar="PLAN.json", help="write the plan as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart + memory per stage")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
+    add_search_arguments(p)
     return p
 
 
@@ -80,19 +91,11 @@ def run(args: argparse.Namespace) -> list[PlanResult]:
     spec = read_model_spec(args.model)
     lengths = read_lengths(args.lengths)
     dp = resolve_layout(args)
-    profile = None
-    if args.profile:
-        data = read_json(args.profile, "profile")
-        try:
-            profile = HardwareProfile.from_dict(data)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"profile {args.profile} is not a usable cost profile ({type(exc).__name__}: "
-                             f"{exc}); write one with python -m infinipipe_hf.profile") from None
+    profile = read_profile(args.profile) if args.profile else None
     cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.gpu_memory_gib * GIB,
                      sp_degree=args.sp, shard=args.shard, dp_degree=dp, gpus_per_node=args.gpus_per_node)
     schedules = (*PIPELINE_SCHEDULES, *ALTERNATIVES) if args.schedule == "all" else (args.schedule,)
-    levels = () if args.checkpoint_levels.strip() in ("", "none") else tuple(
-        lv.strip() for lv in args.checkpoint_levels.split(","))
+    options = plan_options(args)
     results = []
     flat = None
     for s in schedules:
@@ -102,10 +105,24 @@ def run(args: argparse.Namespace) -> list[PlanResult]:
             results.append(plan_alternative(lengths, spec, s, world_size=flat.world_size, cost=flat,
                                             checkpointing=args.checkpointing))
             continue
-        results.append(plan_step(lengths, spec, pp_degree=args.pp, dp_degree=dp, schedule=s, cost=cost,
-                                 sp_degree=args.sp, shard=args.shard,
-                                 max_tokens_per_unit=args.max_tokens_per_unit, checkpointing=args.checkpointing,
-                                 checkpoint_levels=levels))
+        results.extend(_plan_pipeline(lengths, spec, args, dp, s, cost, options))
+    return results
+
+
+def _plan_pipeline(lengths, spec, args: argparse.Namespace, dp: int, schedule: str, cost: CostModel,
+                   options: dict) -> list[PlanResult]:
+    """One pipeline schedule; with ``--schedule all`` and elastic SP rounds, also the schedule on
+    whole SP groups (labelled), for comparison."""
+    elastic = getattr(get_schedule(schedule), "elastic_sp_rounds", False)
+    if args.schedule == "all" and not elastic:
+        options = {**options, "sp_rounds": None}  # --sp-rounds is EPP's
+    plan = partial(plan_step, lengths, spec, pp_degree=args.pp, dp_degree=dp, schedule=schedule, cost=cost,
+                   sp_degree=args.sp, shard=args.shard)
+    results = [plan(**options)]
+    if args.schedule == "all" and resolve_sp_rounds(options.get("sp_rounds"), args.sp, schedule):
+        whole = plan(**{**options, "sp_rounds": False})
+        whole.label = f"{schedule} (whole-group SP)"
+        results.append(whole)
     return results
 
 
@@ -118,6 +135,15 @@ def _flat_cost(args: argparse.Namespace, spec, cost: CostModel, dp: int) -> Flat
         print(f"warning: --max-tokens-per-unit caps pipeline units; {', '.join(ALTERNATIVES)} "
               f"do not cut sequences and ignore it", file=sys.stderr)
     return flat
+
+
+def pipeline_defaults(args: argparse.Namespace) -> None:
+    """The one-layout defaults (``--sp 1``, ``--shard none``); ``--pp`` is required there."""
+    if args.pp is None:
+        raise ValueError("--pp is required (pipeline stages), or pass --search-layout --world-size N to "
+                         "choose the layout")
+    args.sp = 1 if args.sp is None else args.sp
+    args.shard = "none" if args.shard is None else args.shard
 
 
 def resolve_layout(args: argparse.Namespace) -> int:
@@ -143,12 +169,12 @@ def format_table(results: list[PlanResult]) -> str:
     for r in results:
         d = r.summary()
         if r.feasible:
-            rows.append((r.schedule, "yes", f"{d['step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
+            rows.append((r.name, "yes", f"{d['step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
                          f"{d['bubble_fraction']:.3f}", f"{d['recompute_time_s']:.3f}",
                          f"{max(d['peak_memory_bytes']) / GIB:.1f}", str(d["num_units"]),
                          str(d["num_pipelines"]), f"{r.planning_time_s:.2f}"))
         else:
-            rows.append((r.schedule, "NO", "-", "0", "-", "-", "-", "-", "-", f"{r.planning_time_s:.2f}"))
+            rows.append((r.name, "NO", "-", "0", "-", "-", "-", "-", "-", f"{r.planning_time_s:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     epp = next((r for r in results if get_schedule(r.schedule).reference and r.feasible), None)
@@ -158,31 +184,54 @@ def format_table(results: list[PlanResult]) -> str:
                     if not get_schedule(r.schedule).reference and r.schedule in names and r.feasible), default=0)
         if epp is not None and best > 0:
             lines.append(f"EPP speedup over {label}: {epp.summary()['tokens_per_s'] / best:.2f}x")
+    whole = next((r for r in results if r.label and r.feasible), None)
+    if epp is not None and whole is not None and whole.summary()["tokens_per_s"] > 0:
+        lines.append(f"EPP speedup over {whole.name}: "
+                     f"{epp.summary()['tokens_per_s'] / whole.summary()['tokens_per_s']:.2f}x")
     for r in results:
         if r.error:
-            lines.append(f"{r.schedule}: {r.error}")
+            lines.append(f"{r.name}: {r.error}")
     return "\n".join(lines)
+
+
+def report_written(args: argparse.Namespace, results: list[PlanResult]) -> None:
+    """Name on stderr every file ``--emit-plan`` and ``--plot`` wrote (with ``--schedule all``,
+    beside the given paths: ``<stem>.<schedule><suffix>``), so none is a surprise."""
+    written = []
+    for i, r in enumerate(results):
+        if r.plan is None:
+            continue
+        if args.emit_plan:
+            written.append(str(_sibling(args.emit_plan, r.schedule, i == 0)))
+        if args.plot and get_schedule(r.schedule).kind != ROUNDS:
+            written.append(str(_sibling(args.plot, r.schedule, i == 0)))
+    if written:
+        print(f"wrote {len(written)} file(s): {', '.join(written)}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.search_layout:
+        return search_main(args)
     try:
+        pipeline_defaults(args)
         results = run(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for i, r in enumerate(results):
         if r.plan is not None and args.emit_plan:
-            _sibling(args.emit_plan, r.schedule, i == 0).write_text(r.plan.to_json(indent=1))
+            _sibling(args.emit_plan, r.file_name, i == 0).write_text(r.plan.to_json(indent=1))
         if r.plan is not None and args.plot and get_schedule(r.schedule).kind == ROUNDS:
             print(f"note: --plot draws pipeline schedules; {r.schedule} is not one (skipped)", file=sys.stderr)
         elif r.plan is not None and args.plot:
             from infinipipe_hf.cli.viz import plot_plan
 
-            plot_plan(r.plan, r.simulation, str(_sibling(args.plot, r.schedule, i == 0)),
-                      title=f"{r.schedule}: {Path(args.model).name}, pp={args.pp}, dp={r.plan.dp_degree}"
+            plot_plan(r.plan, r.simulation, str(_sibling(args.plot, r.file_name, i == 0)),
+                      title=f"{r.name}: {Path(args.model).name}, pp={args.pp}, dp={r.plan.dp_degree}"
                             + (f", sp={args.sp}" if args.sp != 1 else "")
                             + (f", shard={args.shard}" if args.shard != "none" else ""))
+    report_written(args, results)
     if args.json:
         out = [r.summary() for r in results]
         print(json.dumps(out if args.schedule == "all" else out[0], indent=1))

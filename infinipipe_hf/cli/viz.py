@@ -8,6 +8,10 @@ with the budget dashed.  Boxes are drawn with ``broken_barh`` per row (one artis
 box) so a 512-sequence batch with thousands of boxes renders quickly; labels are only written
 into boxes wide enough to hold them.
 
+SP rounds: a stage's row is split into lanes by SP rank, and each unit of a round is drawn in the
+lanes of its sub-group (a unit on one of eight GPUs takes an eighth of the row), so the round's
+units stand side by side and the idle tail of a faster sub-group shows.
+
 Trade-off: colours identify sequences only modulo the palette size; the unit ids are in the
 labels and in :func:`format_timeline`'s text, which is exact.
 """
@@ -45,11 +49,7 @@ def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | 
     step = sim.step_time_s or 1.0
     boxes, recompute, labels = _gantt_boxes(plan, sim, step)
     _draw_gantt(ax, plan, sim, boxes, recompute, labels)
-    head = title or f"{plan.schedule} plan"
-    fig.suptitle(f"{head}: pp={p} dp={dp}, {len(plan.sequences)} sequences, {len(plan.units)} units, "
-                 f"{plan.num_pipelines} pipeline(s); step {sim.step_time_s * 1e3:.1f} ms, "
-                 f"bubbles {sim.bubble_fraction:.1%}, recompute {sim.recompute_time_s * 1e3:.1f} ms",
-                 fontsize=11)
+    fig.suptitle(plot_title(plan, sim, title), fontsize=11)
     _draw_memory(axm, sim, p, step)
     fig.tight_layout()
     dpi = 120
@@ -57,16 +57,32 @@ def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | 
     size = tuple(int(round(x * dpi)) for x in fig.get_size_inches())
     plt.close(fig)
     counts: dict[int, int] = {}
-    for (row, _kind), (spans, _) in boxes.items():
+    for (row, _kind, _lane), (spans, _) in boxes.items():
         counts[row] = counts.get(row, 0) + len(spans)
     return {"boxes": counts, "recompute_boxes": sum(len(v) for v in recompute.values()),
             "labels": len(labels), "memory_curves": sum(1 for pts in sim.memory_timeline.values() if pts),
             "size_px": size}
 
 
+def plot_title(plan: "Plan", sim: "SimulationResult", title: str | None = None) -> str:
+    """``title`` (which names the layout itself) or ``<schedule> plan: pp=.. dp=..``, then the
+    plan's facts once."""
+    head = title or f"{plan.schedule} plan: pp={plan.pp_degree} dp={plan.dp_degree}"
+    rounds = f" in {len(plan.rounds)} SP rounds" if plan.sp_groups else ""
+    return (f"{head}\n{len(plan.sequences)} sequences, {len(plan.units)} units{rounds}, {plan.num_pipelines} "
+            f"pipeline(s); step {sim.step_time_s * 1e3:.1f} ms, bubbles {sim.bubble_fraction:.1%}, "
+            f"recompute {sim.recompute_time_s * 1e3:.1f} ms")
+
+
+def format_gib(gib: float) -> str:
+    """GiB with three significant digits: 80, 0.01, 1.5 (never a budget of '0.0')."""
+    return f"{gib:.3g}"
+
+
 def _gantt_boxes(plan: "Plan", sim: "SimulationResult", step: float):
-    """Per (row, action kind) the spans and colours of its boxes, per row the recompute spans,
-    and the labels of boxes wide enough to hold them."""
+    """Per (row, action kind, lane) the spans and colours of its boxes, per (row, lane) the
+    recompute spans, and the labels of boxes wide enough to hold them (a lane: the y extent of
+    a unit's SP sub-group in its stage's row, the whole row without rounds)."""
     from matplotlib import colormaps
 
     from infinipipe_hf.ir.actions import Action
@@ -81,45 +97,51 @@ def _gantt_boxes(plan: "Plan", sim: "SimulationResult", step: float):
         return 0.45 + 0.4 * ((seq * 0.618034) % 1.0)  # golden-ratio spread: neighbours differ
 
     min_label_w = step * 0.012 * max(1, len(str(max(by_id, default=0))))
-    boxes: dict[tuple[int, str], tuple[list, list]] = {}
-    recompute: dict[int, list] = {}
+    boxes: dict[tuple[int, str, tuple[float, float]], tuple[list, list]] = {}
+    recompute: dict[tuple[int, tuple[float, float]], list] = {}
     labels = []
     for e in sim.events:
         row = e.dp_rank * p + e.stage
         a = Action.parse(e.action)
-        spans, colours = boxes.setdefault((row, a.kind), ([], []))
+        g = plan.sub_group(a.unit)  # the unit's lanes: its sub-group's share of the stage's row
+        lane = (row - 0.4 + 0.8 * g.offset / plan.sp_degree, 0.8 * g.size / plan.sp_degree)
+        spans, colours = boxes.setdefault((row, a.kind, lane), ([], []))
         spans.append((e.start_s, e.end_s - e.start_s))
         colours.append((fwd_cmap if a.is_forward else bwd_cmap)(shade(a.unit)))
         if e.recompute_s > 0:
-            recompute.setdefault(row, []).append((e.start_s, e.recompute_s))
-        if e.end_s - e.start_s >= min_label_w:
-            labels.append(((e.start_s + e.end_s) / 2, row, e.action))
+            recompute.setdefault((row, lane), []).append((e.start_s, e.recompute_s))
+        if e.end_s - e.start_s >= min_label_w and g.size * 4 >= plan.sp_degree:
+            labels.append(((e.start_s + e.end_s) / 2, lane[0] + lane[1] / 2, e.action))
     return boxes, recompute, labels
 
 
 def _draw_gantt(ax, plan: "Plan", sim: "SimulationResult", boxes: dict, recompute: dict, labels: list) -> None:
     from matplotlib import colormaps
+    from matplotlib.legend_handler import HandlerTuple
     from matplotlib.patches import Patch
 
     p, dp = plan.pp_degree, plan.dp_degree
     rows = p * dp
     fwd_cmap, bwd_cmap = colormaps["Blues"], colormaps["Oranges"]
     thin = len(sim.events) > 400
-    for (row, _kind), (spans, colours) in boxes.items():
-        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colours, edgecolor="white" if not thin else "none",
+    for (_row, _kind, lane), (spans, colours) in boxes.items():
+        ax.broken_barh(spans, lane, facecolors=colours, edgecolor="white" if not thin else "none",
                        linewidth=0.3)
-    for row, spans in recompute.items():
-        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=RECOMPUTE_COLOUR, edgecolor="black",
+    for (_row, lane), spans in recompute.items():
+        ax.broken_barh(spans, lane, facecolors=RECOMPUTE_COLOUR, edgecolor="black",
                        linewidth=0.0, hatch="////")
-    for x, row, text in labels:
-        ax.text(x, row, text, ha="center", va="center", fontsize=7, color="black")
+    for x, y, text in labels:
+        ax.text(x, y, text, ha="center", va="center", fontsize=7, color="black")
     ax.set_yticks(range(rows))
     ax.set_yticklabels([f"dp{r} stage {s}" if dp > 1 else f"stage {s}" for r in range(dp) for s in range(p)])
     ax.set_ylim(rows - 0.5, -0.5)
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
-    ax.legend(handles=[Patch(color=fwd_cmap(0.65), label="forward"), Patch(color=bwd_cmap(0.65), label="backward"),
-                       Patch(facecolor=RECOMPUTE_COLOUR, hatch="////", label="recompute")],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=3, frameon=False)
+    shades = (0.45, 0.65, 0.85)
+    handles = [tuple(Patch(color=fwd_cmap(x)) for x in shades), tuple(Patch(color=bwd_cmap(x)) for x in shades),
+               Patch(facecolor=RECOMPUTE_COLOUR, hatch="////")]
+    ax.legend(handles=handles, labels=["forward", "backward", "recompute"],
+              handler_map={tuple: HandlerTuple(ndivide=None, pad=0)}, title="shade: sequence (its slices share one)",
+              title_fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=3, frameon=False)
 
 
 def _draw_memory(axm, sim: "SimulationResult", p: int, step: float) -> None:
@@ -135,7 +157,7 @@ def _draw_memory(axm, sim: "SimulationResult", p: int, step: float) -> None:
         axm.step(xs, ys, where="post", linewidth=1.0, color=stage_colours(s / max(1, p - 1) * 0.9),
                  label=f"stage {s}" if r == 0 else None, alpha=1.0 if r == 0 else 0.5)
     budget = sim.memory_budget_bytes / GIB
-    axm.axhline(budget, linestyle="--", color="red", linewidth=1.0, label=f"budget {budget:.0f} GiB")
+    axm.axhline(budget, linestyle="--", color="red", linewidth=1.0, label=f"budget {format_gib(budget)} GiB")
     peak = max(sim.peak_memory_bytes, default=0.0) / GIB
     axm.set_ylim(0, max(budget, peak) * 1.1 or 1.0)
     axm.set_ylabel("memory (GiB)")
@@ -160,5 +182,5 @@ def format_timeline(sim: "SimulationResult", *, max_events_per_stage: int = 40) 
                  + (f"(rc {e.recompute_s * 1e3:.2f})" if e.recompute_s > 0 else "")
                  for e in events[:max_events_per_stage]]
         more = f" ... (+{len(events) - max_events_per_stage} more)" if len(events) > max_events_per_stage else ""
-        lines.append(f"dp{r} stage {s} (peak {peak:.2f} GiB): " + " ".join(cells) + more)
+        lines.append(f"dp{r} stage {s} (peak {format_gib(peak)} GiB): " + " ".join(cells) + more)
     return "\n".join(lines)

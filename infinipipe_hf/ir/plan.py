@@ -173,7 +173,17 @@ class Plan:
 
     @staticmethod
     def from_json(text: str) -> "Plan":
-        return Plan.from_dict(json.loads(text))
+        """A plan from its JSON; malformed JSON, a missing field or a value of the wrong type is a
+        ``ValueError`` naming it (whether the plan can run is the validator's check, made on every
+        rank before the plan runs)."""
+        try:
+            return Plan.from_dict(json.loads(text))
+        except KeyError as exc:
+            raise ValueError(f"plan JSON lacks the field {exc}; write plans with Plan.to_json or "
+                             f"--emit-plan (docs/contracts.md)") from None
+        except (TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise ValueError(f"plan JSON is malformed ({type(exc).__name__}: {exc}); write plans with "
+                             f"Plan.to_json or --emit-plan (docs/contracts.md)") from None
 
     def __str__(self) -> str:
         lines = [

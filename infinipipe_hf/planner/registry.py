@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from infinipipe_hf.planner.alternatives.flexsp import FlexSPSchedule
 from infinipipe_hf.planner.alternatives.ring_cp import RingCPSchedule
+from infinipipe_hf.planner.alternatives.ring_cp_packed import PackedRingCPSchedule
 from infinipipe_hf.planner.alternatives.ulysses_zero3 import UlyssesZero3Schedule
 from infinipipe_hf.planner.schedules.base import PIPELINE, ROUNDS, Schedule
 from infinipipe_hf.planner.schedules.epp import EPPSchedule
@@ -23,6 +24,7 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     GPipeSchedule(),
     UlyssesZero3Schedule(),
     RingCPSchedule(),
+    PackedRingCPSchedule(),
     FlexSPSchedule(),
 )}
 PIPELINE_SCHEDULES = tuple(name for name, s in SCHEDULES.items() if s.kind == PIPELINE)

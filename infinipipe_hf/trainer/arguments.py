@@ -17,12 +17,13 @@ logs) keeps working.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
 from infinipipe_hf.config import InfiniPipeConfig
+from infinipipe_hf.trainer import notices
+from infinipipe_hf.trainer.auto_layout import check_auto_fields, is_auto
 from infinipipe_hf.trainer.pipeline_arguments import PipelineArguments, config_kwargs, rename_in_message
 
 LONG_DOCUMENT_POLICIES = ("split", "reject")
@@ -53,6 +54,12 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
     """Plan one batch ahead on a worker thread (off the critical path); ``False`` plans each
     batch when its step starts."""
 
+    resume_on_restart: bool = field(default=True, metadata={
+        "help": "After a launcher restart (torchrun --max-restarts), resume from the newest complete checkpoint."})
+    """When the launcher restarted the job (``TORCHELASTIC_RESTART_COUNT > 0``) and ``train()``
+    is not told where to resume, resume from the newest complete checkpoint in ``output_dir``
+    (``resume_from_checkpoint=True``), or start from step 0 when there is none."""
+
     per_device_train_batch_size: int | None = field(default=None, metadata={
         "help": "Ignored by EPPTrainer: tokens_per_step decides the global batch."})
     """Ignored (warning when set): the token budget ``tokens_per_step`` forms the batches."""
@@ -71,9 +78,9 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
             self.use_cpu = True
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
             if getattr(self, name) is not None:
-                warnings.warn(f"{name}={getattr(self, name)} is ignored by EPPTrainer: batches are "
-                              f"filled up to tokens_per_step={self.tokens_per_step} tokens; set "
-                              f"tokens_per_step to change the batch size", UserWarning, stacklevel=3)
+                notices.warn(f"{name}={getattr(self, name)} is ignored by EPPTrainer: batches are "
+                             f"filled up to tokens_per_step={self.tokens_per_step} tokens; set "
+                             f"tokens_per_step to change the batch size")
             # HF's bookkeeping (train_batch_size, logs, checkpoint comparison) needs an int.
             setattr(self, name, 1)
         super().__post_init__()
@@ -91,7 +98,9 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
                              f"`python -m infinipipe_hf.profile` or leave profile=None")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}")
-        self.to_infinipipe_config()  # the config's own checks, in the arguments' names
+        check_auto_fields(self)  # pp_degree="auto": chosen at start-up (auto_layout.py)
+        if not is_auto(self):
+            self.to_infinipipe_config()  # the config's own checks, in the arguments' names
 
     def _check_conflicts(self) -> None:
         if self.fp16 or self.fp16_full_eval:
@@ -106,25 +115,25 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
                              "tokens_per_step or set memory_budget_gib instead")
         # transformers >= 5.18 names it activation_checkpointing (gradient_checkpointing an alias).
         if getattr(self, "activation_checkpointing", False) or self.gradient_checkpointing:
-            warnings.warn(
+            notices.warn(
                 f"activation_checkpointing/gradient_checkpointing=True is ignored by EPPTrainer: "
                 f"checkpointing={self.checkpointing!r} decides which decoder layers are recomputed per "
                 f"(stage, unit); use checkpointing='full' to checkpoint every layer or 'adaptive' to let "
-                f"the planner fit the memory budget with the least recompute", UserWarning, stacklevel=3)
+                f"the planner fit the memory budget with the least recompute")
             # Trainer.train would otherwise switch on HF's own checkpointing on the full model.
             self.gradient_checkpointing = False
             if hasattr(self, "activation_checkpointing"):
                 self.activation_checkpointing = False
         if self.dataloader_drop_last:
-            warnings.warn("dataloader_drop_last=True is ignored: the token-budget sampler trains every "
-                          "token of an epoch exactly once", UserWarning, stacklevel=3)
+            notices.warn("dataloader_drop_last=True is ignored: the token-budget sampler trains every "
+                         "token of an epoch exactly once")
         if self.train_sampling_strategy != "random":
-            warnings.warn(f"train_sampling_strategy={self.train_sampling_strategy!r} is ignored: "
-                          f"EPPTrainer uses its length-aware token-budget sampler (shuffled per epoch "
-                          f"with data_seed/seed)", UserWarning, stacklevel=3)
+            notices.warn(f"train_sampling_strategy={self.train_sampling_strategy!r} is ignored: "
+                         f"EPPTrainer uses its length-aware token-budget sampler (shuffled per epoch "
+                         f"with data_seed/seed)")
         if self.torch_compile:
-            warnings.warn("torch_compile=True is ignored: the pipeline stage is driven layer by layer "
-                          "and is not compiled", UserWarning, stacklevel=3)
+            notices.warn("torch_compile=True is ignored: the pipeline stage is driven layer by layer "
+                         "and is not compiled")
 
     @property
     def place_model_on_device(self) -> bool:

@@ -26,9 +26,12 @@ TESTED = ("5.17", "5.24")
 ALLOW_ENV = "INFINIPIPE_HF_ALLOW_UNTESTED_TRANSFORMERS"
 
 PRIVATE_OVERRIDES = ("_wrap_model", "_track_num_input_tokens", "_clip_grad_norm", "_get_grad_norm",
-                     "_save_optimizer_and_scheduler", "_load_from_checkpoint",
+                     "_save_checkpoint", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
                      "_load_optimizer_and_scheduler", "_load_best_model")
 """Private ``Trainer`` methods ``EPPTrainer`` overrides."""
+
+PRIVATE_CALLS = ("_save_scaler", "_save_rng_state", "_push_from_checkpoint", "_get_output_dir")
+"""Private ``Trainer`` methods ``EPPTrainer`` calls (its checkpoint save runs HF's steps)."""
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -57,10 +60,11 @@ def check_tested_range(package: str, version: str, tested: tuple[str, str], risk
 def check_transformers(version: str, trainer_cls: type, env: dict[str, str] | None = None) -> None:
     """ImportError outside the tested range (a warning with the escape hatch); ImportError when
     an overridden private method no longer exists on ``trainer_cls``."""
-    missing = [name for name in PRIVATE_OVERRIDES if not callable(getattr(trainer_cls, name, None))]
+    missing = [name for name in PRIVATE_OVERRIDES + PRIVATE_CALLS
+               if not callable(getattr(trainer_cls, name, None))]
     if missing:
         raise ImportError(f"transformers {version}: Trainer no longer has {', '.join(missing)}, which "
-                          f"EPPTrainer overrides; use transformers>={TESTED[0]},<{TESTED[1]}")
+                          f"EPPTrainer overrides or calls; use transformers>={TESTED[0]},<{TESTED[1]}")
     check_tested_range("transformers", version, TESTED, (
         f"EPPTrainer overrides private Trainer methods ({', '.join(PRIVATE_OVERRIDES)}): with an "
         f"untested transformers a changed method can silently skip gradient clipping, mis-save "

@@ -16,12 +16,13 @@ runs in bf16, gradients are reduced in float32.  On CPU it warns: CPU bf16 matmu
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
 from infinipipe_hf.layout import check_launch, shard_mode
 from infinipipe_hf.runtime.engine.engine import PipelineEngine
+from infinipipe_hf.trainer import notices
+from infinipipe_hf.trainer.auto_layout import is_auto
 
 # Dense bf16 peak TFLOP/s per device, for the MFU estimate when peak_tflops is not given.
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
@@ -51,9 +52,9 @@ def apply_precision(model, args, shard: str = "none") -> torch.dtype | None:
     if not args.bf16:
         return None
     if not torch.cuda.is_available():
-        warnings.warn("bf16=True on CPU: the stage weights, activations and transfers are cast to "
-                      "bfloat16 and run slowly on most CPUs; drop bf16=True to train in the model's "
-                      "dtype", UserWarning, stacklevel=3)
+        notices.warn("bf16=True on CPU: the stage weights, activations and transfers are cast to "
+                     "bfloat16 and run slowly on most CPUs; drop bf16=True to train in the model's "
+                     "dtype")
     if shard_mode(shard).sharded:
         return torch.bfloat16  # shards keep the model's dtype; FSDP2 computes in bf16
     model.to(torch.bfloat16)
@@ -70,14 +71,36 @@ def check_world(args) -> tuple[int, int]:
     return world, check_launch(world, args.pp_degree, getattr(args, "sp_degree", 1) or 1)
 
 
-def build_engine(model, args, planner=None) -> PipelineEngine:
-    """Cut this rank's stage out of ``model`` (in place) and wrap it in a ``PipelineEngine``."""
+def preflight(model, args) -> None:
+    """Every layout, model and argument error that does not need the data, before any of it is
+    tokenized (hours on a real corpus): a supported HF model, ``pp_degree`` against its layers,
+    ``pp_degree x sp_degree`` against the launched processes, ``sp_degree`` against its heads, the
+    shard mode against this torch."""
+    from infinipipe_hf.ir.model_spec import ModelSpec
+    from infinipipe_hf.runtime.engine.build import check_degrees
+
+    _ = args.device  # starts the process group the launcher asked for (as Trainer does)
     base = hf_model_of(model)
-    n_layers = getattr(getattr(base, "config", None), "num_hidden_layers", None)
+    if getattr(base, "config", None) is None:
+        raise ValueError(f"{type(base).__name__} has no HF `config`; pass a transformers "
+                         f"AutoModelForCausalLM model (Llama, Mistral, Qwen2, Qwen3) or a PeftModel of one")
+    if is_auto(args):
+        return  # the layout is checked once the search has chosen it (auto_layout.py, build_engine)
+    n_layers = getattr(base.config, "num_hidden_layers", None)
     if n_layers is not None and args.pp_degree > n_layers:
         raise ValueError(f"pp_degree={args.pp_degree} cannot split a model with {n_layers} decoder "
                          f"layers (each stage needs at least one); use pp_degree <= {n_layers}")
-    check_world(args)
+    spec = ModelSpec.from_hf_config(base.config)
+    world, _ = check_world(args)
+    config = args.to_infinipipe_config()
+    sharded = shard_mode(config.shard).sharded
+    check_degrees(config, spec, world, torch.bfloat16 if args.bf16 and sharded else None)
+
+
+def build_engine(model, args, planner=None) -> PipelineEngine:
+    """Cut this rank's stage out of ``model`` (in place) and wrap it in a ``PipelineEngine``."""
+    preflight(model, args)
+    base = hf_model_of(model)
     config = args.to_infinipipe_config()
     compute_dtype = apply_precision(model, args, config.shard)
     # Trainer users set the deadline of every wait with ddp_timeout: timeout errors name it.

@@ -22,21 +22,26 @@ from __future__ import annotations
 import copy
 import math
 import os
-import warnings
 
 import torch
 import transformers
 from transformers import Trainer
-from transformers.trainer_utils import EvalLoopOutput
 
+from infinipipe_hf.runtime.parallel.failures import reporting_failures
+from infinipipe_hf.trainer import notices
 from infinipipe_hf.trainer.arguments import EPPTrainingArguments
+from infinipipe_hf.trainer.auto_layout import is_auto, resolve_auto_layout
 from infinipipe_hf.trainer.checkpoints.adapters import load_adapter_weights, save_adapter
 from infinipipe_hf.trainer.checkpoints.layout_file import check_layout
 from infinipipe_hf.trainer.checkpoints.optimizer import load_optimizer_state, save_optimizer_state
+from infinipipe_hf.trainer.checkpoints.publish import save_checkpoint
+from infinipipe_hf.trainer.checkpoints.resume import resolve_resume
 from infinipipe_hf.trainer.checkpoints.weights import load_stage_weights, save_full_model
 from infinipipe_hf.trainer.compat import check_transformers
 from infinipipe_hf.trainer.data.loader import GlobalBatchCollator, build_global_batch_loader, label_token_count
+from infinipipe_hf.trainer.data.prepare import prepare_once
 from infinipipe_hf.trainer.data.tokens import dataset_lengths, prepare_token_dataset
+from infinipipe_hf.trainer.evaluation import PREDICT_REFUSAL, evaluate_loop
 from infinipipe_hf.trainer.launch_check import check_launch
 from infinipipe_hf.trainer.model_setup import (
     build_engine,
@@ -44,7 +49,9 @@ from infinipipe_hf.trainer.model_setup import (
     hf_model_of,
     is_peft_model,
     peak_flops_per_device,
+    preflight,
 )
+from infinipipe_hf.trainer.notices import global_rank
 from infinipipe_hf.trainer.plan_ahead import PlanAhead
 from infinipipe_hf.trainer.step_metrics import StepMetrics, TrainingCounts
 
@@ -71,11 +78,41 @@ def _check_trainable(dataset, what: str) -> None:
                          f"the text column and the tokenizer")
 
 
-def _prepare_eval(eval_dataset, tokenizer):
-    if isinstance(eval_dataset, dict):
-        return {k: prepare_token_dataset(v, tokenizer, what=f"eval_dataset[{k!r}]")
-                for k, v in eval_dataset.items()}
-    return prepare_token_dataset(eval_dataset, tokenizer, what="eval_dataset")
+def token_dataset_once(dataset, tokenizer, what: str, output_dir: str):
+    """``prepare_token_dataset`` on rank 0, its result loaded by the other ranks (collective)."""
+    if isinstance(dataset, dict):
+        return {k: token_dataset_once(v, tokenizer, f"{what}[{k!r}]", output_dir) for k, v in dataset.items()}
+    if dataset is None:
+        return None
+    return prepare_once(what, dataset, lambda: prepare_token_dataset(dataset, tokenizer, what=what), output_dir)
+
+
+def check_trainer_inputs(args, model, model_init, data_collator, kwargs: dict) -> EPPTrainingArguments:
+    """Argument errors and ignored arguments, before any data is touched; returns the arguments."""
+    if args is None:
+        args = EPPTrainingArguments(output_dir="tmp_trainer")
+    if not isinstance(args, EPPTrainingArguments):
+        raise ValueError(f"EPPTrainer needs EPPTrainingArguments, got {type(args).__name__}; replace "
+                         f"TrainingArguments(...) by EPPTrainingArguments(..., pp_degree=N)")
+    if model_init is not None:
+        raise ValueError("model_init is not supported by EPPTrainer (the stage is cut out of one "
+                         "model instance); pass model=... instead")
+    if model is None:
+        raise ValueError("EPPTrainer needs a model: an AutoModelForCausalLM or a peft PeftModel")
+    if data_collator is not None:
+        notices.warn(f"data_collator={type(data_collator).__name__} is ignored: EPPTrainer builds "
+                     f"unpadded global batches of up to tokens_per_step tokens itself; put label "
+                     f"masking into a 'labels' column of the dataset")
+    if kwargs.get("compute_metrics") is not None:
+        notices.warn("compute_metrics is ignored: evaluation reports the pipeline's loss only "
+                     "(logits stay on the last stage)")
+        kwargs["compute_metrics"] = None
+    if args.neftune_noise_alpha is not None:
+        raise ValueError("neftune_noise_alpha is not supported by EPPTrainer; remove it")
+    note = None if is_auto(args) else check_launch(args.pp_degree * args.sp_degree, _world_size())
+    if note:
+        notices.warn(note)
+    return args
 
 
 class EPPTrainer(Trainer):
@@ -86,48 +123,41 @@ class EPPTrainer(Trainer):
     and experiments.  ``data_collator`` is ignored: the trainer builds unpadded global batches.
     """
 
+    token_metrics = False
+    """Report TRL's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` in evaluation
+    (``EPPSFTTrainer`` does)."""
+
     def __init__(self, model=None, args: EPPTrainingArguments | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, model_init=None, *,
                  planner=None, **kwargs):
-        if args is None:
-            args = EPPTrainingArguments(output_dir="tmp_trainer")
-        if not isinstance(args, EPPTrainingArguments):
-            raise ValueError(f"EPPTrainer needs EPPTrainingArguments, got {type(args).__name__}; replace "
-                             f"TrainingArguments(...) by EPPTrainingArguments(..., pp_degree=N)")
-        if model_init is not None:
-            raise ValueError("model_init is not supported by EPPTrainer (the stage is cut out of one "
-                             "model instance); pass model=... instead")
-        if model is None:
-            raise ValueError("EPPTrainer needs a model: an AutoModelForCausalLM or a peft PeftModel")
-        if data_collator is not None:
-            warnings.warn(f"data_collator={type(data_collator).__name__} is ignored: EPPTrainer builds "
-                          f"unpadded global batches of up to tokens_per_step tokens itself; put label "
-                          f"masking into a 'labels' column of the dataset", UserWarning, stacklevel=2)
-        if kwargs.get("compute_metrics") is not None:
-            warnings.warn("compute_metrics is ignored: evaluation reports the pipeline's loss only "
-                          "(logits stay on the last stage)", UserWarning, stacklevel=2)
-            kwargs["compute_metrics"] = None
-        if args.neftune_noise_alpha is not None:
-            raise ValueError("neftune_noise_alpha is not supported by EPPTrainer; remove it")
-        note = check_launch(args.pp_degree * args.sp_degree, _world_size())
-        if note:
-            warnings.warn(note, UserWarning, stacklevel=2)
-        train_dataset = prepare_token_dataset(train_dataset, processing_class, what="train_dataset")
-        _check_trainable(train_dataset, "train_dataset")
-        eval_dataset = _prepare_eval(eval_dataset, processing_class)
+        args = check_trainer_inputs(args, model, model_init, data_collator, kwargs)
+        preflight(model, args)  # layout and model errors before any tokenization
+        with reporting_failures(global_rank(), list(range(_world_size()))):
+            train_dataset = token_dataset_once(train_dataset, processing_class, "train_dataset", args.output_dir)
+            _check_trainable(train_dataset, "train_dataset")
+            eval_dataset = token_dataset_once(eval_dataset, processing_class, "eval_dataset", args.output_dir)
         num_params = count_parameters(model)
         base_config = hf_model_of(model).config
         self._attn_implementation = getattr(base_config, "_attn_implementation", None)
         super().__init__(model=model, args=args, data_collator=GlobalBatchCollator(),
                          train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
+        self._max_length = int(getattr(base_config, "max_position_embeddings", None) or args.tokens_per_step)
+        if is_auto(args):
+            resolve_auto_layout(self, base_config, _world_size())
         self.engine = build_engine(self.model, args, planner)
         self.is_peft = is_peft_model(self.model)
-        self._max_length = int(getattr(base_config, "max_position_embeddings", None) or args.tokens_per_step)
         self._step_metrics = StepMetrics(num_params, self.engine.layout.world_size,
                                          peak_flops_per_device(args, self.engine.device))
         self.plan_ahead = PlanAhead(self.engine) if args.plan_ahead else None
         self._counts = TrainingCounts()
+        self.num_tokens_trained = 0
+        """Tokens of every global batch trained by this trainer (TRL's ``num_tokens``)."""
+
+    def _reporting(self):
+        """Own errors published for the other ranks; a lost peer re-raised naming who failed first."""
+        lay = self.engine.layout
+        return reporting_failures(lay.rank, list(range(lay.world_size)), lay.describe)
 
     # --- model and optimizer ----------------------------------------------------------------
     def _wrap_model(self, model, training: bool = True, dataloader=None):
@@ -138,34 +168,35 @@ class EPPTrainer(Trainer):
         return super().create_optimizer(self.engine.stage.hf_model)
 
     # --- data --------------------------------------------------------------------------------
-    def _global_loader(self, dataset, shuffle: bool):
+    def _global_loader(self, dataset, shuffle: bool, what: str):
         args = self.args
         return build_global_batch_loader(
             dataset, tokens_per_step=args.tokens_per_step, max_length=self._max_length,
             long_document_policy=args.long_document_policy,
             seed=args.data_seed if args.data_seed is not None else args.seed, shuffle=shuffle,
-            num_workers=args.dataloader_num_workers, pin_memory=False)
+            num_workers=args.dataloader_num_workers, pin_memory=False, what=what)
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
             raise ValueError("EPPTrainer: training requires a train_dataset")
-        loader = self._global_loader(self.train_dataset, shuffle=True)
+        loader = self._global_loader(self.train_dataset, shuffle=True, what="train_dataset")
         if self.plan_ahead is not None:
             loader.lookahead = self.plan_ahead.submit
         return loader
 
     def get_eval_dataloader(self, eval_dataset=None):
+        what = "eval_dataset"
         if isinstance(eval_dataset, str):
-            eval_dataset = self.eval_dataset[eval_dataset]
+            what, eval_dataset = f"eval_dataset[{eval_dataset!r}]", self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("EPPTrainer: evaluation requires an eval_dataset")
-        dataset = prepare_token_dataset(dataset, self.processing_class, what="eval_dataset")
-        return self._global_loader(dataset, shuffle=False)
+        dataset = token_dataset_once(dataset, self.processing_class, what, self.args.output_dir)
+        return self._global_loader(dataset, shuffle=False, what=what)
 
     def get_test_dataloader(self, test_dataset):
-        dataset = prepare_token_dataset(test_dataset, self.processing_class, what="test_dataset")
-        return self._global_loader(dataset, shuffle=False)
+        dataset = token_dataset_once(test_dataset, self.processing_class, "test_dataset", self.args.output_dir)
+        return self._global_loader(dataset, shuffle=False, what="test_dataset")
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches = []
@@ -187,9 +218,13 @@ class EPPTrainer(Trainer):
         return int(6 * self._step_metrics.num_params * tokens / self.engine.layout.world_size)
 
     # --- training ----------------------------------------------------------------------------
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest *complete*
+        checkpoint, and a job restarted by its launcher resumes by itself (``resume_on_restart``)."""
         self._counts = TrainingCounts()
-        out = super().train(*args, **kwargs)
+        with self._reporting():
+            resume = resolve_resume(resume_from_checkpoint, self.args.output_dir, self.args.resume_on_restart)
+            out = super().train(resume, *args, **kwargs)
         # HF computed training_loss before our log() could leave label-free steps out of it.
         return out._replace(training_loss=out.metrics.get("train_loss", out.training_loss))
 
@@ -198,15 +233,16 @@ class EPPTrainer(Trainer):
             self.optimizer.train()
         self._step_metrics.start()
         self._counts.add_batch(inputs, self.state.global_step)
+        self.num_tokens_trained += sum(len(item["input_ids"]) for item in inputs)
         n = label_token_count(inputs)
         if n == 0:  # same decision on every rank: the batch is global
             if self.plan_ahead is not None:
                 self.plan_ahead.drop(inputs)
             if not num_items_in_batch:  # the whole optimizer step has no label token
                 if self._counts.skip_step(self.state.global_step):
-                    warnings.warn(f"step {self.state.global_step + 1}: no label tokens (every label is "
-                                  f"-100), nothing is trained; the step is left out of the logged "
-                                  f"loss (see 'skipped_steps')", UserWarning)
+                    notices.warn(f"step {self.state.global_step + 1}: no label tokens (every label is "
+                                 f"-100), nothing is trained; the step is left out of the logged "
+                                 f"loss (see 'skipped_steps')")
             # A label-free micro-batch adds exactly 0 to its step's mean token loss.
             return torch.zeros((), dtype=torch.float64, device=self.args.device)
         total = int(num_items_in_batch) if num_items_in_batch else n
@@ -229,24 +265,28 @@ class EPPTrainer(Trainer):
         if "loss" in logs:  # a training log line: add the pipeline's window metrics
             logs.update(self._step_metrics.flush(self.engine.device))
             logs.update(self._counts.correct_window_loss(logs["loss"], self.state.global_step))
+            if self.token_metrics:
+                logs["num_tokens"] = float(self.num_tokens_trained)
         if "train_runtime" in logs:  # the end-of-training metrics
             logs.update(self._counts.final_metrics(logs, self.state.global_step))
         super().log(logs, start_time)
 
     # --- evaluation --------------------------------------------------------------------------
+    def evaluate(self, *args, **kwargs):
+        with self._reporting():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        """The loss and metrics only (``prediction_loss_only=True``); logits never leave the
+        pipeline's last stage."""
+        if not self.args.prediction_loss_only:
+            raise ValueError(PREDICT_REFUSAL)
+        with self._reporting():
+            return super().predict(*args, **kwargs)
+
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
-        loss_sum, labels, samples = 0.0, 0, 0
-        for batch in dataloader:
-            samples += len(batch)
-            n = label_token_count(batch)
-            if n:
-                loss_sum += self.engine.eval_step(batch) * n
-                labels += n
-        if labels == 0:
-            raise ValueError(f"{description}: the dataset has no label tokens; nothing to evaluate")
-        metrics = {f"{metric_key_prefix}_loss": loss_sum / labels}
-        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=samples)
+        return evaluate_loop(self, dataloader, description, metric_key_prefix, self.token_metrics)
 
     # --- saving and resuming -------------------------------------------------------------------
     def _hf_config(self):
@@ -270,6 +310,9 @@ class EPPTrainer(Trainer):
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        save_checkpoint(self, trial)  # written under a staging name, published by one rename
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_optimizer_state(self.engine, self.optimizer, self.lr_scheduler, output_dir)

@@ -25,7 +25,7 @@ def test_json_all_and_emit_plan(lengths_file, tmp_path, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["schedule"] for r in out] == ["epp", "packed-1f1b", "seq1f1b", "gpipe", "ulysses-zero3", "ring-cp",
-                                            "flexsp"]
+                                            "ring-cp-packed", "flexsp"]
     epp = out[0]
     assert epp["feasible"] and epp["num_tokens"] == sum(LENGTHS)
     assert epp["memory_budget_bytes"] == 80 * 2**30

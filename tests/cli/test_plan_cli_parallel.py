@@ -5,6 +5,7 @@ import pytest
 
 from infinipipe_hf.cli.plan import main
 from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.registry import ALTERNATIVES
 
 LENGTHS = [30000, 8000, 2000, 1500, 900, 600, 300, 200, 100, 50] * 2
 MODEL = str(config_path("llama2-7b"))
@@ -23,11 +24,11 @@ def test_all_schedules_with_sp_and_shard(lengths_file, tmp_path, capsys):
                "--schedule", "all", "--emit-plan", str(plan_path), "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert [r["schedule"] for r in out] == ["epp", "packed-1f1b", "seq1f1b", "gpipe", "ulysses-zero3", "ring-cp",
-                                            "flexsp"]
-    pipelines = out[:4]  # the non-pipeline alternatives run on the same 32 GPUs, ZeRO-3 over all of them
+    assert [r.get("label", r["schedule"]) for r in out] == ["epp", "epp (whole-group SP)", "packed-1f1b", "seq1f1b",
+                                                            "gpipe", *ALTERNATIVES]
+    pipelines = out[:5]  # the non-pipeline alternatives run on the same 32 GPUs, ZeRO-3 over all of them
     assert all(r["sp_degree"] == 8 and r["shard"] == "sp" for r in pipelines)
-    assert all(r["world_size"] == 32 for r in out[4:])
+    assert all(r["world_size"] == 32 for r in out[5:])
     plan = json.loads(plan_path.read_text())
     assert plan["sp_degree"] == 8 and plan["shard"] == "sp" and plan["pp_degree"] == 4
     seq = json.loads((tmp_path / "plan.seq1f1b.json").read_text())

@@ -60,3 +60,19 @@ def test_other_formats_by_suffix(tmp_path, suffix):
     plot_plan(plan, sim, str(out))
     head = out.read_bytes()[:5]
     assert head == (b"%PDF-" if suffix == ".pdf" else b"<?xml")
+
+
+def test_plot_plan_draws_a_rounds_units_side_by_side_in_their_lanes(tmp_path):
+    from infinipipe_hf.cli.viz import _gantt_boxes
+    from infinipipe_hf.planner.cost.model import GIB, CostModel
+    from infinipipe_hf.planner.simulate.simulator import simulate
+    from tests.planner.hand_plans import TINY
+    from tests.planner.simulate.test_round_simulation import round_plan
+
+    plan = round_plan()
+    sim = simulate(plan, CostModel(TINY, pp_degree=2, sp_degree=2, memory_budget_bytes=40 * GIB))
+    boxes, _, _ = _gantt_boxes(plan, sim, sim.step_time_s)
+    lanes = {lane for (row, kind, lane) in boxes if row == 0 and kind == "F"}
+    assert lanes == {(-0.4, 0.8), (-0.4, 0.4), (0.0, 0.4)}  # the whole row, rank 0's half, rank 1's half
+    drawn = plot_plan(plan, sim, str(tmp_path / "rounds.png"))
+    assert drawn["boxes"] == {0: 8, 1: 8}

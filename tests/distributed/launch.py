@@ -39,8 +39,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout_s: float = 180) -> LaunchResult:
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", str(WORKERS / script), *args]
+def run_torchrun(script: str, nproc: int, args: list[str] = (), timeout_s: float = 180,
+                 torchrun_args: list[str] = ()) -> LaunchResult:
+    """``torchrun_args``: further launcher flags (e.g. ``--max-restarts 1``)."""
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
+           str(WORKERS / script), *args]
     t0 = time.time()
     try:
         p = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -57,15 +60,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, nproc: int, args: list[str] = (), timeout_s: float = 60) -> list[LaunchResult]:
+def run_ranks(script: str, nproc: int, args: list[str] = (), timeout_s: float = 60,
+              agent_store: bool = False) -> list[LaunchResult]:
     """Start ``nproc`` ranks directly; kill any still running after ``timeout_s``.
 
     Each result's ``elapsed_s`` is when that rank exited (one reader thread per rank), so a rank
-    that reported an error but then hung on exit shows up as slow or timed out.
+    that reported an error but then hung on exit shows up as slow or timed out.  ``agent_store``:
+    the key-value store lives in this process, as torchrun's agent hosts it, not in rank 0 (which
+    may exit first).
     """
     import threading
 
     port = _free_port()
+    store = _agent_store(port) if agent_store else None
     t0 = time.time()
     results: list[LaunchResult | None] = [None] * nproc
 
@@ -73,6 +80,8 @@ def run_ranks(script: str, nproc: int, args: list[str] = (), timeout_s: float = 
         env = _env()
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
                    WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+        if store is not None:
+            env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         p = subprocess.Popen([str(PYTHON), str(WORKERS / script), *args], cwd=REPO, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -88,7 +97,17 @@ def run_ranks(script: str, nproc: int, args: list[str] = (), timeout_s: float = 
         t.start()
     for t in threads:
         t.join()
+    del store
     return results
+
+
+def _agent_store(port: int):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=300))
 
 
 def check_cases(result: LaunchResult, nproc: int, cases, all_ok: str = "ALL OK") -> None:

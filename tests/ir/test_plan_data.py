@@ -55,3 +55,22 @@ def test_plan_helpers():
     assert plan.continues_after(Segment(0, 0, 6)) and not plan.continues_after(Segment(0, 6, 10))
     text = str(plan)
     assert "stage1" in text and "F0(c2)" in text
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.pop("units"), r"lacks the field 'units'"),
+    (lambda d: d.update(pp_degree="two"), r"malformed \(ValueError: invalid literal"),
+    (lambda d: d["actions"]["0"][0].append("X3"), r"malformed .*cannot parse action 'X3'"),
+    (lambda d: d["units"][0].update(segments=[[0, 1]]), r"malformed"),
+])
+def test_plan_json_errors_name_what_is_wrong(edit, match):
+    import json
+
+    plan = Plan("epp", 1, 1, [4], [Unit(0, (Segment(0, 0, 4),))], {0: [[F(0), B(0)]]}, {0: {0: 0}})
+    d = json.loads(plan.to_json())
+    assert Plan.from_json(json.dumps(d)).to_json() == plan.to_json()
+    edit(d)
+    with pytest.raises(ValueError, match=match):
+        Plan.from_json(json.dumps(d))
+    with pytest.raises(ValueError, match="malformed"):
+        Plan.from_json("{not json")

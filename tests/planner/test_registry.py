@@ -9,7 +9,7 @@ from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineSchedule
 
 def test_names_kinds_and_order():
     assert PIPELINE_SCHEDULES == ("epp", "packed-1f1b", "seq1f1b", "gpipe")
-    assert ALTERNATIVES == ("ulysses-zero3", "ring-cp", "flexsp")
+    assert ALTERNATIVES == ("ulysses-zero3", "ring-cp", "ring-cp-packed", "flexsp")
     assert list(SCHEDULES) == [*PIPELINE_SCHEDULES, *ALTERNATIVES]
     assert all(SCHEDULES[n].kind == PIPELINE for n in PIPELINE_SCHEDULES)
     assert all(SCHEDULES[n].kind == ROUNDS for n in ALTERNATIVES)

@@ -5,14 +5,14 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from infinipipe_hf.trainer.compat import ALLOW_ENV, PRIVATE_OVERRIDES, TESTED, check_transformers
+from infinipipe_hf.trainer.compat import ALLOW_ENV, PRIVATE_CALLS, PRIVATE_OVERRIDES, TESTED, check_transformers
 
 
 class _Trainer:
     pass
 
 
-for _name in PRIVATE_OVERRIDES:
+for _name in PRIVATE_OVERRIDES + PRIVATE_CALLS:
     setattr(_Trainer, _name, lambda self: None)
 
 

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.planner.cost.calibration import overlapped, ring_extra_s
 from infinipipe_hf.planner.cost.collectives import all_gather_time, reduce_scatter_time
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import CostModel
@@ -54,6 +55,7 @@ class Zero3States:
     def __init__(self, spec: ModelSpec, profile: HardwareProfile, world_size: int, gpus_per_node: int,
                  precision: StatePrecision | None = None):
         self.world_size = _positive_int("world_size", world_size)
+        self.calibration = profile.calibration
         p = self.precision = precision or StatePrecision.from_profile(profile)
         # FSDP units: embedding, every decoder layer, final norm + head (the head is the embedding
         # itself when tied: every GPU holds both ends of the model).
@@ -83,10 +85,8 @@ class Zero3States:
         (and, in backward, the reduce-scatters) overlapped as FSDP's prefetch overlaps them."""
         if self.world_size == 1:
             return forward_s + backward_s
-        g, r = self.gather_s, self.reduce_s
-        fwd = max(g) + max(forward_s, sum(g))
-        bwd = max(g) + max(backward_s, sum(g) + sum(r)) + max(r)
-        return fwd + bwd
+        g, r, c = self.gather_s, self.reduce_s, self.calibration
+        return overlapped(forward_s, g, (), c) + overlapped(backward_s, g, r, c)
 
     def communication_floor_s(self) -> float:
         """Seconds a round takes at the least (all collectives, no compute)."""
@@ -211,6 +211,7 @@ class RingGroup(_Group):
                           else profile.intra_node_bandwidth_bytes_per_s)
         self.latency = profile.collective_latency_s
         self.kv_bytes_per_token = self.cost.kv_bytes_per_token_per_layer
+        self.elementwise, self.calibration = profile.elementwise_bytes_per_s, profile.calibration
 
     def padded_tokens(self, tokens: int) -> int:
         step = 2 * self.size
@@ -231,6 +232,8 @@ class RingGroup(_Group):
         p = pairs / cp
         f = cm.layer_fwd(p, t) + self._ring_exposed(pairs, padded_tokens, cm.layer_fwd.attn_pair_s, False)
         b = cm.layer_bwd(p, t) + self._ring_exposed(pairs, padded_tokens, cm.layer_bwd.attn_pair_s, True)
+        f += ring_extra_s(cm.layer_fwd.attn_pair_s * p, t, cp, self.elementwise, self.calibration)
+        b += ring_extra_s(cm.layer_bwd.attn_pair_s * p, t, cp, self.elementwise, self.calibration)
         emb = cm.embedding_token_s * t
         head_f = cm.head_fwd(0, t)
         fwd = n * f + emb + head_f
@@ -246,6 +249,14 @@ class RingGroup(_Group):
         n, c = self.gpu_tokens(padded_tokens), int(checkpointed_layers)
         ring = 4 * n * self.kv_bytes_per_token if self.size > 1 else 0.0
         return self.cost.activation_bytes(0, n, c) + self.cost.working_bytes(0, n, c, backward=True) + ring
+
+
+class PackedRingGroup(RingGroup):
+    """:class:`RingGroup` on a packed micro-batch of documents (THD): each document attends only to
+    itself, so the attention pairs are the sum of the documents' causal squares (padding its own)."""
+
+    attention = "ring-packed"
+    micro_batch_pairs = UlyssesGroup.micro_batch_pairs
 
 
 @dataclass(frozen=True)
@@ -303,7 +314,7 @@ class FlatCost:
             if self.world_size % size or size & (size - 1):
                 raise ValueError(f"a group of {size} GPUs does not tile {self.world_size} GPUs; group sizes "
                                  f"are powers of two dividing the world size")
-            cls = {"ulysses": UlyssesGroup, "ring": RingGroup}[attention]
+            cls = {"ulysses": UlyssesGroup, "ring": RingGroup, "ring-packed": PackedRingGroup}[attention]
             lay = self.layout
             self._groups[key] = cls(lay.spec, lay.profile, size, lay.world_size, lay.gpus_per_node,
                                     lay.loss_chunk_tokens)
@@ -311,6 +322,6 @@ class FlatCost:
 
     def group_sizes(self, attention: str) -> list[int]:
         """Powers of two dividing the world (Ulysses: at most one attention head per GPU)."""
-        top = self.world_size if attention == "ring" else min(self.world_size, self.spec.num_attention_heads)
+        top = self.world_size if attention.startswith("ring") else min(self.world_size, self.spec.num_attention_heads)
         return [1 << k for k in range(int(math.log2(top)) + 1) if self.world_size % (1 << k) == 0]
 

@@ -5,7 +5,7 @@ each at the same time (:class:`GroupRun`: how many GPUs, which whole sequences).
 Ulysses and ring CP use equal groups in every round; FlexSP changes the groups every round.  The
 plan is what ``--emit-plan`` writes for these schedules (``RoundPlan.to_dict``)::
 
-    {"schedule", "world_size", "attention": "ulysses" | "ring", "sequences": [lengths],
+    {"schedule", "world_size", "attention": "ulysses" | "ring" | "ring-packed", "sequences": [lengths],
      "checkpoint_layers": c, "knobs": {...},
      "rounds": [[{"gpus": g, "sequences": [seq ids]}, ...], ...]}
 
@@ -41,7 +41,7 @@ class RoundPlan:
     world_size: int
     sequences: list[int]
     attention: str
-    """``ulysses`` (all-to-all SP) or ``ring`` (ring-attention CP)."""
+    """``ulysses`` (all-to-all SP), ``ring`` (ring-attention CP) or ``ring-packed`` (its THD variant)."""
     rounds: list[list[GroupRun]]
     checkpoint_layers: int
     """Decoder layers checkpointed uniformly in every micro-batch."""
@@ -125,7 +125,7 @@ def simulate_rounds(plan: RoundPlan, cost: FlatCost) -> RoundSimulation:
             act = group.activation_peak_bytes(padded, c)
             if act > peak_act:
                 peak_act, worst = act, (g, padded)
-        t = cost.states.round_time(fwd_max, bwd_max)
+        t = cost.states.round_time(fwd_max, bwd_max) + cost.states.calibration.group_round_s * sum(g.gpus > 1 for g in rnd)
         rounds.append(t)
         step += t
     peak = cost.states.static_bytes + peak_act

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.rank_views import has_sub_groups, rank_classes, rank_view
 from infinipipe_hf.planner.checkpointing.timeline import (
     LevelCounts,
     StageTimeline,
@@ -21,7 +22,7 @@ from infinipipe_hf.planner.checkpointing.timeline import (
     stage_timeline,
     working_correction,
 )
-from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.cost.model import CostModel, unit_cost_map
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,10 @@ class MemoryPoint:
     """Whether that action is a forward."""
 
 
-def memory_points(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list[MemoryPoint]:
-    """One :class:`MemoryPoint` per action of ``plan.stage_actions(dp_rank, stage)``, in order."""
-    return timeline_points(stage_timeline(plan, cost, dp_rank, stage))
+def memory_points(plan: Plan, cost: CostModel, dp_rank: int, stage: int, cache: dict | None = None) -> list[MemoryPoint]:
+    """One :class:`MemoryPoint` per action of ``plan.stage_actions(dp_rank, stage)``, in order
+    (``cache``: see :func:`stage_timeline`)."""
+    return timeline_points(stage_timeline(plan, cost, dp_rank, stage, cache))
 
 
 def timeline_points(tl: StageTimeline) -> list[MemoryPoint]:
@@ -71,15 +73,17 @@ def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
     (and the finer levels ``checkpoint_levels.get(u)``)."""
     by_id = plan.unit_by_id
     levels = checkpoint_levels or {}
+    groups = unit_cost_map(plan, cost) if plan.sp_groups else {}
     total = point.base_bytes
     if phase_model(cost) is not None and point.running_unit is not None:
         u = point.running_unit
-        total += working_correction(cost, stage, by_id[u].segments, checkpoint_layers.get(u, 0),
+        total += working_correction(groups.get(u, cost), stage, by_id[u].segments, checkpoint_layers.get(u, 0),
                                      levels.get(u))[0 if point.forward else 1]
     for uid in point.live_units:
         segs = by_id[uid].segments
-        total += (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(uid, 0))
-                  - finer_bytes(cost, stage, segs, levels.get(uid)))
+        c = groups.get(uid, cost)
+        total += (c.unit_activation_bytes(stage, segs, checkpoint_layers.get(uid, 0))
+                  - finer_bytes(c, stage, segs, levels.get(uid)))
     return total
 
 
@@ -102,6 +106,11 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
         if checkpoint_levels is None:
             checkpoint_levels = plan.checkpoint_levels.get(stage, {})
     levels = checkpoint_levels or {}
+    if points is None and timeline is None and has_sub_groups(plan):  # the stage's busiest SP rank
+        cache: dict = {}
+        views = [rank_view(plan, rank) for rank in rank_classes(plan)]
+        return max(stage_peak_bytes(v, cost, dp_rank, stage, checkpoint_layers, checkpoint_levels=levels,
+                                    timeline=stage_timeline(v, cost, dp_rank, stage, cache)) for v in views)
     if points is None:
         if timeline is None:
             timeline = stage_timeline(plan, cost, dp_rank, stage)
@@ -112,19 +121,21 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
     actions = plan.stage_actions(dp_rank, stage)
     assert len(points) == len(actions), "points are not this stage's"
     by_id = plan.unit_by_id
+    groups = unit_cost_map(plan, cost) if plan.sp_groups else {}
     act: dict[int, float] = {}
     live_sum = 0.0
     peak = float("-inf")
     for p in points:
         a = actions[p.action_index]
+        c = groups.get(a.unit, cost)
         if a.unit not in act:
             segs = by_id[a.unit].segments
-            act[a.unit] = (cost.unit_activation_bytes(stage, segs, checkpoint_layers.get(a.unit, 0))
-                           - finer_bytes(cost, stage, segs, levels.get(a.unit)))
+            act[a.unit] = (c.unit_activation_bytes(stage, segs, checkpoint_layers.get(a.unit, 0))
+                           - finer_bytes(c, stage, segs, levels.get(a.unit)))
             live_sum += act[a.unit]
         base = p.base_bytes
         if phase_model(cost) is not None:
-            base += working_correction(cost, stage, by_id[a.unit].segments, checkpoint_layers.get(a.unit, 0),
+            base += working_correction(c, stage, by_id[a.unit].segments, checkpoint_layers.get(a.unit, 0),
                                         levels.get(a.unit))[0 if a.is_forward else 1]
         peak = max(peak, base + live_sum)
         if not a.is_forward:

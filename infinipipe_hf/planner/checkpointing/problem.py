@@ -23,6 +23,10 @@ instead of O(n * pp) but forces recompute on stages with memory to spare; per-ce
 less recompute and their memory rows separate by stage (:meth:`ReplicaProblem.stage_blocks`),
 which keeps them fast to solve.
 
+SP rounds (:mod:`infinipipe_hf.ir.rounds`): checkpointing is chosen per (stage, round) -- the
+units of a round share their variables -- and every distinct SP rank gets the rows of its own
+units (:mod:`.round_cells`).
+
 Only points that can bind are kept: a point whose live set is contained in another's and whose
 base bytes are not larger is dominated for every choice of counts (:mod:`.dominance`).
 """
@@ -37,9 +41,11 @@ from scipy import sparse
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import FULL, check_levels
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.rank_views import rank_classes, rank_view
 from infinipipe_hf.planner.checkpointing.dominance import undominated
 from infinipipe_hf.planner.checkpointing.live_windows import live_windows
 from infinipipe_hf.planner.checkpointing.points import MemoryPoint, memory_points
+from infinipipe_hf.planner.checkpointing.round_cells import RoundCells, slowest_member_pays
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import CostModel
 
@@ -77,6 +83,8 @@ class ReplicaProblem:
     row_action_index: np.ndarray
     budget: float
     stage_points: dict[int, list[MemoryPoint]]  # every point of every stage, for verification
+    view_points: dict[int, list[tuple[Plan, list[MemoryPoint]]]] = field(default_factory=dict)
+    """SP rounds: per stage, every rank view with its points (``stage_points`` is then empty)."""
 
     @property
     def num_vars(self) -> int:
@@ -140,7 +148,8 @@ class ReplicaProblem:
                 rows=self.rows[rows][:, cols].tocsr(), need=self.need[rows], row_stage=self.row_stage[rows],
                 row_action=[self.row_action[i] for i in rows.tolist()],
                 row_action_index=self.row_action_index[rows], budget=self.budget,
-                stage_points={stage: self.stage_points.get(stage, [])}), vars_))
+                stage_points={stage: self.stage_points.get(stage, [])},
+                view_points={stage: self.view_points.get(stage, [])}), vars_))
         return blocks
 
     def counts_per_level(self, columns: np.ndarray) -> np.ndarray:
@@ -184,20 +193,24 @@ class _Rows:
     count: int = 0
 
 
-def _add_cells(plan: Plan, cost: CostModel, dp_rank: int, p: int, finer: tuple[str, ...], sharing: str,
-               cells: _Cells, unit_facts: dict[int, tuple]) -> dict[int, int]:
-    """Append the cells of stage ``p``; returns unit id -> cell index there.  ``unit_facts`` caches
-    each unit's segments, shape and one layer's recompute seconds across stages."""
+def _add_cells(plan: Plan, base_cost: CostModel, dp_rank: int, p: int, finer: tuple[str, ...], sharing: str,
+               cells: _Cells, unit_facts: dict[int, tuple], cell_here: dict[int, int],
+               rounds: RoundCells) -> dict[int, int]:
+    """Append the cells of stage ``p`` not in ``cell_here`` yet (unit id -> cell index there,
+    updated and returned).  ``unit_facts`` caches each unit's segments, shape and one layer's
+    recompute seconds across stages; ``rounds`` gives the units of one round one variable."""
     actions = plan.stage_actions(dp_rank, p)
-    lc = cost.levels if finer else None
     pp = plan.pp_degree
-    layers = cost.num_layers(p)
+    layers = base_cost.num_layers(p)
     back_pos: dict[int, int] = {}
     for a in actions:
         if not a.is_forward and a.unit not in back_pos:
             back_pos[a.unit] = len(back_pos)
-    cell_here: dict[int, int] = {}
     for uid in dict.fromkeys(a.unit for a in actions):
+        if uid in cell_here:
+            continue
+        cost = rounds.costs.get(uid, base_cost)
+        lc = cost.levels if finer else None
         if uid not in unit_facts:
             unit = plan.unit_by_id[uid]
             shape = UnitShape.of(unit.segments)
@@ -210,7 +223,7 @@ def _add_cells(plan: Plan, cost: CostModel, dp_rank: int, p: int, finer: tuple[s
         cells.layer_s.append(layer_s)
         k = back_pos.get(uid)
         if sharing == "cell":
-            cells.key.append(("c", p, uid))
+            cells.key.append(("c", p, rounds.first.get(uid, uid)))
         else:
             # A unit with no backward here (invalid plan) gets a variable of its own.
             cells.key.append(("d", k + (pp - 1 - p), layers) if k is not None else ("orphan", p, uid))
@@ -258,11 +271,21 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
     cells, rows = _Cells(), _Rows()
     unit_facts: dict[int, tuple] = {}  # segments, shape, recompute seconds of one layer
     stage_points: dict[int, list[MemoryPoint]] = {}
+    view_points: dict[int, list[tuple[Plan, list[MemoryPoint]]]] = {}
+    rounds = RoundCells.of(plan, cost)
+    # With SP rounds every distinct SP rank is constrained on its own units (its rank view).
+    views = [rank_view(plan, r) for r in rank_classes(plan)] if rounds.first else [plan]
     for p in range(plan.pp_degree):
-        cell_here = _add_cells(plan, cost, dp_rank, p, finer, sharing, cells, unit_facts)
-        points = stage_points[p] = memory_points(plan, cost, dp_rank, p)
-        if points:
-            _add_rows(points, plan.stage_actions(dp_rank, p), p, cell_here, rows)
+        cell_here: dict[int, int] = {}
+        cache: dict | None = {} if rounds.first else None
+        for view in views:
+            _add_cells(view, cost, dp_rank, p, finer, sharing, cells, unit_facts, cell_here, rounds)
+            points = memory_points(view, cost, dp_rank, p, cache)
+            stage_points[p] = points if view is plan else []
+            if view is not plan:  # rank views: verified per rank
+                view_points.setdefault(p, []).append((view, points))
+            if points:
+                _add_rows(points, view.stage_actions(dp_rank, p), p, cell_here, rows)
     n_cells = len(cells.stage)
     # Columns: each cell's levels, heaviest first; cumulative coefficients are differences.
     save_arr = np.array(cells.saves, dtype=float).reshape(n_cells, nl)
@@ -272,6 +295,8 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
     col_cell = np.repeat(np.arange(n_cells, dtype=np.int64), nl)
     col_level = np.tile(np.arange(nl, dtype=np.int64), n_cells)
     col_var, var_ub, var_parent = _variables(cells, col_cell, col_level, nl)
+    if rounds.first:
+        slowest_member_pays(cells.stage, cells.unit, rounds, col_redo)
     col_cost = col_redo.reshape(-1)
     var_cost = np.bincount(col_var, weights=col_cost, minlength=len(var_ub)).astype(float)
     r_row, r_cell = _cat(rows.row_chunks, np.int64), _cat(rows.cell_chunks, np.int64)
@@ -288,7 +313,8 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
         cell_layer_s=np.array(cells.layer_s, dtype=float), col_cell=col_cell, col_level=col_level,
         col_var=col_var, col_cost_s=col_cost, var_ub=var_ub, var_cost_s=var_cost, var_parent=var_parent,
         rows=matrix, need=need, row_stage=_cat(rows.stage_chunks, np.int64), row_action=rows.action,
-        row_action_index=_cat(rows.index_chunks, np.int64), budget=budget, stage_points=stage_points)
+        row_action_index=_cat(rows.index_chunks, np.int64), budget=budget, stage_points=stage_points,
+        view_points=view_points)
 
 
 def _variables(cells: _Cells, col_cell: np.ndarray, col_level: np.ndarray,
@@ -306,3 +332,4 @@ def _variables(cells: _Cells, col_cell: np.ndarray, col_level: np.ndarray,
         finer_col = np.flatnonzero(col_level < nl - 1)
         var_parent[col_var[finer_col]] = col_var[finer_col + 1]
     return col_var, var_ub, var_parent
+

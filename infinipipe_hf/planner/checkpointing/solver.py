@@ -35,10 +35,12 @@ import numpy as np
 
 from infinipipe_hf.ir.levels import CheckpointMix, check_levels
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.rank_views import has_sub_groups
 from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
 from infinipipe_hf.planner.checkpointing.lp import LP_TIME_LIMIT_S, lp_rounding, milp_counts
 from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
 from infinipipe_hf.planner.checkpointing.problem import SHARING, ReplicaProblem, build_problem
+from infinipipe_hf.planner.checkpointing.round_cells import round_recompute_seconds
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 
@@ -276,6 +278,8 @@ def recompute_seconds(plan: Plan, cost: CostModel, ck: dict[int, dict[int, int]]
     """Recompute seconds of a whole step under whole-layer counts ``ck`` and finer ``levels``."""
     by_id = plan.unit_by_id
     shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
+    if has_sub_groups(plan):
+        return round_recompute_seconds(plan, cost, shapes, ck, levels or {})
     total = float(sum(cost.recompute_time(s, shapes[u], c) for s, per in ck.items() for u, c in per.items()
                       if c and u in by_id))
     for s, per in (levels or {}).items():
@@ -290,6 +294,7 @@ def _verify(plan: Plan, cost: CostModel, problems: list[ReplicaProblem], ck: dic
     """Every stage of every replica within budget on its full timeline (not just kept points)."""
     for prob in problems:
         for s, points in prob.stage_points.items():
-            peak = stage_peak_bytes(plan, cost, prob.dp_rank, s, ck[s], checkpoint_levels=levels.get(s, {}),
-                                    points=points)
+            views = prob.view_points.get(s) or [(plan, points)]  # SP rounds: every rank's own points
+            peak = max(stage_peak_bytes(view, cost, prob.dp_rank, s, ck[s], checkpoint_levels=levels.get(s, {}),
+                                        points=pts) for view, pts in views)
             assert peak <= cost.memory_budget_bytes + _SLACK_BYTES, (prob.dp_rank, s, peak, cost.memory_budget_bytes)

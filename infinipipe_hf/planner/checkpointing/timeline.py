@@ -15,6 +15,9 @@ units with no checkpointing by one layer's activations, but keeps ``base`` indep
 checkpoint choices, which is what makes every point a linear constraint.  The running unit's
 activations count in full during its forward and backward (their peak is at the layer boundary).
 
+SP sub-groups: the timeline of a plan with rounds is one SP rank's (:func:`infinipipe_hf.ir.
+rank_views.rank_view`); each unit's bytes come from the cost of the sub-group it runs on.
+
 KV store: a segment whose sequence continues holds ``cost.kv_bytes(stage, length)`` from its
 forward on the stage until the backward of the unit holding the sequence's first slice
 (``start == 0``) finishes there (backward runs last slice first, so that is the last user).
@@ -38,7 +41,7 @@ import numpy as np
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import CheckpointMix
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.cost.model import CostModel, unit_cost_map
 
 LevelCounts = Mapping[int, Mapping[str, int]]
 """unit id -> finer checkpoint level -> layers, for one stage (a plan's ``checkpoint_levels[stage]``)."""
@@ -93,6 +96,8 @@ class StageTimeline:
     """``regular`` only: action index of each unit's forward (increasing)."""
     bpos: np.ndarray | None = None
     """``regular`` only: action index of each unit's backward."""
+    slot_costs: dict[int, CostModel] = field(default_factory=dict)
+    """Per unit slot run on an SP sub-group: that sub-group's cost (:meth:`CostModel.for_group`)."""
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -105,11 +110,13 @@ class StageTimeline:
         act = cost.activation_bytes
         layers = cost.layers_per_stage[stage]
         values = [act(stage, t, get(u, 0)) for u, t in zip(self.units.tolist(), self.tokens.tolist())]
+        for k, c in self.slot_costs.items():
+            values[k] = c.activation_bytes(stage, int(self.tokens[k]), get(int(self.units[k]), 0))
         for k, extra in self.context_bytes.items():  # slices with context: K/V copies (and masks)
             values[k] += (layers - get(int(self.units[k]), 0)) * extra
         if checkpoint_levels:
             for k, u in enumerate(self.units.tolist()):
-                values[k] -= finer_bytes(cost, stage, self.segments[k], checkpoint_levels.get(u))
+                values[k] -= finer_bytes(self.slot_costs.get(k, cost), stage, self.segments[k], checkpoint_levels.get(u))
         return np.array(values, dtype=float)
 
     def point_values(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
@@ -148,7 +155,8 @@ class StageTimeline:
         levels = checkpoint_levels or {}
         corr = np.zeros((len(self.units), 2))
         for k, u in enumerate(self.units.tolist()):
-            corr[k] = working_correction(cost, stage, self.segments[k], checkpoint_layers.get(u, 0), levels.get(u))
+            corr[k] = working_correction(self.slot_costs.get(k, cost), stage, self.segments[k],
+                                         checkpoint_layers.get(u, 0), levels.get(u))
         return np.where(self.forward, corr[self.slot, 0], corr[self.slot, 1])
 
     def peak(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
@@ -210,38 +218,50 @@ def _slots(actions: list[Action]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return units, rank[inv.reshape(-1)], fwd
 
 
-def _unit_facts(plan: Plan, cost: CostModel, stage: int, units: np.ndarray) -> _UnitFacts:
-    """Tokens, K/V entering the store, sequences freed and working-set bounds of every unit."""
+def _unit_facts(plan: Plan, base_cost: CostModel, stage: int, units: np.ndarray,
+                groups: Mapping[int, CostModel], cache: dict | None = None) -> _UnitFacts:
+    """Tokens, K/V entering the store, sequences freed and working-set bounds of every unit
+    (``groups``: the sub-group cost of units on SP sub-groups, :func:`unit_cost_map`; ``cache``:
+    unit id -> these facts on this stage, shared by the rank views of one plan)."""
     by_id = plan.unit_by_id
-    seq_len = plan.sequences
     nu = len(units)
     facts = _UnitFacts(np.zeros(nu, dtype=np.int64), [[] for _ in range(nu)], [[] for _ in range(nu)],
                        np.empty(nu), np.empty(nu), {}, [])
     for k, u in enumerate(units.tolist()):
-        unit = by_id.get(u)
-        if unit is None:
-            raise ValueError(f"stage {stage} runs unit {u}, which is not among the plan's units "
-                             f"{sorted(by_id)[:10]}...; build actions from plan.units")
-        extra = cost.context_bytes_per_layer(unit.segments)
+        one = cache.get(u) if cache is not None else None
+        if one is None:
+            unit = by_id.get(u)
+            if unit is None:
+                raise ValueError(f"stage {stage} runs unit {u}, which is not among the plan's units "
+                                 f"{sorted(by_id)[:10]}...; build actions from plan.units")
+            one = _one_unit(unit, groups.get(u, base_cost), stage, plan.sequences)
+            if cache is not None:
+                cache[u] = one
+        extra, facts.kv_adds[k], facts.frees[k], facts.tokens[k], facts.work_f[k], facts.work_b[k], segs = one
         if extra:
             facts.context_bytes[k] = extra
-        t = 0
-        for seg in unit.segments:
-            m = seg.end - seg.start
-            t += m
-            if seg.end < seq_len[seg.seq]:
-                facts.kv_adds[k].append((seg.seq, cost.kv_bytes(stage, m)))
-            if seg.start == 0:
-                facts.frees[k].append(seg.seq)  # the first slice's backward is the sequence's last
-        facts.tokens[k] = t
-        facts.segments.append(unit.segments)
-        if phase_model(cost) is None:
-            facts.work_f[k] = cost.working_bytes(stage, t, 0, backward=False)
-            facts.work_b[k] = cost.working_bytes(stage, t, 1, backward=True)
-        else:  # the phase model's bound over every checkpoint mix (exact values: point_values)
-            facts.work_f[k] = cost.working.bound(stage, t, extra, backward=False)
-            facts.work_b[k] = cost.working.bound(stage, t, extra, backward=True)
+        facts.segments.append(segs)
     return facts
+
+
+def _one_unit(unit, cost: CostModel, stage: int, seq_len) -> tuple:
+    """:func:`_unit_facts` of one unit: (context bytes, K/V added, sequences freed, tokens,
+    forward and backward working bounds, segments)."""
+    extra = cost.context_bytes_per_layer(unit.segments)
+    kv_adds, frees = [], []
+    t = 0
+    for seg in unit.segments:
+        m = seg.end - seg.start
+        t += m
+        if seg.end < seq_len[seg.seq]:
+            kv_adds.append((seg.seq, cost.kv_bytes(stage, m)))
+        if seg.start == 0:
+            frees.append(seg.seq)  # the first slice's backward is the sequence's last
+    if phase_model(cost) is None:
+        work = (cost.working_bytes(stage, t, 0, backward=False), cost.working_bytes(stage, t, 1, backward=True))
+    else:  # the phase model's bound over every checkpoint mix (exact values: point_values)
+        work = (cost.working.bound(stage, t, extra, backward=False), cost.working.bound(stage, t, extra, backward=True))
+    return extra, kv_adds, frees, t, work[0], work[1], unit.segments
 
 
 def _kv_store(facts: _UnitFacts, slot: np.ndarray, fwd: np.ndarray) -> np.ndarray:
@@ -295,17 +315,24 @@ def _live_intervals(nu: int, slot: np.ndarray, fwd: np.ndarray) -> tuple[bool, n
     return False, None, None
 
 
-def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> StageTimeline:
-    """:class:`StageTimeline` of ``plan.stage_actions(dp_rank, stage)``."""
+def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
+                   cache: dict | None = None) -> StageTimeline:
+    """:class:`StageTimeline` of ``plan.stage_actions(dp_rank, stage)``.  ``cache``: a dict shared
+    by the calls for the rank views of one plan on one stage (each unit's facts computed once)."""
     _check_stage(plan, dp_rank, stage)
     actions = plan.stage_actions(dp_rank, stage)
     n = len(actions)
     units, slot, fwd = _slots(actions)
-    facts = _unit_facts(plan, cost, stage, units)
+    if cache is not None and "groups" not in cache:
+        cache["groups"] = unit_cost_map(plan, cost) if plan.sp_groups else {}
+    groups = cache["groups"] if cache is not None else unit_cost_map(plan, cost) if plan.sp_groups else {}
+    facts = _unit_facts(plan, cost, stage, units, groups, None if cache is None else cache.setdefault("facts", {}))
     work = np.where(fwd, facts.work_f[slot], facts.work_b[slot])
     base = cost.static_bytes(stage) + _kv_store(facts, slot, fwd) + work
     if phase_model(cost) is not None and n:
-        base = base + cost.working.pipeline_buffers(stage, fwd, facts.tokens[slot])
+        ranks = np.array([plan.sub_group(u).size for u in units.tolist()])[slot] if groups else None
+        base = base + cost.working.pipeline_buffers(stage, fwd, facts.tokens[slot], ranks)
     regular, fpos, bpos = _live_intervals(len(units), slot, fwd)
+    slot_costs = {k: groups[u] for k, u in enumerate(units.tolist()) if u in groups}
     return StageTimeline(actions, units, facts.tokens, slot, fwd, base, regular, facts.context_bytes,
-                         facts.segments, fpos, bpos)
+                         facts.segments, fpos, bpos, slot_costs)

@@ -47,12 +47,13 @@ class StageActivations:
 
     def __init__(self, spec: ModelSpec, profile: HardwareProfile, layout: LayoutSpec,
                  layers_per_stage: list[int], states: ShardedStates, *, loss_chunk_tokens: int = 4096,
-                 ulysses: UlyssesCost | None = None):
+                 ulysses: UlyssesCost | None = None, group_size: int | None = None):
         p = profile
         self.spec = spec
         self.profile = profile
         self.pp_degree = layout.pp_degree
-        self.sp_degree = layout.sp_degree
+        self.sp_degree = layout.sp_degree if group_size is None else group_size
+        """Ranks a unit's tokens are split over: the stage's SP group, or a sub-group of it."""
         self.layers_per_stage = layers_per_stage
         self.states = states
         self.loss_chunk_tokens = loss_chunk_tokens

@@ -100,7 +100,8 @@ class StageCompute:
     """Seconds of the actions of one stage, per GPU, for one model on one profile and layout."""
 
     def __init__(self, coefficients: ComputeCoefficients, profile: HardwareProfile, layout: LayoutSpec,
-                 layers_per_stage: list[int], states: ShardedStates, hidden_bytes_per_token: float):
+                 layers_per_stage: list[int], states: ShardedStates, hidden_bytes_per_token: float,
+                 group_size: int | None = None):
         c = self.coefficients = coefficients
         self.layer_fwd, self.layer_bwd = c.layer_fwd, c.layer_bwd
         self.head_fwd, self.head_bwd = c.head_fwd, c.head_bwd
@@ -108,7 +109,8 @@ class StageCompute:
         self.profile = profile
         self.layout = layout
         self.pp_degree = layout.pp_degree
-        self.sp_degree = layout.sp_degree
+        self.sp_degree = layout.sp_degree if group_size is None else group_size
+        """Ranks a unit's tokens are split over: the stage's SP group, or a sub-group of it."""
         self.layers_per_stage = layers_per_stage
         self.states = states
         self.hidden_bytes_per_token = hidden_bytes_per_token

@@ -31,6 +31,12 @@ from infinipipe_hf.planner.cost.working import WorkingMemory
 GIB = 1024**3
 
 
+def unit_cost_map(plan, cost: "CostModel") -> dict:
+    """Unit id -> the cost of the SP sub-group it runs on, for the units of ``plan`` that run on a
+    sub-group (:meth:`CostModel.for_group`); empty when every unit runs on the whole SP group."""
+    return {u: cost.for_group(g.size) for u, g in plan.sp_groups.items() if g.size != plan.sp_degree}
+
+
 class CostModel:
     """Times (seconds) and bytes of the actions of one stage, per GPU, for one model on one profile.
 
@@ -46,7 +52,8 @@ class CostModel:
                  layers_per_stage: Sequence[int] | None = None, memory_budget_bytes: float | None = None,
                  loss_chunk_tokens: int = 4096, reference_tokens: int = 4096, sp_degree: int = 1,
                  shard: str = "none", dp_degree: int = 1, gpus_per_node: int | None = None,
-                 state_precision: StatePrecision | None = None, grad_reduce: str = "step"):
+                 state_precision: StatePrecision | None = None, grad_reduce: str = "step",
+                 group_size: int | None = None):
         self.spec = spec
         self.profile = p = profile or default_profile()
         self.pp_degree = pp_degree
@@ -56,7 +63,12 @@ class CostModel:
         self.sp_degree = sp_degree
         self.shard = shard
         self.dp_degree = dp_degree
-        self.ulysses: UlyssesCost | None = UlyssesCost.of(spec, p, self.layout) if sp_degree > 1 else None
+        self.group_size = sp_degree if group_size is None else int(group_size)
+        """SP ranks a unit runs on: the whole SP group, or an aligned sub-group (:meth:`for_group`)."""
+        if self.group_size < 1 or sp_degree % self.group_size:
+            raise ValueError(f"group_size={group_size!r} must divide sp_degree={sp_degree}")
+        self.ulysses: UlyssesCost | None = (UlyssesCost.of(spec, p, self.layout, self.group_size)
+                                            if self.group_size > 1 else None)
         coefficients = ComputeCoefficients.of(spec, p, self.ulysses)
         if layers_per_stage is None:
             layers_per_stage = balanced_layer_split(spec.num_layers, pp_degree,
@@ -71,10 +83,31 @@ class CostModel:
             memory_budget_bytes = p.memory_gib * GIB
         self.memory_budget_bytes = float(memory_budget_bytes)
         self.acts = StageActivations(spec, p, self.layout, layers_per_stage, self.states,
-                                     loss_chunk_tokens=loss_chunk_tokens, ulysses=self.ulysses)
+                                     loss_chunk_tokens=loss_chunk_tokens, ulysses=self.ulysses,
+                                     group_size=self.group_size)
         self.compute = StageCompute(coefficients, p, self.layout, layers_per_stage, self.states,
-                                    self.acts.hidden_bytes_per_token)
+                                    self.acts.hidden_bytes_per_token, group_size=self.group_size)
         self._bind_parts(coefficients)
+        self._groups: dict[int, CostModel] = {self.group_size: self}
+
+    def for_group(self, size: int) -> "CostModel":
+        """The cost of a unit run on an aligned sub-group of ``size`` of the stage's SP ranks
+        (:mod:`infinipipe_hf.ir.rounds`): compute per GPU at ``ceil(T / size)`` tokens, Ulysses
+        all-to-alls within the sub-group (none for one rank), the same layer split, memory budget
+        and model states (sharded over the whole SP group with ``shard="sp"``).  Cached."""
+        size = int(size)
+        if size not in self._groups:
+            if size < 1 or self.sp_degree % size:
+                raise ValueError(f"an SP sub-group of {size} ranks does not divide sp_degree={self.sp_degree}")
+            lay = self.layout
+            self._groups[size] = CostModel(
+                self.spec, self.profile, pp_degree=self.pp_degree, layers_per_stage=self.layers_per_stage,
+                memory_budget_bytes=self.memory_budget_bytes, loss_chunk_tokens=self.loss_chunk_tokens,
+                sp_degree=self.sp_degree, shard=self.shard, dp_degree=self.dp_degree,
+                gpus_per_node=lay.gpus_per_node, state_precision=self.states.precision,
+                grad_reduce=self.states.grad_reduce, group_size=size)
+            self._groups[size]._groups = self._groups  # every member of the family finds the others
+        return self._groups[size]
 
     def _bind_parts(self, c: ComputeCoefficients) -> None:
         """The parts' figures as this object's own (callers and tests read them here)."""

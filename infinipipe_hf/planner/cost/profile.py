@@ -26,6 +26,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.planner.cost.calibration import Calibration
 
 PROFILE_FORMAT_VERSION = 1
 
@@ -136,6 +137,9 @@ class HardwareProfile:
     simulator then shares each core among its own busy ranks only.  False: the operating system
     moves ranks between cores, modelled as all cores shared among all busy ranks."""
     device: str = ""
+    calibration: Calibration = field(default_factory=Calibration)
+    """Whole-step mechanisms beyond the layer fit (collective overlap, per-group costs, ring steps;
+    :mod:`.calibration`); the default is the ideal machine."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Versions and notes recorded by the profiler (torch, transformers, GPU...)."""
 
@@ -146,6 +150,7 @@ class HardwareProfile:
         if not self.collective_latency_s >= 0:
             raise ValueError(f"profile field collective_latency_s must be >= 0, got {self.collective_latency_s!r}")
         check_working_fields(self.working_bytes_per_token)
+        object.__setattr__(self, "calibration", Calibration.from_dict(self.calibration))
         if not self.shared_cores >= 0:
             raise ValueError(f"profile field shared_cores must be >= 0 (0: a device per rank), got "
                              f"{self.shared_cores!r}")
@@ -176,6 +181,7 @@ class HardwareProfile:
                              f"{PROFILE_FORMAT_VERSION}); re-run python -m infinipipe_hf.profile")
         kw = dict(d)
         kw.pop("format_version", None)
+        kw["calibration"] = Calibration.from_dict(kw.get("calibration"))
         for key in ("layer_forward", "layer_backward", "head_forward", "head_backward"):
             kw[key] = TimeCoefficients(**kw[key])
         return HardwareProfile(**kw)
@@ -260,6 +266,14 @@ def default_profile() -> HardwareProfile:
     data = json.loads(text)
     data.setdefault("name", "h100-bf16-default")
     return HardwareProfile.from_dict(data)
+
+
+@lru_cache(maxsize=1)
+def calibrated_profile() -> HardwareProfile:
+    """The shipped H100 profile with the calibration fitted on published measurements
+    (``profiles/h100_bf16_calibrated.json``, written by ``benchmarks/calibration.py``)."""
+    text = resources.files("infinipipe_hf.profiles").joinpath("h100_bf16_calibrated.json").read_text()
+    return HardwareProfile.from_dict(json.loads(text))
 
 
 def reference_spec(profile: HardwareProfile) -> ModelSpec:

@@ -49,10 +49,12 @@ exposed.  Benchmarks use it to show what per-step reduction costs in memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import LayoutSpec
+from infinipipe_hf.planner.cost.calibration import overlapped
 from infinipipe_hf.planner.cost.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
 from infinipipe_hf.planner.cost.profile import HardwareProfile
 
@@ -149,8 +151,10 @@ class ShardedStates:
             raise ValueError(f"grad_reduce={grad_reduce!r} is not known; use 'step' (reduce-scatter once "
                              f"per step, what the runtime does) or 'unit' (after every backward; a what-if)")
         self.grad_reduce = grad_reduce
+        self._peak: dict[int, float] = {}
         self.layout = layout
         self.precision = precision or StatePrecision.from_profile(profile)
+        self.calibration = profile.calibration
         pp = layout.pp_degree
         head_is_embedding = spec.tie_word_embeddings and pp == 1
         self.units = [stage_param_shapes(spec, n, embedding=s == 0, head=s == pp - 1,
@@ -174,11 +178,11 @@ class ShardedStates:
         self.allreduce_s = [all_reduce_time(sum(numel) * p.reduce_bytes_per_param, layout.replica_degree,
                                             rep_bw, lat) for numel in self.unit_numel]
 
-    @property
+    @cached_property
     def sharded(self) -> bool:
         return self.layout.shard_degree > 1
 
-    @property
+    @cached_property
     def gathers_per_step(self) -> bool:
         """The shard group spans DP replicas: parameters are gathered once per step, not per unit."""
         return self.sharded and self.layout.mode.per_step_gather
@@ -190,6 +194,11 @@ class ShardedStates:
 
     def peak_static_bytes(self, stage_index: int) -> float:
         """States alive during a step on one rank of the stage (module docstring)."""
+        if stage_index not in self._peak:
+            self._peak[stage_index] = self._peak_static_bytes(stage_index)
+        return self._peak[stage_index]
+
+    def _peak_static_bytes(self, stage_index: int) -> float:
         p = self.precision
         numel = self.unit_numel[stage_index]
         if not self.sharded:
@@ -209,10 +218,8 @@ class ShardedStates:
         gathers = self.gather_s[stage_index]
         if self.gathers_per_step:
             return compute_s  # gathered once when the step starts (gradient_sync_time counts it)
-        if backward and self.grad_reduce == "unit":
-            reduces = self.reduce_s[stage_index]
-            return max(gathers) + max(compute_s, sum(gathers) + sum(reduces)) + max(reduces)
-        return max(gathers) + max(compute_s, sum(gathers))
+        reduces = self.reduce_s[stage_index] if backward and self.grad_reduce == "unit" else ()
+        return overlapped(compute_s, gathers, reduces, self.calibration)
 
     def gradient_sync_time(self, stage_index: int, last_backward_s: float) -> float:
         """Exposed seconds of the step's gradient reduction after the stage's last backward (and,

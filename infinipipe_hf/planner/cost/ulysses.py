@@ -84,12 +84,20 @@ class UlyssesCost:
         check_sp_degree(self.spec, self.sp_degree)
 
     @staticmethod
-    def of(spec: ModelSpec, profile: HardwareProfile, layout: LayoutSpec) -> "UlyssesCost":
-        crosses = layout.sp_crosses_nodes
-        return UlyssesCost(spec, layout.sp_degree, profile.bytes_per_element,
+    def of(spec: ModelSpec, profile: HardwareProfile, layout: LayoutSpec, group_size: int | None = None) -> "UlyssesCost":
+        """Ulysses over a stage's whole SP group, or over its aligned sub-groups of ``group_size``
+        ranks (:mod:`infinipipe_hf.ir.rounds`; a sub-group of ``g`` ranks starts at a multiple of ``g``)."""
+        g = layout.sp_degree if group_size is None else int(group_size)
+        if g == layout.sp_degree:
+            groups = layout.sp_groups()
+            crosses = layout.sp_crosses_nodes
+        else:
+            groups = [[layout.rank(d, s, o + i) for i in range(g)] for d in range(layout.dp_degree)
+                      for s in range(layout.pp_degree) for o in range(0, layout.sp_degree, g)]
+            crosses = layout.crosses_nodes(groups)
+        return UlyssesCost(spec, g, profile.bytes_per_element,
                            profile.intra_node_bandwidth_bytes_per_s, profile.inter_node_bandwidth_bytes_per_s,
-                           profile.collective_latency_s,
-                           layout.ranks_per_node(layout.sp_groups()) if crosses else layout.sp_degree)
+                           profile.collective_latency_s, layout.ranks_per_node(groups) if crosses else g)
 
     # --- heads and bytes -------------------------------------------------------------------
     @property

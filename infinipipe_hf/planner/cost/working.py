@@ -143,7 +143,8 @@ class WorkingMemory:
             worst = max(self._logits(stage, t), t * max(self.forward.values()) + ctx)
         return worst + self._unit_extra(t)
 
-    def pipeline_buffers(self, stage: int, forward: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def pipeline_buffers(self, stage: int, forward: np.ndarray, tokens: np.ndarray,
+                         ranks: np.ndarray | None = None) -> np.ndarray:
         """Per action of a stage, the executor's hidden-state buffers beside the running one's input
         and output: the receive buffers posted for the next :data:`RECEIVE_LOOKAHEAD` actions, and
         on a non-last stage the output of every unit forwarded and not yet backward (the runner
@@ -151,10 +152,11 @@ class WorkingMemory:
         Not counted: input gradients sent back, which the executor holds until the schedule
         proves them received (``runtime/parallel/send_release.py``: the previous stage's next forward
         arriving, usually a few actions).  ``forward`` and ``tokens`` are per action (tokens of
-        its unit)."""
+        its unit; ``ranks``: per action, the ranks its unit runs on when they differ from
+        ``sp_degree``, SP sub-groups)."""
         c = self.acts
         n = len(forward)
-        per = -(-tokens.astype(np.int64) // c.sp_degree) * c.hidden_bytes_per_token
+        per = -(-tokens.astype(np.int64) // (c.sp_degree if ranks is None else ranks)) * c.hidden_bytes_per_token
         first, last = stage == 0, stage == c.pp_degree - 1
         recv = np.where(forward, 0.0 if first else 1.0, 0.0 if last else 1.0) * per
         ahead = np.zeros(n)

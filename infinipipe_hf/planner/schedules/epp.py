@@ -7,6 +7,12 @@ because a full plan costs far more than an estimate.  Candidates are compared wi
 checkpoint solve on whole layers; the winner alone gets the finer levels and the LP/MILP
 (:mod:`infinipipe_hf.planner.search.finish`).  Warm-up on stage ``r``: ``(pp - 1 - r) + (N - 1)``
 forwards, ``N`` the slice count of the pipeline's first sequence.
+
+Elastic SP rounds (``PipelineContext.sp_rounds``, at ``sp_degree > 1``): the same knob settings
+are ranked again with short sequences regrouped onto SP sub-groups in rounds
+(:mod:`infinipipe_hf.planner.batch.sub_groups`, :mod:`.round_pipeline`), and the best few of those
+are planned after the whole-group candidates, so the search with rounds contains the search
+without them and keeps whichever plan simulates faster.
 """
 from __future__ import annotations
 
@@ -17,18 +23,11 @@ from typing import Iterator, Sequence
 
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Unit
-from infinipipe_hf.planner.batch.elastic import make_elastic_units
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.schedules.base import Candidate, Knobs, SearchState
-from infinipipe_hf.planner.schedules.estimate import PipelineEstimator
+from infinipipe_hf.planner.schedules.epp_units import epp_units
 from infinipipe_hf.planner.schedules.grids import MIN_SLICE_TOKENS, slice_count_candidates, token_floor_candidates
-from infinipipe_hf.planner.schedules.grouping import (
-    MAX_GROUPING_BLOCKS,
-    blocks_by_slice_count,
-    group_pipelines,
-    merge_blocks,
-)
 from infinipipe_hf.planner.schedules.pipeline import epp_warmup, replica_actions
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext, PipelineSchedule
 
@@ -36,6 +35,12 @@ EXACT_CANDIDATES = 3
 """Knob settings planned and simulated exactly, best estimates first."""
 MAX_EXACT_CANDIDATES = 8
 """When the best estimates do not fit, a few more are tried."""
+ROUND_CANDIDATES = 4
+"""Whole-group settings, best estimates first, staged again with SP rounds."""
+ROUND_TOKEN_FLOORS = (6144, 10240, 12288)
+"""Unit token floors per GPU also tried with SP rounds (next to the grid's 4K, 8K and 16K): a
+round's tokens per rank trade FSDP gathers and kernel overheads against recompute, and the
+optimum falls between the grid's points (docs/results.md)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class EPPKnobs(Knobs):
     always_planned: bool = False
     """Planned whatever the search has found (the unsliced candidate, see ``_ranked``)."""
     unit_token_floor: int | None = None
+    sp_rounds: bool = False
+    """Short sequences on SP sub-groups in rounds (:mod:`infinipipe_hf.planner.batch.sub_groups`)."""
 
     def record(self) -> dict:
         d = {"num_slices": self.num_slices, "estimate_s": self.estimate_s}
@@ -52,6 +59,8 @@ class EPPKnobs(Knobs):
             d["always_planned"] = True
         if self.unit_token_floor:
             d["unit_token_floor"] = self.unit_token_floor
+        if self.sp_rounds:
+            d["sp_rounds"] = True
         return d
 
 
@@ -59,6 +68,7 @@ class EPPSchedule(PipelineSchedule):
     name = "epp"
     one_tail_per_unit = True
     reference = True
+    elastic_sp_rounds = True
 
     def checkpoint_policy(self, requested: str) -> str:
         return requested
@@ -69,9 +79,17 @@ class EPPSchedule(PipelineSchedule):
 
     def candidates(self, ctx: PipelineContext, state: SearchState) -> Iterator[Candidate]:
         ranked, moved = _ranked(ctx)
+        yield from self._planned(ctx, state, ranked, moved, False)
+        if ctx.sp_rounds:
+            yield from self._planned(ctx, state, *_ranked_with_rounds(ctx, ranked), True)
+
+    def _planned(self, ctx: PipelineContext, state: SearchState, ranked: list, moved: bool,
+                 rounds: bool) -> Iterator[Candidate]:
+        """The best few of ``ranked`` (``_ranked``), and the moved unsliced one."""
+        before = len(state.tried)
         for i, (est, k, floor, staged) in enumerate(ranked[:MAX_EXACT_CANDIDATES]):
-            knobs = EPPKnobs(k, est, moved and i == EXACT_CANDIDATES, floor)
-            if state.best is not None and len(state.tried) >= EXACT_CANDIDATES and not knobs.always_planned:
+            knobs = EPPKnobs(k, est, moved and i == EXACT_CANDIDATES, floor, rounds)
+            if state.best is not None and len(state.tried) - before >= EXACT_CANDIDATES and not knobs.always_planned:
                 return  # ranked by the estimate: later candidates rarely win and each costs a full plan
             yield Candidate(knobs, partial(self.plan, ctx.lengths, ctx.replicas, ctx.cost, k, floor, staged,
                                            ctx.policy, ctx.time_limit_s))
@@ -88,17 +106,26 @@ class EPPSchedule(PipelineSchedule):
         info = {"num_slices": k, "token_budget": [], "balance": []}
         if floor:
             info["unit_token_floor"] = floor
-        for dp_rank, (res, pipelines, _) in enumerate(staged):
-            if res is None:
+        sp_groups, rounds = {}, []
+        for dp_rank, st in enumerate(staged):
+            if st.res is None:
                 actions[dp_rank] = [[] for _ in range(cost.pp_degree)]
                 continue
-            info["token_budget"].append(res.token_budget)
-            info["balance"].append(round(res.balance(), 4))
-            part_units, actions[dp_rank] = replica_actions(lengths, cost, pipelines, dp_rank,
-                                                           partial(self.warmup, cost.pp_degree))
+            info["token_budget"].append(st.res.token_budget)
+            info["balance"].append(round(st.res.balance(), 4))
+            warm = partial(self.warmup, cost.pp_degree)
+            if st.items is None:
+                part_units, actions[dp_rank] = replica_actions(lengths, cost, st.pipelines, dp_rank, warm)
+                rounds.extend([u.id] for u in part_units)  # each unit its own round, on the whole group
+            else:
+                part_units, actions[dp_rank] = st.items.actions(lengths, cost, st.pipelines, dp_rank, warm)
+                sp_groups.update(st.items.rounded.sp_groups)
+                rounds.extend(st.items.rounded.rounds)
             units.extend(part_units)
         plan = Plan(self.name, cost.pp_degree, len(replicas), list(lengths), units, actions, {},
                     list(cost.layers_per_stage), info, cost.sp_degree, cost.shard)
+        if sp_groups:
+            _add_rounds(plan, sp_groups, rounds)
         # Candidates are compared with the greedy on whole layers and diagonal-shared counts: the
         # cheapest solve, and a fair ranking since every candidate gets the same.
         sol = solve_checkpointing(plan, cost, policy="greedy" if policy == "adaptive" else policy,
@@ -124,7 +151,34 @@ def _ranked(ctx: PipelineContext) -> tuple[list, bool]:
                 staged = epp_units(lengths, ctx.replicas, cost, k, ctx.max_tokens_per_unit, floor)
             except ValueError:
                 continue
-            ranked.append((max(est for _, _, est in staged), k, floor, staged))
+            ranked.append((max(st.estimate for st in staged), k, floor, staged))
+    return _ordered(ranked)
+
+
+def _ranked_with_rounds(ctx: PipelineContext, whole: list) -> tuple[list, bool]:
+    """:func:`_ranked` with SP rounds: the best ``ROUND_CANDIDATES`` whole-group settings, the
+    unsliced one and the ``ROUND_TOKEN_FLOORS``, staged with rounds (settings where no replica
+    forms a round are dropped: their whole-group candidate covers them)."""
+    lengths, cost = ctx.lengths, ctx.cost
+    settings = [(k, floor, staged) for est, k, floor, staged in whole if not math.isinf(est)][:ROUND_CANDIDATES]
+    settings += [(k, f, st) for _, k, f, st in whole if (k, f) == (1, None) and (k, f, st) not in settings]
+    seen = {(k, f) for _, k, f, _ in whole}
+    if ctx.max_tokens_per_unit is None and 1 in slice_count_candidates(lengths, ctx.num_slices, cost.sp_degree):
+        settings += [(1, p * cost.sp_degree, None) for p in ROUND_TOKEN_FLOORS
+                     if max(lengths) < p * cost.sp_degree < sum(lengths) and (1, p * cost.sp_degree) not in seen]
+    ranked = []
+    for k, floor, staged in settings:
+        try:
+            rounds = epp_units(lengths, ctx.replicas, cost, k, ctx.max_tokens_per_unit, floor, True, staged)
+        except ValueError:
+            continue
+        if any(st.items is not None for st in rounds):
+            ranked.append((max(st.estimate for st in rounds), k, floor, rounds))
+    return _ordered(ranked)
+
+
+def _ordered(ranked: list) -> tuple[list, bool]:
+    """``ranked`` best estimate first, and whether the unsliced candidate was moved up."""
     # Among candidates the estimate calls infeasible, more slices (less memory) go first.
     ranked.sort(key=lambda r: (r[0], -r[1] if math.isinf(r[0]) else r[1]))
     # The unsliced candidate (whole sequences, as the packing baselines run) is always planned:
@@ -136,24 +190,15 @@ def _ranked(ctx: PipelineContext) -> tuple[list, bool]:
     return ranked, moved
 
 
-def epp_units(lengths, replicas, cost, k, max_tokens_per_unit, floor):
-    """Per replica: (slicing result, pipelines of units, estimated time)."""
-    staged = []
-    next_id = 0
-    for seqs in replicas:
-        if not seqs:
-            staged.append((None, [], 0.0))
-            continue
-        res = make_elastic_units(lengths, cost, k, seqs=seqs, max_tokens_per_unit=max_tokens_per_unit,
-                                 first_unit_id=next_id, min_token_budget=floor)
-        next_id += len(res.units)
-        per_id = {u.id: u for u in res.units}
-        blocks = blocks_by_slice_count(res.units, res.slice_counts)
-        if len(blocks) > MAX_GROUPING_BLOCKS:
-            blocks = merge_blocks(blocks, MAX_GROUPING_BLOCKS)
-        estimator = PipelineEstimator(res.units, cost, lengths)
-        groups = group_pipelines(blocks, estimator.time_of_ids)
-        pipelines = [[per_id[i] for i in ids] for ids in groups]
-        est = sum(estimator.time_of_ids(ids) for ids in groups)
-        staged.append((res, pipelines, est))
-    return staged
+def _add_rounds(plan: Plan, sp_groups: dict, rounds: list[list[int]]) -> None:
+    """Give ``plan`` its SP sub-groups and rounds, and say in its info what the rounds look like."""
+    plan.sp_groups = dict(sorted(sp_groups.items()))
+    plan.rounds = [list(r) for r in rounds]
+    sizes: dict[int, int] = {}
+    for members in rounds:
+        for u in members:
+            g = plan.sub_group(u).size
+            sizes[g] = sizes.get(g, 0) + 1
+    plan.info["sp_rounds"] = {"rounds": len(rounds), "units_per_group_size": {str(g): n for g, n in sorted(sizes.items())},
+                              "single_gpu_units": sizes.get(1, 0),
+                              "mixed_rounds": sum(1 for r in rounds if len(r) > 1)}

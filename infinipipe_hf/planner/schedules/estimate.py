@@ -12,8 +12,9 @@ run of units with a few numpy prefix-sum operations:
 In steady 1F1B a stage keeps a constant number of units in flight (its warm-up plus one); the
 first and last stages bound the memory pressure.  A chain's K/V stays until its first slice's
 backward, so every chain touching a window holds all its forwarded K/V.  Relieving a window costs
-its average recompute per byte saved by checkpointing.  The estimate only ranks candidates: every
-plan that is kept is solved and simulated exactly.
+its average recompute per byte saved by checkpointing.  With SP rounds the units priced are the
+rounds (``members``), each at its slowest and most memory-hungry unit.  The estimate only ranks
+candidates: every plan that is kept is solved and simulated exactly.
 """
 from __future__ import annotations
 
@@ -33,28 +34,29 @@ SAFETY = 0.95
 class PipelineEstimator:
     """Prices contiguous runs ``units[a:b]`` of one replica's units in forward order."""
 
-    def __init__(self, units: Sequence[Unit], cost: CostModel, lengths: Sequence[int]):
+    def __init__(self, units: Sequence[Unit], cost: CostModel, lengths: Sequence[int],
+                 members: dict[int, list[tuple[Unit, CostModel]]] | None = None):
         self.cost = cost
         self.units = list(units)
         self.position = {u.id: i for i, u in enumerate(self.units)}
         pp = cost.pp_degree
-        shapes = [UnitShape.of(u.segments) for u in self.units]
         self.chain_start = _chain_starts(self.units, lengths)
         chain_len: dict[int, int] = {}
         for start in self.chain_start:
             chain_len[start] = chain_len.get(start, 0) + 1
         self.chain_len = chain_len
-        totals = [cost.slowest_stage_time(sh) for sh in shapes]
+        each = _Each(self.units, cost, members)
+        totals = each(lambda c, u, sh: c.slowest_stage_time(sh))
         self.total_prefix = np.concatenate([[0.0], np.cumsum(totals)])
         self.stages = sorted({0, pp - 1})
         self.per_stage = {}
         for st in self.stages:
             layers = cost.num_layers(st)
-            act = [cost.unit_activation_bytes(st, u.segments, 0) for u in self.units]
-            kv = [cost.kv_bytes(st, sum(s.length for s in u.segments if s.end < lengths[s.seq])) for u in self.units]
-            save = [cost.unit_checkpoint_saving(st, u.segments) * layers for u in self.units]
-            redo = [cost.recompute_time(st, sh, layers) for sh in shapes]
-            work = [cost.working_bytes(st, u.num_tokens, 1, backward=True) for u in self.units]
+            act = each(lambda c, u, sh: c.unit_activation_bytes(st, u.segments, 0))
+            kv = each(lambda c, u, sh: c.kv_bytes(st, sum(s.length for s in u.segments if s.end < lengths[s.seq])))
+            save = each(lambda c, u, sh: c.unit_checkpoint_saving(st, u.segments) * layers)
+            redo = each(lambda c, u, sh: c.recompute_time(st, sh, layers))
+            work = each(lambda c, u, sh: c.working_bytes(st, u.num_tokens, 1, backward=True))
             self.per_stage[st] = (
                 np.concatenate([[0.0], np.cumsum(act)]), np.concatenate([[0.0], np.cumsum(kv)]),
                 np.concatenate([[0.0], np.cumsum(save)]), np.concatenate([[0.0], np.cumsum(redo)]),
@@ -100,6 +102,25 @@ class PipelineEstimator:
         # Windows overlap: the worst one, spread over the pipeline's length, approximates the
         # recompute on the critical path.
         return worst * (b - a) / width
+
+
+class _Each:
+    """A per-unit figure of every unit; with SP rounds (``members``: round -> its units and their
+    sub-group costs) a round's is the largest of its units' (they run side by side, and the
+    busiest rank's memory bounds the stage's)."""
+
+    def __init__(self, units: list[Unit], cost: CostModel, members):
+        self.units, self.cost, self.members = units, cost, members
+        if members is None:
+            self.shapes = [UnitShape.of(u.segments) for u in units]
+        else:
+            self.shapes = {m.id: UnitShape.of(m.segments) for ms in members.values() for m, _ in ms}
+
+    def __call__(self, fn) -> list[float]:
+        """``fn(cost, unit, shape)`` per unit (or the max over a round's units)."""
+        if self.members is None:
+            return [fn(self.cost, u, sh) for u, sh in zip(self.units, self.shapes)]
+        return [max(fn(c, m, self.shapes[m.id]) for m, c in self.members[u.id]) for u in self.units]
 
 
 def pipeline_time_estimate(units: Sequence[Unit], cost: CostModel, lengths: Sequence[int]) -> float:

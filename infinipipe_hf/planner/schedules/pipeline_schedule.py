@@ -33,12 +33,16 @@ class PipelineContext:
     num_slices: Sequence[int] | None = None
     """Slice counts the caller restricts the search to (EPP's longest sequence, seq1f1b's uniform)."""
     time_limit_s: float = 0.25
+    sp_rounds: bool = False
+    """Also plan short sequences on SP sub-groups in rounds (EPP at ``sp_degree > 1``)."""
 
 
 class PipelineSchedule(Schedule):
     """A schedule whose plan is per-stage action lists of 1F1B pipelines (module docstring)."""
 
     kind = PIPELINE
+    elastic_sp_rounds: ClassVar[bool] = False
+    """At ``sp_degree > 1`` the schedule can run units on SP sub-groups in rounds (``sp_rounds``)."""
     static_packing: ClassVar[bool] = False
     """A run can fix its packing length (and slice count) once: ``static_pipeline_baseline``."""
 

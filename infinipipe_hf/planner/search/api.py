@@ -42,7 +42,8 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
               checkpointing: str = "adaptive", loss_chunk_tokens: int = 4096,
               solver_time_limit_s: float = 0.25, cost: CostModel | None = None, sp_degree: int = 1,
               shard: str = "none", gpus_per_node: int | None = None,
-              checkpoint_levels: Sequence[str] = FINER_LEVELS, checkpoint_sharing: str = "cell") -> PlanResult:
+              checkpoint_levels: Sequence[str] = FINER_LEVELS, checkpoint_sharing: str = "cell",
+              sp_rounds: bool | None = None) -> PlanResult:
     """Plan one training step of ``lengths`` (one global batch) with the pipeline ``schedule``.
 
     ``sp_degree``, ``shard`` and ``gpus_per_node`` describe the layout (see ``CostModel``); a
@@ -54,6 +55,8 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     whole layers (``()`` for whole layers only); ``checkpoint_sharing``: ``cell`` (a count per
     stage and unit) or ``diagonal`` (shared along backward diagonals, the paper's formulation);
     see docs/checkpoint_levels.md.  Baselines keep their static whole-layer setting.
+    ``sp_rounds``: elastic SP rounds (short sequences on SP sub-groups, docs/algorithms.md);
+    ``None`` uses them whenever the schedule has them and ``sp_degree > 1`` (:func:`resolve_sp_rounds`).
     """
     t0 = time.perf_counter()
     if schedule not in PIPELINE_SCHEDULES:
@@ -71,8 +74,9 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
         _check_cost_layout(cost, pp_degree, dp_degree, sp_degree, shard)
     replicas = assign_sequences(lengths, dp_degree, cost)
     sched = SCHEDULES[schedule]
+    rounds = resolve_sp_rounds(sp_rounds, cost.sp_degree, schedule)
     ctx = PipelineContext(lengths, replicas, cost, sched.checkpoint_policy(checkpointing), max_tokens_per_unit,
-                          num_slices, solver_time_limit_s)
+                          num_slices, solver_time_limit_s, rounds)
     return finish_pipeline(sched, ctx, run_search(sched, ctx), t0, levels, checkpoint_sharing)
 
 
@@ -119,6 +123,31 @@ def plan_rounds(schedule: str, lengths: list[int], cost: FlatCost, *, checkpoint
         return PlanResult(schedule, None, None, False, error, elapsed, state.tried, world_size=cost.world_size)
     plan, sim = state.best
     return PlanResult(schedule, plan, sim, True, None, elapsed, state.tried, world_size=cost.world_size)
+
+
+def resolve_sp_rounds(asked: bool | None, sp_degree: int, schedule: str = "epp") -> bool:
+    """Whether a plan uses elastic SP rounds: ``asked`` when given (``ValueError`` when it cannot be
+    honoured: one rank per stage, an SP degree that is not a power of two, a schedule without
+    rounds), else whenever the schedule has them and ``sp_degree`` is a power of two above 1."""
+    has = getattr(SCHEDULES.get(schedule), "elastic_sp_rounds", False)
+    possible = sp_degree > 1 and sp_degree & (sp_degree - 1) == 0
+    if asked is None:
+        return bool(has and possible)
+    if not isinstance(asked, bool):
+        raise ValueError(f"sp_rounds must be True, False or None (automatic), got {asked!r}")
+    if asked and sp_degree == 1:
+        raise ValueError("sp_rounds=True asks for elastic SP rounds, which split each stage's SP ranks into "
+                         "sub-groups, but sp_degree=1 gives a stage one rank; set sp_degree >= 2 (a power of two) "
+                         "or leave sp_rounds unset")
+    if asked and not possible:
+        raise ValueError(f"sp_rounds=True needs sp_degree a power of two (aligned sub-groups of 1, 2, 4... "
+                         f"ranks tile the stage), got sp_degree={sp_degree}; use sp_degree in 2, 4, 8, 16... "
+                         f"or sp_rounds=False")
+    if asked and not has:
+        with_rounds = [n for n, s in SCHEDULES.items() if getattr(s, "elastic_sp_rounds", False)]
+        raise ValueError(f"sp_rounds=True: schedule={schedule!r} runs every unit on the whole SP group; elastic "
+                         f"SP rounds are {', '.join(with_rounds)}'s, or leave sp_rounds unset")
+    return asked
 
 
 def _check_checkpointing(checkpointing: str, checkpoint_levels: Sequence[str], sharing: str) -> tuple[str, ...]:

@@ -69,9 +69,9 @@ def infeasible_message(lengths: list[int], cost: CostModel, schedule: str, last_
     if longest > limit:
         seq = lengths.index(longest)
         more = "sp_degree, " if cost.sp_degree < cost.spec.num_attention_heads else ""
-        return (f"sequence {seq} of {longest} tokens cannot fit in {budget:.1f} GiB per GPU even fully "
+        return (f"sequence {seq} of {longest} tokens cannot fit in {budget:.3g} GiB per GPU even fully "
                 f"checkpointed and cut into {max(DEFAULT_SLICE_COUNTS)} slices; the largest that fits is "
                 f"{limit} tokens: split or truncate longer documents, raise pp_degree, {more}or raise the memory budget")
-    return (f"no {schedule} plan fits {budget:.1f} GiB per GPU for this batch "
+    return (f"no {schedule} plan fits {budget:.3g} GiB per GPU for this batch "
             f"({len(lengths)} sequences, {sum(lengths)} tokens, longest {longest}); "
             f"last candidate said: {last_error}; use fewer tokens per step or schedule='epp'")

@@ -1,6 +1,7 @@
 """``PlanResult``: the outcome of planning one step with one schedule, pipeline or not."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,22 @@ class PlanResult:
     """Model-state sharding a pipeline plan (or the failed search) was costed for."""
     world_size: int = 1
     """GPUs an alternative was planned for."""
+    label: str | None = None
+    """How tables name this result when the schedule appears twice (``epp (whole-group SP)``)."""
+
+    @property
+    def name(self) -> str:
+        return self.label or self.schedule
+
+    @property
+    def file_name(self) -> str:
+        """``name`` as a file-name part (``epp-whole-group-sp``)."""
+        return re.sub(r"[^A-Za-z0-9.]+", "-", self.name).strip("-")
 
     def summary(self) -> dict:
-        """The ``--json`` object of the planner CLI (docs/contracts.md), as the schedule reports it."""
-        return get_schedule(self.schedule).summary(self)
+        """The ``--json`` object of the planner CLI (docs/contracts.md), as the schedule reports it
+        (with ``label`` when set)."""
+        d = get_schedule(self.schedule).summary(self)
+        if self.label:
+            d["label"] = self.label
+        return d

@@ -1,11 +1,12 @@
 """Validator: reject a bad plan before it runs, with the stage-by-time grid and the culprit marked.
 
 Design: checks run from the data outwards -- structure, token coverage, placement of sequences,
-per-stage action completeness, forward-before-backward, slice order, send/receive pairing between
-neighbouring stages, deadlock freedom (a dependency replay must finish), checkpoint counts,
-memory -- and the first failure raises :class:`PlanValidationError`.  Each check knows which
-action is to blame, so the message carries the grid of that DP replica (:mod:`~infinipipe_hf.planner.simulate.grid`) with the
-action printed ``[B7]!``.  Later checks rely on earlier ones (the replay assumes complete, paired
+SP rounds (:mod:`.round_checks`), per-stage action completeness, forward-before-backward, slice
+order, send/receive pairing between neighbouring stages, deadlock freedom (a dependency replay
+must finish), checkpoint counts, memory (the busiest SP rank's) -- and the first failure raises
+:class:`PlanValidationError`.  Each check knows which action is to blame, so the message carries
+the grid of that DP replica (:mod:`~infinipipe_hf.planner.simulate.grid`) with the action
+printed ``[B7]!``.  Later checks rely on earlier ones (the replay assumes complete, paired
 lists), which is why they stop at the first failure rather than collect every problem.
 
 Trade-off: one pass per check over all actions (linear in the plan) instead of one fused pass;
@@ -18,11 +19,14 @@ from typing import Sequence
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import FINER_LEVELS
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.rank_views import rank_classes, rank_view
 from infinipipe_hf.ir.units import Segment, Unit
 from infinipipe_hf.layout import SHARD_MODES
 from infinipipe_hf.planner.checkpointing.points import memory_points, point_bytes, stage_peak_bytes
+from infinipipe_hf.planner.checkpointing.timeline import stage_timeline
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.registry import SCHEDULES
+from infinipipe_hf.planner.search import round_checks
 from infinipipe_hf.planner.simulate.grid import format_grid, slot_replay
 
 
@@ -55,7 +59,7 @@ class _Checker:
     def fail(self, problem: str, dp_rank: int | None = None, marks: Sequence[tuple[int, int]] = ()) -> None:
         grid = ""
         if dp_rank is not None and dp_rank in self.plan.actions:
-            grid = format_grid(self.plan.actions[dp_rank], marks, dp_rank=dp_rank)
+            grid = format_grid(self.plan.actions[dp_rank], marks, dp_rank=dp_rank, sub_groups=self.plan.sp_groups)
         raise PlanValidationError(f"invalid {self.plan.schedule!r} plan: {problem}", grid, dp_rank, marks)
 
     def fail_unit(self, problem: str, unit: Unit, kind: str = "F", stage: int = 0) -> None:
@@ -64,18 +68,28 @@ class _Checker:
         marks = [(stage, i) for i, a in enumerate(acts[stage]) if a == Action(kind, unit.id)] if stage < len(acts) else []
         self.fail(problem, unit.dp_rank, marks[:1])
 
+    def report(self, problem: round_checks.Problem) -> None:
+        """Fail with a check's ``(problem, dp_rank, marks)`` unless it is None."""
+        if problem is not None:
+            self.fail(*problem)
+
     # --- checks --------------------------------------------------------------------------
     def run(self) -> None:
         self.structure()
         self.coverage()
         self.placement()
         self.tail_slices()
+        self.report(round_checks.rounds_structure(self.plan))
+        self.report(round_checks.one_group_per_sequence(self.plan))
         for r in sorted(self.plan.actions):
             self.completeness(r)
+            if self.plan.rounds:
+                self.report(round_checks.contiguous_rounds(self.plan, r))
             self.slice_order(r)
             self.pairing(r)
             self.deadlock(r)
         self.checkpoints()
+        self.report(round_checks.one_mix_per_round(self.plan))
         if self.check_memory and self.cost is not None:
             for r in sorted(self.plan.actions):
                 self.memory(r)
@@ -285,11 +299,16 @@ class _Checker:
             peak = stage_peak_bytes(plan, cost, r, s, ck, checkpoint_levels=levels)
             if peak <= budget:
                 continue
-            # Only on failure: find the action at the peak to mark it.
-            points = memory_points(plan, cost, r, s)
-            worst = max(points, key=lambda p: point_bytes(p, plan, cost, s, ck, levels))
-            a = plan.stage_actions(r, s)[worst.action_index]
+            # Only on failure: find the action at the peak (on the busiest SP rank) to mark it.
+            cache: dict = {}
+            view = max((rank_view(plan, rank) for rank in rank_classes(plan)),
+                       key=lambda v: stage_peak_bytes(v, cost, r, s, ck, checkpoint_levels=levels,
+                                                      timeline=stage_timeline(v, cost, r, s, cache)))
+            points = memory_points(view, cost, r, s)
+            worst = max(points, key=lambda p: point_bytes(p, view, cost, s, ck, levels))
+            a = view.stage_actions(r, s)[worst.action_index]
+            worst_index = plan.stage_actions(r, s).index(a)
             gib = 1024 ** 3
             self.fail(f"stage {s} of dp replica {r} needs {peak / gib:.2f} GiB at {a} "
                       f"({len(worst.live_units)} units live), over the budget of {budget / gib:.2f} GiB; "
-                      f"checkpoint more layers, use smaller units or more pipelines", r, [(s, worst.action_index)])
+                      f"checkpoint more layers, use smaller units or more pipelines", r, [(s, worst_index)])

@@ -5,19 +5,25 @@ from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import CheckpointMix
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.planner.cost.compute import UnitShape
-from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.cost.model import CostModel, unit_cost_map
 
 
 class ActionCosts:
     """What the replay charges each action of ``plan``: its compute (``duration``: the cost
     model's forward or backward with the plan's checkpointing), the delay of its input
     (``transfer``), and on shared cores its work there (``shared_work``: the compute plus its share
-    of the CPU its point-to-point messages cost, half of each message it sends or receives)."""
+    of the CPU its point-to-point messages cost, half of each message it sends or receives).
 
-    def __init__(self, plan: Plan, cost: CostModel) -> None:
+    With SP rounds (``steps``, :mod:`.round_steps`) a replayed action is a whole round on the
+    stage: its slowest unit's compute and its largest transfer, each unit priced on its own
+    sub-group (``unit_duration``, ``unit_transfer``)."""
+
+    def __init__(self, plan: Plan, cost: CostModel, steps=None) -> None:
         self.plan, self.cost = plan, cost
         self.shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
         self.tokens = {u.id: u.num_tokens for u in plan.units}
+        self.groups = unit_cost_map(plan, cost) if plan.sp_groups else {}
+        self.steps = steps
 
     def _shape(self, uid: int) -> UnitShape:
         if uid not in self.shapes:
@@ -26,25 +32,47 @@ class ActionCosts:
         return self.shapes[uid]
 
     def duration(self, stage: int, a: Action) -> float:
+        if self.steps is not None:
+            return self.steps.step_duration(self.unit_duration, stage, a)
+        return self.unit_duration(stage, a)
+
+    def unit_duration(self, stage: int, a: Action) -> float:
         shape = self._shape(a.unit)
+        cost = self.groups.get(a.unit, self.cost)
         if a.is_forward:
-            return self.cost.forward_time(stage, shape)
-        t = self.cost.backward_time(stage, shape, self.plan.checkpointed(stage, a.unit))
+            return cost.forward_time(stage, shape)
+        t = cost.backward_time(stage, shape, self.plan.checkpointed(stage, a.unit))
         return t + self.finer_recompute(stage, a.unit)
+
+    def recompute(self, stage: int, uid: int) -> float:
+        """Seconds the unit's backward on the stage spends recomputing (whole layers and finer levels)."""
+        cost = self.groups.get(uid, self.cost)
+        return (cost.recompute_time(stage, self.shapes[uid], self.plan.checkpointed(stage, uid))
+                + self.finer_recompute(stage, uid))
 
     def finer_recompute(self, stage: int, uid: int) -> float:
         finer = self.plan.checkpoint_levels.get(stage, {}).get(uid)
-        return self.cost.levels.finer_recompute_s(self.shapes[uid], CheckpointMix.of(0, finer)) if finer else 0.0
+        cost = self.groups.get(uid, self.cost)
+        return cost.levels.finer_recompute_s(self.shapes[uid], CheckpointMix.of(0, finer)) if finer else 0.0
 
     def transfer(self, a: Action) -> float:
+        if self.steps is not None:
+            return self.steps.step_transfer(self.unit_transfer, a)
+        return self.unit_transfer(a)
+
+    def unit_transfer(self, a: Action) -> float:
         self._shape(a.unit)
-        return self.cost.transfer_time(self.tokens[a.unit])
+        return self.groups.get(a.unit, self.cost).transfer_time(self.tokens[a.unit])
 
     def message_cpu(self, stage: int, a: Action) -> float:
         """This action's half of the CPU of the messages it receives and sends (a forward receives
-        from the previous stage and sends to the next, a backward the other way round)."""
+        from the previous stage and sends to the next, a backward the other way round; a round:
+        its largest unit's, every rank sending its own)."""
         messages = (stage > 0) + (stage < self.plan.pp_degree - 1)
-        return 0.5 * messages * self.cost.message_cpu_time(self.tokens[a.unit])
+        if self.steps is None:
+            return 0.5 * messages * self.cost.message_cpu_time(self.tokens[a.unit])
+        return max(0.5 * messages * self.groups.get(u, self.cost).message_cpu_time(self.tokens[u])
+                   for u in self.steps.units(a.unit))
 
     def shared_work(self, stage: int, a: Action) -> float:
         return self.duration(stage, a) + self.message_cpu(stage, a)

@@ -22,7 +22,8 @@ then work at full speed, stretched while more ranks compute than there are cores
 Trade-off: the memory timeline records each action's *peak* from its start until the next
 action starts; idle gaps therefore show the previous peak rather than the lower resident level.
 That is conservative and is what decides feasibility; the exact shape between peaks is not
-modelled.  Communication is a pure delay (no contention, sends never block compute); only on
+modelled.  SP rounds (:mod:`.round_steps`): a stage's round is replayed as one step lasting as
+long as its slowest unit, and memory is the busiest SP rank's.  Communication is a pure delay (no contention, sends never block compute); only on
 shared cores does a message also cost CPU there (``p2p_cpu_s``: gloo's threads copy the bytes).
 """
 from __future__ import annotations
@@ -30,11 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.ir.rank_views import has_sub_groups
 from infinipipe_hf.planner.checkpointing.timeline import stage_timeline
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.simulate.action_costs import ActionCosts
 from infinipipe_hf.planner.simulate.replay import ReplayResult, replay
 from infinipipe_hf.planner.simulate.result import ActionEvent, SimulationResult
+from infinipipe_hf.planner.simulate.round_steps import RoundSteps
 from infinipipe_hf.planner.simulate.shared_replay import shared_replay
 
 
@@ -58,19 +61,24 @@ class _Totals:
 def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
     """Replay ``plan`` under ``cost``; raises :class:`PlanDeadlockError` if it cannot complete."""
     _check_cost(plan, cost)
-    costs = ActionCosts(plan, cost)
+    steps = RoundSteps(plan) if has_sub_groups(plan) else None
+    costs = ActionCosts(plan, cost, steps)
     p = plan.pp_degree
     totals = _Totals([0.0] * p)
     replicas = sorted(plan.actions)
-    shared = _shared_replays(plan, cost, costs, replicas)
+    lists = {r: plan.actions[r] if steps is None else steps.lists[r] for r in replicas}
+    shared = _shared_replays(plan, cost, costs, lists)
     for r in replicas:
-        stage_actions = plan.actions[r]
+        stage_actions = lists[r]
         rep = shared[r] if shared is not None else replay(stage_actions, costs.duration, costs.transfer)
         if not rep.complete:
             stuck = ", ".join(f"stage {s} at {stage_actions[s][i]} (#{i})" for s, i in rep.stuck(stage_actions))
             raise PlanDeadlockError(f"dp replica {r} deadlocks: {stuck} wait forever; run "
                                     f"validate(plan) for the stage-by-time grid")
-        _add_replica(plan, cost, costs, r, rep, totals)
+        if steps is None:
+            _add_replica(plan, cost, costs, r, rep, totals)
+        else:
+            _add_round_replica(plan, cost, costs, steps, r, rep, totals)
     step = totals.step
     capacity = step * p * plan.dp_degree
     bubble = 1.0 - totals.busy / capacity if capacity > 0 else 0.0
@@ -105,13 +113,15 @@ def _check_cost(plan: Plan, cost: CostModel) -> None:
 
 
 def _shared_replays(plan: Plan, cost: CostModel, costs: ActionCosts,
-                    replicas: list[int]) -> dict[int, ReplayResult] | None:
-    """Every replica's replay on the profile's shared cores, or None when ranks have a device each."""
+                    lists: dict[int, list]) -> dict[int, ReplayResult] | None:
+    """Every replica's replay of its stage lists ``lists`` on the profile's shared cores, or None
+    when ranks have a device each."""
     profile = getattr(cost, "profile", None)
     cores = float(getattr(profile, "shared_cores", 0.0) or 0.0)
     if not cores:
         return None
-    return dict(zip(replicas, shared_replay([plan.actions[r] for r in replicas], costs.shared_work,
+    replicas = sorted(lists)
+    return dict(zip(replicas, shared_replay([lists[r] for r in replicas], costs.shared_work,
                                             costs.transfer, cores=cores, ranks_per_stage=plan.sp_degree,
                                             pinned=bool(getattr(profile, "pinned_ranks", False)))))
 
@@ -119,33 +129,61 @@ def _shared_replays(plan: Plan, cost: CostModel, costs: ActionCosts,
 def _add_replica(plan: Plan, cost: CostModel, costs: ActionCosts, r: int, rep: ReplayResult,
                  totals: _Totals) -> None:
     """Add replica ``r``'s events, busy and recompute time, step end and memory to ``totals``."""
-    sync_time = getattr(cost, "gradient_sync_time", None)
-    shapes = costs.shapes
     for s, acts in enumerate(plan.actions[r]):
         for i, a in enumerate(acts):
-            rec = 0.0 if a.is_forward else (
-                cost.recompute_time(s, shapes[a.unit], plan.checkpointed(s, a.unit)) + costs.finer_recompute(s, a.unit))
+            rec = 0.0 if a.is_forward else costs.recompute(s, a.unit)
             totals.recompute += rec
             totals.busy += rep.end[s][i] - rep.start[s][i]
             totals.events.append(ActionEvent(r, s, str(a), rep.start[s][i], rep.end[s][i], rec))
-        if acts:
-            end = rep.end[s][-1]
-            last_b = max((i for i, a in enumerate(acts) if not a.is_forward), default=None)
-            if last_b is not None and sync_time is not None:
-                sync = sync_time(s, rep.end[s][last_b] - rep.start[s][last_b])
-                if sync:
-                    end += sync
-                    totals.sync = max(totals.sync, sync)
-            totals.step = max(totals.step, end)
+        _stage_end(cost, rep, s, acts, totals)
         values = _point_values(plan, cost, r, s)
-        totals.timeline[(r, s)] = [(rep.start[s][i], v) for i, v in enumerate(values)]
-        totals.peaks[s] = max(totals.peaks[s], max(values, default=cost.static_bytes(s)))
+        _add_memory(cost, r, s, rep, values, totals)
 
 
-def _point_values(plan: Plan, cost: CostModel, dp_rank: int, stage: int) -> list[float]:
+def _add_round_replica(plan: Plan, cost: CostModel, costs: ActionCosts, steps: RoundSteps, r: int,
+                       rep: ReplayResult, totals: _Totals) -> None:
+    """:func:`_add_replica` of a plan with SP rounds, replayed by steps (:mod:`.round_steps`): an
+    event per unit, busy time by each unit's share of the stage's ranks, a round's recompute its
+    slowest unit's, memory the busiest rank's."""
+    for s, acts in enumerate(steps.lists[r]):
+        for i in range(len(acts)):
+            worst = 0.0
+            for a, start, end, share in steps.unit_events(r, s, i, rep.start[s][i], rep.end[s][i], costs.unit_duration):
+                rec = 0.0 if a.is_forward else costs.recompute(s, a.unit)
+                worst = max(worst, rec)
+                totals.busy += share * (end - start)
+                totals.events.append(ActionEvent(r, s, str(a), start, end, rec))
+            totals.recompute += worst
+        _stage_end(cost, rep, s, acts, totals)
+        cache: dict = {}
+        per_rank = [_point_values(view, cost, r, s, cache) for view in steps.views]
+        _add_memory(cost, r, s, rep, [max(vs) for vs in zip(*per_rank)], totals)
+
+
+def _stage_end(cost: CostModel, rep: ReplayResult, s: int, acts: list, totals: _Totals) -> None:
+    """The stage's end: its last action plus the exposed part of the step's gradient reduction."""
+    if not acts:
+        return
+    sync_time = getattr(cost, "gradient_sync_time", None)
+    end = rep.end[s][-1]
+    last_b = max((i for i, a in enumerate(acts) if not a.is_forward), default=None)
+    if last_b is not None and sync_time is not None:
+        sync = sync_time(s, rep.end[s][last_b] - rep.start[s][last_b])
+        if sync:
+            end += sync
+            totals.sync = max(totals.sync, sync)
+    totals.step = max(totals.step, end)
+
+
+def _add_memory(cost: CostModel, r: int, s: int, rep: ReplayResult, values: list[float], totals: _Totals) -> None:
+    totals.timeline[(r, s)] = [(rep.start[s][i], v) for i, v in enumerate(values)]
+    totals.peaks[s] = max(totals.peaks[s], max(values, default=cost.static_bytes(s)))
+
+
+def _point_values(plan: Plan, cost: CostModel, dp_rank: int, stage: int, cache: dict | None = None) -> list[float]:
     """``points.point_bytes`` of every point of the stage (the array timeline: a cumulative sum of
     live activations, bit-identical to summing each point's live set; see
     tests/planner/checkpointing/test_memory_points.py)."""
     ck = plan.checkpoint_layers.get(stage, {})
     levels = plan.checkpoint_levels.get(stage, {})
-    return stage_timeline(plan, cost, dp_rank, stage).point_values(cost, stage, ck, levels).tolist()
+    return stage_timeline(plan, cost, dp_rank, stage, cache).point_values(cost, stage, ck, levels).tolist()

@@ -18,7 +18,10 @@ With ``sp_degree > 1`` the engine gives its runner a ``SequenceParallel`` (the s
 each rank runs its token shard of every unit and attention runs head-sharded between two
 all-to-alls; the per-step gradient all-reduce over the stage's DP x SP ranks then sums the SP
 ranks' partial gradients.  The layout is refused up front when a rank would get no attention
-head (``sp_degree`` above the model's head count).
+head (``sp_degree`` above the model's head count).  A plan with SP sub-groups and rounds
+(``ir.rounds``) runs each unit on its sub-group only: a rank runs the units of its sub-groups, a
+sub-group of one with no all-to-all, and the same all-reduce sums the ranks' gradients
+(the plan validator and ``rounds.py`` check such a plan first).
 
 Trade-offs: the planner is called synchronously (planning one step ahead in a background worker
 is the trainer's job).  A planner can be injected (``planning.py``), or a plan passed to
@@ -45,6 +48,7 @@ from infinipipe_hf.runtime.engine.build import (
     tied_embeddings,
 )
 from infinipipe_hf.runtime.engine.executor import PipelineExecutor
+from infinipipe_hf.runtime.engine.rounds import check_runnable
 from infinipipe_hf.runtime.engine.timeline import Timeline
 from infinipipe_hf.runtime.parallel.comm import StageComm
 from infinipipe_hf.runtime.parallel.grad_sync import GradientSync
@@ -156,10 +160,13 @@ class PipelineEngine:
         sim = None
         if plan is None:
             plan, sim = self.make_plan(lengths)
-        elif self.layout.world_size > 1 and not self.plan_agreement.all_agree(plan, step=self.step_count):
-            raise ValueError(f"step {self.step_count}: the plan passed to this rank differs from "
-                             f"other ranks' plans; pass the same plan on every rank")
-        planning.check_plan(self, plan, lengths)
+            planning.check_plan(self, plan, lengths)
+        else:
+            planning.check_plan(self, plan, lengths)  # a given plan is refused before any communication
+            if self.layout.world_size > 1 and not self.plan_agreement.all_agree(plan, step=self.step_count):
+                raise ValueError(f"step {self.step_count}: the plan passed to this rank differs from "
+                                 f"other ranks' plans; pass the same plan on every rank")
+        check_runnable(plan, self.layout.sp_degree)
         return batch, lengths, n_labels, plan, sim
 
     def train_step(self, batch, *, plan: Plan | None = None,

@@ -7,7 +7,8 @@ the transfer overlaps the current action's compute; sends are fire-and-forget un
 the step, except that completed ones are reaped as we go to bound buffer memory (reported
 complete by the backend, or proven complete by the schedule: ``send_release.py``, which gloo
 needs).  Shapes come from the plan via ``StageRunner.output_shape`` (``[1, unit tokens,
-hidden]``, the same on both sides of every link), so no metadata crosses the wire.
+hidden]``, the same on both sides of every link), so no metadata crosses the wire.  With SP
+sub-groups a rank runs only its units' actions (``rounds.rank_actions``), as its peers do.
 
 Trade-off: a deeper lookahead overlaps more but keeps more receive buffers alive (each is a full
 hidden-state tensor of a unit); 2 covers the 1F1B steady state, where the next action's input is
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infinipipe_hf.runtime.engine.rounds import rank_actions
 from infinipipe_hf.runtime.engine.timeline import Timeline, TimelineEvent
 from infinipipe_hf.runtime.parallel.comm import GRAD, HIDDEN, StageComm, Transfer
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
@@ -88,7 +90,7 @@ class PipelineExecutor:
         The caller has called ``runner.begin_step`` and calls ``runner.end_step`` afterwards.
         """
         lay = self.layout
-        actions = list(plan.stage_actions(lay.dp_rank, lay.stage_index))
+        actions = rank_actions(plan, lay.dp_rank, lay.stage_index, lay.sp_rank)
         if not train:
             actions = [a for a in actions if a.is_forward]
         timeline = Timeline(step=step)
@@ -97,7 +99,7 @@ class PipelineExecutor:
         next_post = 0
         loss_parts: list[torch.Tensor] = []
         finished: list[Transfer] = []
-        previous = (plan.stage_actions(lay.dp_rank, lay.stage_index - 1)
+        previous = (rank_actions(plan, lay.dp_rank, lay.stage_index - 1, lay.sp_rank)
                     if train and not lay.is_first_stage else None)
         release = send_release_points(actions, previous, is_last_stage=lay.is_last_stage,
                                       is_first_stage=lay.is_first_stage) if train else {}

@@ -73,7 +73,7 @@ class DefaultPlanner:
                          profile=self.profile, layers_per_stage=engine.layers_per_stage,
                          max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
                          checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
-                         sp_degree=c.sp_degree, shard=c.shard,
+                         sp_degree=c.sp_degree, shard=c.shard, sp_rounds=c.sp_rounds,
                          checkpoint_levels=runnable_checkpoint_levels(engine))
 
 
@@ -121,3 +121,18 @@ def check_plan(engine, plan: Plan, lengths: list[int]) -> None:
     if plan.layers_per_stage and list(plan.layers_per_stage) != engine.layers_per_stage:
         raise ValueError(f"plan assumes layers per stage {plan.layers_per_stage}, the engine has "
                          f"{engine.layers_per_stage}; pass layers_per_stage=engine.layers_per_stage")
+    validate_plan(engine, plan)
+
+
+def validate_plan(engine, plan: Plan) -> None:
+    """The planner's validator on a plan this rank is about to run, before any communication.
+
+    Coverage, order, send/receive pairing, deadlock freedom and checkpoint counts (against the
+    engine's layer split); memory is not checked (whoever made the plan chose its budget).  A bad
+    plan raises ``PlanValidationError`` (a ``ValueError``) carrying the stage-by-time grid with the
+    failing action marked, on every rank that holds it, instead of a wait that times out."""
+    from infinipipe_hf.planner.search.validator import validate
+
+    if not plan.layers_per_stage:
+        plan = dataclasses.replace(plan, layers_per_stage=list(engine.layers_per_stage))
+    validate(plan, None, check_memory=False)

@@ -105,7 +105,7 @@ class StageComm:
                     time.sleep(1e-4)
             transfer.work.wait(timeout=timedelta(seconds=remaining))
         except Exception as exc:  # gloo raises RuntimeError; keep its text for diagnosis
-            raise RuntimeError(self._failure_message(transfer, step, action, exc)) from exc
+            raise RuntimeError(with_culprit(self.layout, self._failure_message(transfer, step, action, exc))) from exc
         finally:
             self.wait_time_s += time.perf_counter() - t0
         return transfer.tensor
@@ -131,11 +131,31 @@ class StageComm:
 
 def wait_collective(work: Any, *, timeout_s: float, layout: ParallelLayout, ranks: list[int],
                     what: str, step: int) -> None:
-    """Wait for an async collective with a deadline; on failure name the ranks involved."""
+    """Wait for an async collective with a deadline; on failure name the ranks involved (and the
+    rank that failed first, when it is known)."""
+    t0 = time.perf_counter()
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except Exception as exc:
-        raise RuntimeError(
-            f"{layout.describe()}: step {step}, {what} over ranks {ranks} did not complete within "
-            f"{timeout_s:g} s; one of those ranks has died or is stuck (raise "
-            f"{layout.timeout_setting} if it is only slow) ({type(exc).__name__}: {exc})") from exc
+        raise RuntimeError(with_culprit(layout, collective_failure(
+            layout, what, ranks, step, timeout_s, time.perf_counter() - t0, exc))) from exc
+
+
+def collective_failure(layout: ParallelLayout, what: str, ranks: list[int], step: int,
+                       timeout_s: float, waited_s: float, exc: BaseException) -> str:
+    """A timeout is reported as one; a connection lost before the deadline is not."""
+    where = f"{layout.describe()}: step {step}, {what} over ranks {ranks}"
+    if _is_timeout(exc) or waited_s >= timeout_s:
+        return (f"{where} did not complete within {timeout_s:g} s; one of those ranks has died or is "
+                f"stuck (raise {layout.timeout_setting} if it is only slow) ({type(exc).__name__}: {exc})")
+    return (f"{where} failed after {waited_s:.1f} s: a rank of the group left (it died or stopped on "
+            f"an error of its own) ({type(exc).__name__}: {exc})")
+
+
+def with_culprit(layout: ParallelLayout, message: str) -> str:
+    """``message`` followed by the rank that failed first and its error, or the ranks whose
+    heartbeat stopped, when the status exchange knows (``failures.py``)."""
+    from infinipipe_hf.runtime.parallel.failures import explain
+
+    why = explain(list(range(layout.world_size)), layout.describe)
+    return f"{message}; {why}" if why else message

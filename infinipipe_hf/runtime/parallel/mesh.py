@@ -9,6 +9,11 @@ replicate groups are sub-meshes of the same mesh), so there is no hand-made grou
 them.  The layout object owns its mesh and groups: there is no module-level singleton, so two
 engines (or a test building several layouts) never share hidden state.
 
+Elastic SP (``ir.rounds``): a unit may run on an aligned *sub-group* of its stage's SP ranks.
+The process group of every aligned sub-group size ``2 <= g < sp_degree`` comes from the same
+mesh with its ``sp`` dim unflattened into ``(sp / g, g)`` (``DeviceMesh._unflatten``): the inner
+dim's groups are the aligned sub-groups, created on every rank in one order at build time.
+
 What the mesh does not give is built here with ``new_group``, which is collective over the whole
 world, so *every* rank creates *every* such group in the same fixed order: the gradient group of
 each stage (its DP x SP ranks, for the once-per-step all-reduce of unsharded gradients), the
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from infinipipe_hf.layout import MESH_DIMS, LayoutSpec
+from infinipipe_hf.layout import MESH_DIMS, LayoutSpec, sub_group_sizes
 
 
 def set_group_timeout(group, timeout: timedelta) -> None:
@@ -73,6 +78,9 @@ class ParallelLayout:
     tied_group: Any = field(default=None, init=False, repr=False)
     link_groups: dict[tuple[int, int], Any] = field(default_factory=dict, init=False, repr=False)
     """``(src, dst)`` global ranks -> the group carrying that direction of one pipeline link."""
+    sub_group_pgs: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
+    """size ``g`` -> the process group of this rank's aligned SP sub-group of ``g`` ranks
+    (``2 <= g < sp_degree``; the whole group is ``sp_group``)."""
     spec: LayoutSpec = field(default=None, init=False, repr=False)
     """The degrees as the planner sees them: the rank formula and the groups."""
 
@@ -136,6 +144,15 @@ class ParallelLayout:
     def sp_ranks_of_stage(self, dp_rank: int, stage_index: int) -> list[int]:
         return self.spec.sp_group(dp_rank, stage_index)
 
+    def sub_group_of(self, offset: int, size: int) -> tuple[Any, list[int]]:
+        """The process group (``None`` for one rank) and the global ranks of SP ranks
+        ``offset .. offset + size - 1`` of this rank's stage; this rank must be one of them."""
+        ranks = self.spec.sub_group(self.dp_rank, self.stage_index, offset, size)
+        assert self.rank in ranks, (self.rank, offset, size)
+        if size == 1:
+            return None, ranks
+        return (self.sp_group if size == self.sp_degree else self.sub_group_pgs[size]), ranks
+
     def grad_ranks_of_stage(self, stage_index: int) -> list[int]:
         """Every rank holding ``stage_index``: all replicas, all SP ranks (ascending)."""
         return self.spec.stage_group(stage_index)
@@ -187,6 +204,7 @@ class ParallelLayout:
             # would hang the others that long instead of ending them within the timeout.
             for name in MESH_DIMS:
                 set_group_timeout(self.mesh.get_group(name), kw["timeout"])
+        self._build_sub_groups(kw.get("timeout"))
         # Same creation order on every rank: new_group is a collective over the world.
         for s in range(self.pp_degree):
             ranks = self.grad_ranks_of_stage(s)
@@ -209,3 +227,24 @@ class ParallelLayout:
                     if self.rank in (a, b):
                         self.link_groups[(a, b)] = forward
                         self.link_groups[(b, a)] = backward
+
+    def _build_sub_groups(self, timeout: timedelta | None, *, unflatten: bool = True) -> None:
+        """``sub_group_pgs``: for each size ``g`` of ``layout.sub_group_sizes``, the mesh with its
+        ``sp`` dim unflattened into ``(sp / g, g)``; its inner dim's group is this rank's aligned
+        sub-group.  Where this torch's ``DeviceMesh`` has no ``_unflatten`` (or ``unflatten=False``),
+        a ``DeviceMesh`` over the same ranks with that 4-D shape gives the same groups."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        for g in sub_group_sizes(self.sp_degree):
+            names = (f"sp_over{g}", f"sp{g}")
+            if unflatten and hasattr(self.mesh, "_unflatten"):
+                sub = self.mesh._unflatten("sp", (self.sp_degree // g, g), names)
+            else:
+                shape = (self.dp_degree, self.pp_degree, self.sp_degree // g, g)
+                sub = DeviceMesh(self.device_type, torch.arange(self.world_size).view(shape),
+                                 mesh_dim_names=("dp", "pp") + names)
+            group = sub.get_group(names[1])
+            if timeout is not None:
+                set_group_timeout(group, timeout)
+            self.sub_group_pgs[g] = group

@@ -31,6 +31,15 @@ def plan_digest(plan: Plan | None) -> int:
     return 1 + int.from_bytes(hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()[:7], "big")
 
 
+def start_status_exchange(layout: ParallelLayout) -> None:
+    """Beat this rank's heartbeat in the launcher's store, so a rank that loses a peer can tell a
+    stopped or killed rank by name (``failures.py``); nothing to do in a world of one."""
+    if layout.world_size > 1:
+        from infinipipe_hf.runtime.parallel.failures import start_heartbeat
+
+        start_heartbeat(layout.rank)
+
+
 class PlanAgreement:
     """Checks that all ranks hold the same plan, and distributes rank 0's when they do not."""
 
@@ -38,6 +47,7 @@ class PlanAgreement:
         self.layout = layout
         self.device = device
         self.timeout_s = timeout_s
+        start_status_exchange(layout)
 
     def all_agree(self, plan: Plan | None, *, step: int) -> bool:
         """True when every rank holds the same, non-None plan (one all-reduce of a digest)."""

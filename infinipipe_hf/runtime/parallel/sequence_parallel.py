@@ -19,6 +19,13 @@ need no padding.  Every rank of a stage runs the same actions in the same order,
 checkpointed layer's recompute replays the same collectives on every SP rank, so the calls
 always match.
 
+Sub-groups (``ir.rounds``): a unit may run on an aligned sub-group of the stage's SP ranks; its
+all-to-alls then run over that sub-group's process group (``ParallelLayout.sub_group_of``), with
+token and head shards cut for the sub-group's size.  ``for_group`` gives the object of each
+sub-group (one per size, built on first use, sharing the deadline and step number); a sub-group
+of one has none: its unit runs with every head on its rank.  Only the ranks of a sub-group run
+its units, so the calls match there too.
+
 Waits: on CPU (gloo) every all-to-all waits with the step's deadline and a timeout names the SP
 ranks, the unit and the layer (a dead or stuck peer is an error, never a hang).  On CUDA the
 collective is only ordered on the stream (a host-side wait per layer would stall the GPU
@@ -35,29 +42,79 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from infinipipe_hf.ir.rounds import SubGroup, whole_group
 from infinipipe_hf.runtime.parallel.comm import wait_collective
 from infinipipe_hf.runtime.parallel.sp_shards import HeadShard, TokenShards, head_shards, token_shards
 
 
-class SequenceParallel:
-    """This rank's place in its stage's SP group, and the all-to-alls over it."""
+@dataclass
+class _Clock:
+    """Settings one stage's SP objects share (the whole group's and its sub-groups')."""
 
-    def __init__(self, layout, *, num_heads: int, num_kv_heads: int, timeout_s: float) -> None:
-        if layout.sp_degree < 2:
-            raise ValueError(f"SequenceParallel needs sp_degree >= 2, got {layout.sp_degree}")
+    timeout_s: float
+    step: int = 0
+
+
+class SequenceParallel:
+    """This rank's place in its stage's SP group (or in an aligned sub-group of it, ``ir.rounds``),
+    and the all-to-alls over it.  ``for_group`` gives the object of a unit's sub-group."""
+
+    def __init__(self, layout, *, num_heads: int, num_kv_heads: int, timeout_s: float,
+                 sub_group: SubGroup | None = None, _clock: _Clock | None = None) -> None:
+        g = sub_group if sub_group is not None else whole_group(layout.sp_degree)
+        if g.size < 2:
+            raise ValueError(f"SequenceParallel needs a group of >= 2 ranks, got sp_degree "
+                             f"{layout.sp_degree} and a sub-group of {g.size}")
         self.layout = layout
-        self.group = layout.sp_group
-        self.sp_rank = layout.sp_rank
-        self.sp_degree = layout.sp_degree
-        self.ranks = layout.sp_ranks_of_stage(layout.dp_rank, layout.stage_index)
+        self.sub_group = g
+        self.group, self.ranks = layout.sub_group_of(g.offset, g.size)
+        self.sp_rank = layout.sp_rank - g.offset
+        """This rank's place inside its (sub-)group."""
+        self.sp_degree = g.size
+        """Ranks of the (sub-)group."""
         self.heads: tuple[HeadShard, ...] = head_shards(num_heads, num_kv_heads, self.sp_degree)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.timeout_s = float(timeout_s)
-        """Deadline of one all-to-all (CPU); the engine sets it from ``p2p_timeout_s``."""
-        self.step = 0
-        """Step number for error messages; the engine sets it before each step."""
+        self._clock = _clock if _clock is not None else _Clock(float(timeout_s))
+        self._subs: dict[int, SequenceParallel] = {}
         self._expand_index: dict[torch.device, torch.Tensor] = {}
         self._finished: tuple = ()
+
+    @property
+    def timeout_s(self) -> float:
+        """Deadline of one all-to-all (CPU); the engine sets it from ``p2p_timeout_s``; shared
+        with the sub-groups' objects."""
+        return self._clock.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self._clock.timeout_s = float(value)
+
+    @property
+    def step(self) -> int:
+        """Step number for error messages; the engine sets it before each step (shared)."""
+        return self._clock.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._clock.step = int(value)
+
+    def for_group(self, group: SubGroup) -> "SequenceParallel | None":
+        """The object of sub-group ``group`` of this rank's stage (``None`` for one rank: the unit
+        runs with all heads locally); built once per size and shared."""
+        if not group.contains(self.layout.sp_rank):
+            raise ValueError(f"{self.layout.describe()} is not in SP sub-group (offset {group.offset}, "
+                             f"size {group.size}); a rank runs only the units of its sub-groups")
+        if group.size == 1:
+            return None
+        if group == self.sub_group:
+            return self
+        sub = self._subs.get(group.size)
+        if sub is None:
+            sub = self._subs[group.size] = SequenceParallel(
+                self.layout, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                timeout_s=self.timeout_s, sub_group=group, _clock=self._clock)
+        assert sub.sub_group == group, (sub.sub_group, group)
+        return sub
 
     @property
     def head(self) -> HeadShard:

@@ -15,6 +15,8 @@ unit tensors, hidden states, gradients and loss parts cover only this rank's tok
 unit (``sp_shards.token_shards``), so ``output_shape`` is ``[1, shard tokens, hidden]`` on both
 ends of a pipeline link (SP rank i of stage s talks to SP rank i of stage s + 1).  The loss is
 still divided by the step's global label count, so the SP ranks' parts add up to the unit's.
+A unit with a sub-group (``plan.sp_groups``) is split over that sub-group's ranks only, and a
+sub-group of one runs it whole, like a runner without SP; a rank outside it never runs it.
 """
 from __future__ import annotations
 
@@ -106,17 +108,27 @@ class StageRunner:
                                  f"{sorted(plan.unit_by_id)[:10]}...)")
             unit = plan.unit_by_id[unit_id]
             t = build_unit_tensors(unit, self._batch)
-            if self.sp is not None:
-                shards = self.sp.tokens(unit.num_tokens)
-                t = t.shard(*shards.range(self.sp.sp_rank), shards.local_sizes[self.sp.sp_rank])
+            sp = self._sp_of(unit_id)
+            if sp is not None:
+                shards = sp.tokens(unit.num_tokens)
+                t = t.shard(*shards.range(sp.sp_rank), shards.local_sizes[sp.sp_rank])
             t = t.to(self.stage.device)
             self._tensors[unit_id] = t
         return t
 
+    def _sp_of(self, unit_id: int) -> SequenceParallel | None:
+        """SP over the unit's sub-group (``plan.sp_groups``; absent: the whole SP group);
+        ``None`` without SP or on a sub-group of one rank (all heads here, no all-to-all)."""
+        if self.sp is None:
+            return None
+        group = self._require_step().sp_groups.get(unit_id)
+        return self.sp if group is None else self.sp.for_group(group)
+
     def local_tokens(self, unit_id: int) -> int:
         """Tokens of the unit this rank runs: all of them, or its SP shard (pad included)."""
         n = self._require_step().unit_by_id[unit_id].num_tokens
-        return n if self.sp is None else self.sp.tokens(n).local_sizes[self.sp.sp_rank]
+        sp = self._sp_of(unit_id)
+        return n if sp is None else sp.tokens(n).local_sizes[sp.sp_rank]
 
     def output_shape(self, unit_id: int) -> tuple:
         return (1, self.local_tokens(unit_id), self.stage.hidden_size)
@@ -126,7 +138,8 @@ class StageRunner:
         offsets = [0]
         for seg in t.segments:  # from the plan, not cu_seqlens_q: no device sync on CUDA
             offsets.append(offsets[-1] + seg.length)
-        sp = None if self.sp is None else SPUnit(self.sp, self.sp.tokens(offsets[-1]))
+        comm = self._sp_of(t.unit_id)
+        sp = None if comm is None else SPUnit(comm, comm.tokens(offsets[-1]))
         return EPPUnitContext(t.unit_id, t.segments, tuple(offsets),
                               tuple(plan.continues_after(s) for s in t.segments),
                               self.kv_store, self.backend, sp)

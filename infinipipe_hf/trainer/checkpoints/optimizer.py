@@ -75,10 +75,21 @@ def load_optimizer_state(engine, optimizer, scheduler, checkpoint_dir: str, devi
     if not os.path.isfile(path):
         raise ValueError(f"{path} is missing; the checkpoint is incomplete or was written with another "
                          f"pp_degree or shard layout")
-    saved = torch.load(path, map_location=device, weights_only=True)
+    saved = _load(path, device)
     if is_sharded(engine):
         saved = _sharded_optimizer_state(saved, optimizer, path)
     optimizer.load_state_dict(saved)
     sched = os.path.join(checkpoint_dir, "scheduler.pt")
     if scheduler is not None and os.path.isfile(sched):
-        scheduler.load_state_dict(torch.load(sched, map_location="cpu", weights_only=True))
+        scheduler.load_state_dict(_load(sched, "cpu"))
+
+
+def _load(path: str, device) -> dict:
+    """``torch.load(weights_only=True)`` (tensors and plain containers only, no arbitrary pickle);
+    a truncated, corrupt or unsafe file is a ValueError naming it."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"{path} ({os.path.getsize(path)} bytes) cannot be loaded with weights_only=True "
+                         f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); the checkpoint is "
+                         f"truncated or damaged") from exc

@@ -7,6 +7,7 @@ each tensor (collective over the shard group) and, on load, copies its own rows 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Iterable
@@ -91,23 +92,47 @@ def _checkpoint_files(checkpoint_dir: str) -> dict[str, str]:
     """Tensor name -> file for a single-file or sharded safetensors checkpoint."""
     index = os.path.join(checkpoint_dir, SAFE_INDEX_NAME)
     if os.path.isfile(index):
-        with open(index) as fh:
-            return {k: os.path.join(checkpoint_dir, v) for k, v in json.load(fh)["weight_map"].items()}
+        try:
+            with open(index) as fh:
+                return {k: os.path.join(checkpoint_dir, v) for k, v in json.load(fh)["weight_map"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index} is not a readable safetensors index ({type(exc).__name__}: "
+                             f"{exc}); the checkpoint is damaged") from exc
     single = os.path.join(checkpoint_dir, SAFE_WEIGHTS_NAME)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
+        with _reading(single) as f:
             return {k: single for k in f.keys()}
     raise ValueError(f"no {SAFE_WEIGHTS_NAME} or {SAFE_INDEX_NAME} in {checkpoint_dir}; pass a "
                      f"directory written by EPPTrainer.save_model or save_pretrained")
 
 
+@contextlib.contextmanager
+def _reading(path: str):
+    """``safe_open(path)``; a missing, truncated or corrupt file is a ValueError naming it."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing; the checkpoint is incomplete")
+    try:
+        handle = safe_open(path, framework="pt")
+    except Exception as exc:  # safetensors' own error does not name the file
+        raise ValueError(f"{path} ({os.path.getsize(path)} bytes) is not a readable safetensors file "
+                         f"({type(exc).__name__}: {exc}); the checkpoint is truncated or damaged") from exc
+    with handle as f:
+        yield f
+
+
+def _tensor(f, name: str, path: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except Exception as exc:
+        raise ValueError(f"{path}: tensor {name} cannot be read ({type(exc).__name__}: {exc}); the "
+                         f"checkpoint is truncated or damaged") from exc
+
+
 @torch.no_grad()
 def load_stage_weights(engine, checkpoint_dir: str) -> None:
     """Copy this stage's tensors from an HF checkpoint (reads only the tensors it needs)."""
-    from safetensors import safe_open
-
     files = _checkpoint_files(checkpoint_dir)
     targets = dict(engine.stage.state_dict(keep_vars=True))
     missing = []
@@ -124,9 +149,9 @@ def load_stage_weights(engine, checkpoint_dir: str) -> None:
         raise ValueError(f"checkpoint {checkpoint_dir} lacks {len(missing)} tensors of stage "
                          f"{engine.layout.stage_index}, e.g. {missing[:3]}; it is for another model")
     for path, pairs in by_file.items():
-        with safe_open(path, framework="pt") as f:
+        with _reading(path) as f:
             for name, src in pairs:
-                value = f.get_tensor(src)
+                value = _tensor(f, src, path)
                 dst = targets[name]
                 if tuple(value.shape) != tuple(dst.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape "

@@ -93,15 +93,16 @@ class GlobalBatchLoader(DataLoader):
 
 def build_global_batch_loader(token_dataset, *, tokens_per_step: int, max_length: int,
                               long_document_policy: str = "split", seed: int = 0, shuffle: bool = True,
-                              num_workers: int = 0, pin_memory: bool = False) -> GlobalBatchLoader:
+                              num_workers: int = 0, pin_memory: bool = False,
+                              what: str = "the dataset") -> GlobalBatchLoader:
     """Loader yielding the same global batches on every rank (nothing is sharded).
 
     ``max_length``: the model's ``max_position_embeddings``; documents longer than it or than
     ``tokens_per_step`` are split or rejected (``long_document_policy``)."""
     limits = {"tokens_per_step": int(tokens_per_step), "max_position_embeddings": int(max_length)}
-    pieces = split_documents(dataset_lengths(token_dataset), limits, long_document_policy)
+    pieces = split_documents(dataset_lengths(token_dataset), limits, long_document_policy, what)
     if not pieces:
-        raise ValueError("the dataset has no document with at least 2 tokens; nothing to train on")
+        raise ValueError(f"{what} has no document with at least 2 tokens; nothing to train on")
     sampler = TokenBudgetBatchSampler([p.length for p in pieces], tokens_per_step, seed=seed,
                                       shuffle=shuffle)
     return GlobalBatchLoader(PieceDataset(token_dataset, pieces), batch_sampler=sampler,

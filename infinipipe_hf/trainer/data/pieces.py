@@ -6,9 +6,10 @@ rejected; documents shorter than 2 tokens carry no next-token target and are ski
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Sequence
+
+from infinipipe_hf.trainer import notices
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ def binding_limit(limits: dict[str, int]) -> tuple[str, int]:
     return name, int(limits[name])
 
 
-def split_documents(lengths: Sequence[int], limit: int | dict[str, int], policy: str = "split"
-                    ) -> list[Piece]:
+def split_documents(lengths: Sequence[int], limit: int | dict[str, int], policy: str = "split",
+                    what: str = "the dataset") -> list[Piece]:
     """Pieces covering every token of every trainable document exactly once, each <= the limit.
 
     ``limit`` is a number or ``{name: value}`` of limits (e.g. ``tokens_per_step`` and
@@ -58,9 +59,9 @@ def split_documents(lengths: Sequence[int], limit: int | dict[str, int], policy:
     units balanced better than one full piece plus a short rest).
     """
     name, limit = binding_limit(limit if isinstance(limit, dict) else {"": limit})
-    what = f"{name}={limit}" if name else f"the limit of {limit}"
+    bound = f"{name}={limit}" if name else f"the limit of {limit}"
     if limit < 2:
-        raise ValueError(f"the document length limit must be >= 2 tokens, got {what}")
+        raise ValueError(f"the document length limit must be >= 2 tokens, got {bound}")
     if policy not in ("split", "reject"):
         raise ValueError(f"long_document_policy={policy!r} is not known; use 'split' or 'reject'")
     pieces: list[Piece] = []
@@ -75,7 +76,7 @@ def split_documents(lengths: Sequence[int], limit: int | dict[str, int], policy:
             continue
         if policy == "reject":
             fix = _RAISE_HINT.get(name, f"raise {name or 'the limit'}")
-            raise ValueError(f"document {doc} has {n} tokens, more than {what} (the binding "
+            raise ValueError(f"{what}: document {doc} has {n} tokens, more than {bound} (the binding "
                              f"length limit); {fix}, drop or truncate the document, or set "
                              f"long_document_policy='split' to train it as independent pieces")
         k = -(-n // limit)
@@ -83,11 +84,11 @@ def split_documents(lengths: Sequence[int], limit: int | dict[str, int], policy:
         pieces.extend(Piece(doc, a, b) for a, b in zip(bounds[:-1], bounds[1:]))
         long_docs, long_tokens, extra_pieces = long_docs + 1, long_tokens + n, extra_pieces + k
     if long_docs:
-        warnings.warn(f"{long_docs} of {len(lengths)} documents ({long_tokens} of {sum(map(int, lengths))} "
-                      f"tokens) are longer than {what} and are trained as {extra_pieces} "
-                      f"independent pieces (no attention across pieces); set "
-                      f"long_document_policy='reject' to refuse them instead", UserWarning, stacklevel=2)
+        notices.warn(f"{what}: {long_docs} of {len(lengths)} documents ({long_tokens} of {sum(map(int, lengths))} "
+                     f"tokens) are longer than {bound} and are trained as {extra_pieces} "
+                     f"independent pieces (no attention across pieces); set "
+                     f"long_document_policy='reject' to refuse them instead")
     if skipped:
-        warnings.warn(f"{skipped} document(s) with fewer than 2 tokens have no next-token target and "
-                      f"are skipped", UserWarning, stacklevel=2)
+        notices.warn(f"{what}: {skipped} document(s) with fewer than 2 tokens have no next-token target and "
+                     f"are skipped")
     return pieces

@@ -8,9 +8,9 @@ tokenizer, else it raises.  Without ``labels``, TRL's mask columns (``completion
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
+
+from infinipipe_hf.trainer import notices
 
 MASK_COLUMNS = ("completion_mask", "assistant_masks")
 """TRL's per-token loss masks (1: the token is trained), folded into labels when there are none."""
@@ -46,9 +46,9 @@ def prepare_token_dataset(dataset, tokenizer=None, *, add_eos: bool = True, what
     cols = _column_names(dataset)
     masks = [c for c in MASK_COLUMNS if c in cols]
     if "input_ids" in cols and "labels" in cols and masks:
-        warnings.warn(f"{what} has a 'labels' column and {', '.join(masks)}: the labels decide which "
-                      f"tokens are trained and {', '.join(masks)} is ignored; drop 'labels' to train "
-                      f"by the mask instead", UserWarning, stacklevel=3)
+        notices.warn(f"{what} has a 'labels' column and {', '.join(masks)}: the labels decide which "
+                     f"tokens are trained and {', '.join(masks)} is ignored; drop 'labels' to train "
+                     f"by the mask instead")
     if "input_ids" in cols:
         if "attention_mask" in cols and hasattr(dataset, "map"):
             return dataset.map(_strip_padding, batched=True, remove_columns=["attention_mask"],

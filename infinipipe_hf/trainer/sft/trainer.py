@@ -15,8 +15,8 @@ refuses an untested TRL at import.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,9 +32,18 @@ from trl.chat_template_utils import (
 from trl.data_utils import get_dataset_column_names, is_conversational
 from trl.trainer.utils import create_model_from_path, get_config_model_id
 
-from infinipipe_hf.trainer.model_setup import hf_model_of, is_peft_model
+from infinipipe_hf.models.smollm2 import TRAINING_CHAT_TEMPLATE
+from infinipipe_hf.trainer import notices
+from infinipipe_hf.trainer.data.prepare import prepare_once
+from infinipipe_hf.trainer.model_setup import hf_model_of, is_peft_model, preflight
 from infinipipe_hf.trainer.sft.config import EPPSFTConfig
 from infinipipe_hf.trainer.trainer import EPPTrainer
+
+TEMPLATE_HINT = (f"Pass chat_template_path= a Jinja template whose assistant replies sit inside "
+                 f"{{% generation %}}...{{% endgeneration %}}; for SmolLM2 and other ChatML templates "
+                 f"infinipipe_hf ships one: chat_template_path=str(infinipipe_hf.models.smollm2."
+                 f"TRAINING_CHAT_TEMPLATE) ({TRAINING_CHAT_TEMPLATE})")
+"""What to do when TRL has no training version of the tokenizer's chat template."""
 
 
 @dataclass
@@ -59,7 +68,7 @@ def _warn_ignored(args: EPPSFTConfig) -> None:
     }
     for name, (value, why) in ignored.items():
         if value:
-            warnings.warn(f"{name}=True is ignored by EPPSFTTrainer: {why}", UserWarning, stacklevel=3)
+            notices.warn(f"{name}=True is ignored by EPPSFTTrainer: {why}")
 
 
 def _refuse_unsupported(args: EPPSFTConfig, compute_loss_func, quantization_config) -> None:
@@ -106,19 +115,38 @@ def _trl_preparation(sample: dict, args: EPPSFTConfig, tokenizer) -> _TRLPrepara
                          "conversational 'prompt'/'completion'); this one is not")
     chat_template = None
     if args.assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
-        chat_template = get_training_chat_template(tokenizer)
+        try:
+            chat_template = get_training_chat_template(tokenizer)
+        except ValueError as exc:
+            raise ValueError(f"assistant_only_loss=True: {exc} {TEMPLATE_HINT}") from None
     if args.assistant_only_loss and not is_chat_template_stop_token_trained(
             tokenizer, chat_template=chat_template):
-        warnings.warn("the chat template leaves the assistant's end-of-turn token out of the loss "
-                      "mask, so the model may not learn to stop; put it inside "
-                      "{% generation %}...{% endgeneration %}", UserWarning, stacklevel=3)
+        notices.warn("the chat template leaves the assistant's end-of-turn token out of the loss "
+                     "mask, so the model may not learn to stop; put it inside "
+                     "{% generation %}...{% endgeneration %}")
     completion_only = (("prompt" in sample and "completion" in sample)
                        if args.completion_only_loss is None else bool(args.completion_only_loss))
     return _TRLPreparation(tokenizer, chat_template, completion_only)
 
 
+@contextlib.contextmanager
+def _alone():
+    """TRL's preparation without its ``main_process_first`` barriers: ``prepare_once`` runs it on
+    one rank while the others wait for the result, so a barrier inside would never be met."""
+    import trl.trainer.sft_trainer as sft_module
+
+    original = sft_module.global_then_local_main_first
+    sft_module.global_then_local_main_first = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        sft_module.global_then_local_main_first = original
+
+
 class EPPSFTTrainer(EPPTrainer):
     """TRL's ``SFTTrainer`` interface on :class:`EPPTrainer`; ``args`` is an :class:`EPPSFTConfig`."""
+
+    token_metrics = True  # evaluation reports TRL's entropy, mean_token_accuracy and num_tokens
 
     def __init__(self, model, args: EPPSFTConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None,
@@ -137,6 +165,7 @@ class EPPSFTTrainer(EPPTrainer):
         model, processing_class = self._apply_chat_template_path(model, processing_class, args)
         if peft_config is not None:
             model = self._wrap_peft(model, peft_config)
+        preflight(model, args)  # layout and model errors before any tokenization
 
         self._trl = _trl_preparation(_sample(train_dataset), args, processing_class)
         self._formatting_func = formatting_func
@@ -168,8 +197,7 @@ class EPPSFTTrainer(EPPTrainer):
             kwargs["device_map"] = None  # the pipeline places each stage itself
             return create_model_from_path(model, **kwargs)
         if args.model_init_kwargs is not None:
-            warnings.warn("model_init_kwargs is ignored: the model is already instantiated",
-                          UserWarning, stacklevel=3)
+            notices.warn("model_init_kwargs is ignored: the model is already instantiated")
         return model
 
     @staticmethod
@@ -220,24 +248,36 @@ class EPPSFTTrainer(EPPTrainer):
 
     # --- data --------------------------------------------------------------------------------
     def _prepare(self, dataset, processing_class, args: EPPSFTConfig, name: str):
-        """TRL's preparation (tokens, labels, truncation), then only ``input_ids`` and ``labels``."""
+        """TRL's preparation (tokens, labels, truncation), then only ``input_ids`` and ``labels``;
+        on rank 0, the other ranks load its result (``prepare_once``)."""
+        return prepare_once(f"{name}_dataset", dataset,
+                            lambda: self._prepare_here(dataset, processing_class, args, name), args.output_dir)
+
+    def _prepare_here(self, dataset, processing_class, args: EPPSFTConfig, name: str):
         if isinstance(dataset, IterableDataset):
             raise ValueError(f"the {name} dataset is an IterableDataset; pass a datasets.Dataset")
         if self._skip_prepare:
             cols = get_dataset_column_names(dataset)
             if "labels" not in cols and any(c in cols for c in ("completion_mask", "assistant_masks")):
-                warnings.warn(f"the {name} dataset skips TRL's preparation; its mask columns become the "
-                              f"labels (a token is trained where every mask is 1)", UserWarning, stacklevel=3)
+                notices.warn(f"the {name} dataset skips TRL's preparation; its mask columns become the "
+                             f"labels (a token is trained where every mask is 1)")
             return dataset
-        prepared = SFTTrainer._prepare_dataset(self._trl, dataset, processing_class, args, False,
-                                               self._formatting_func, name)
+        with _alone():
+            prepared = SFTTrainer._prepare_dataset(self._trl, dataset, processing_class, args, False,
+                                                   self._formatting_func, name)
         cols = get_dataset_column_names(prepared)
         if "completion_mask" in cols:
-            warnings.warn(f"the {name} dataset has a completion_mask that is not applied because "
-                          f"completion_only_loss is not True (as in SFTTrainer): every token is "
-                          f"trained; set completion_only_loss=True to train on completions only",
-                          UserWarning, stacklevel=3)
+            notices.warn(f"the {name} dataset has a completion_mask that is not applied because "
+                         f"completion_only_loss is not True (as in SFTTrainer): every token is "
+                         f"trained; set completion_only_loss=True to train on completions only")
         return prepared.select_columns([c for c in ("input_ids", "labels") if c in cols])
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        # The same preparation as every other dataset (TRL's), then EPPTrainer's loss-only predict.
+        if not self.args.prediction_loss_only:
+            return super().predict(test_dataset)  # refuses, naming prediction_loss_only
+        test_dataset = self._prepare(test_dataset, self.processing_class, self.args, "test")
+        return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, Any]:
         # A dataset passed here gets the same preparation as the constructor's (like SFTTrainer).

@@ -182,7 +182,7 @@ def test_epp_always_plans_the_unsliced_candidate():
     cost = CostModel(spec, None, pp_degree=4, sp_degree=8, shard="sp", memory_budget_bytes=80 * GIB)
     lengths = slimpajama_like(n=512, max_len=96 * 1024, seed=0)
     epp = plan_step(lengths, spec, pp_degree=4, sp_degree=8, shard="sp", schedule="epp", cost=cost)
-    forced = [c for c in epp.candidates if c.get("always_planned")]
+    forced = [c for c in epp.candidates if c.get("always_planned") and not c.get("sp_rounds")]
     assert len(forced) == 1 and forced[0]["num_slices"] == 1 and "unit_token_floor" not in forced[0]
     seq = plan_step(lengths, spec, pp_degree=4, sp_degree=8, shard="sp", schedule="seq1f1b", cost=cost, num_slices=[1])
     assert epp.simulation.tokens_per_s >= seq.simulation.tokens_per_s
@@ -197,7 +197,9 @@ def test_cli_lists_the_alternatives_and_emits_their_plans(tmp_path, capsys):
                  "--json", "--emit-plan", str(plan), "--max-tokens-per-unit", "40000"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
-    assert [r["schedule"] for r in out] == ["epp", "packed-1f1b", "seq1f1b", "gpipe", *ALTERNATIVES]
+    assert [r.get("label", r["schedule"]) for r in out] == ["epp", "epp (whole-group SP)", "packed-1f1b", "seq1f1b",
+                                                            "gpipe", *ALTERNATIVES]  # sp 2: EPP with and without rounds
+    assert (tmp_path / "plan.epp-whole-group-SP.json").exists()
     assert all(CONTRACT <= set(r) for r in out)
     assert "ignore it" in captured.err  # --max-tokens-per-unit does not apply to them: said, not silent
     for name in ALTERNATIVES:

@@ -1,0 +1,93 @@
+"""One rank of the interleaved A/B benchmark (launched by torchrun from ``ab_runtime.py``).
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/ab_worker.py SPEC.json
+
+``SPEC.json``: ``{"model", "lengths", "schedules", "pp_degree", "profile", "memory_budget_gib",
+"alternations", "seed", "out"}``.  Every schedule's engine is built first on the same weights and
+planned once (one untimed step each); then each alternation times one step of every schedule, the
+order rotated by one schedule per alternation, so slow phases of a shared machine fall on every
+schedule alike.  Rank 0 writes per schedule the timed step seconds (one per alternation, in order),
+the simulated step, the plan, and every timed step's merged timeline events (stage, action, CPU
+seconds, wall seconds, wait seconds) for the per-action breakdown.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def build(spec: dict, schedule: str):
+    import transformers
+
+    from infinipipe_hf import InfiniPipeConfig
+    from infinipipe_hf.runtime.engine.engine import PipelineEngine
+
+    torch.manual_seed(spec.get("seed", 0))
+    cfg = transformers.LlamaConfig(**spec["model"])
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).float()
+    return PipelineEngine(model, InfiniPipeConfig(
+        pp_degree=spec["pp_degree"], schedule=schedule, profile=spec.get("profile"),
+        memory_budget_gib=spec["memory_budget_gib"], p2p_timeout_s=600, seed_plan_on_rank0=True,
+        loss_chunk_tokens=spec.get("loss_chunk_tokens", 4096)))
+
+
+def timed_step(engine, batch, plan):
+    for p in engine.parameters():
+        p.grad = None
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = engine.train_step(batch, plan=plan)
+    dist.barrier()
+    return time.perf_counter() - t0, out
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(spec.get("seed", 0) + 1)
+    vocab = spec["model"]["vocab_size"]
+    batch = [{"input_ids": torch.randint(0, vocab, (n,), generator=g).tolist()} for n in spec["lengths"]]
+    engines, plans, results = {}, {}, {}
+    for name in spec["schedules"]:
+        engine = build(spec, name)
+        try:
+            _, out = timed_step(engine, batch, None)  # plans, warms up
+        except ValueError as exc:  # no feasible plan at this budget: every rank agrees
+            results[name] = {"error": str(exc)}
+            continue
+        engines[name], plans[name] = engine, out.plan
+        results[name] = {"step_s": [], "order": [], "losses": [], "simulated_step_s": out.simulation.step_time_s,
+                         "num_units": len(out.plan.units), "plan_info": dict(out.plan.info),
+                         "plan": out.plan.to_dict(), "events": []}
+    names = list(engines)
+    for a in range(spec["alternations"]):
+        order = names[a % len(names):] + names[:a % len(names)]
+        for pos, name in enumerate(order):
+            dt, out = timed_step(engines[name], batch, plans[name])
+            results[name]["step_s"].append(dt)
+            results[name]["order"].append(pos)
+            results[name]["losses"].append(out.loss)
+            merged = engines[name].gather_timeline(out.timeline)  # collective: every rank calls it
+            results[name]["events"].append([[e.stage, e.action, e.cpu_s, e.duration_s, e.wait_s]
+                                            for e in merged.events])
+        if rank == 0:
+            print(f"[rank 0] alternation {a}: " + ", ".join(f"{n} {results[n]['step_s'][-1]:.3f} s" for n in names),
+                  flush=True)
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,102 @@
+"""``python -m infinipipe_hf.plan --search-layout``: which ``pp x sp x dp x shard`` to run.
+
+Plans the batch with EPP on every layout of ``--world-size`` GPUs (``--gpus-per-node`` per node)
+that can run, and each non-pipeline alternative (ulysses-zero3, ring-cp, flexsp) at its best on
+the same GPUs (:mod:`infinipipe_hf.planner.search.layouts`); prints a table, or with ``--json``
+``{"recommended": {...}, "layouts": [...], "alternatives": [...], "search_time_s", ...}``, and
+the recommended layout as ``EPPTrainingArguments`` fields, recipe flags and the planner command
+that replans it alone (same tokens/s).  ``--sp`` / ``--shard`` restrict the search; ``--pp`` and
+``--dp`` are what it chooses and are refused.  ``--emit-plan`` / ``--plot`` write the recommended
+layout's plan / Gantt chart.  Exit status: 0, 2 for input errors, 1 when no layout fits (the
+message names each layout's largest trainable sequence; with ``--json`` the object still prints,
+``recommended`` null and ``error`` set).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from infinipipe_hf.cli.inputs import plan_options, read_lengths, read_model_spec, read_profile
+from infinipipe_hf.planner.cost.model import GIB
+from infinipipe_hf.planner.search.layout_result import LayoutSearch, NoLayoutFits, format_search
+from infinipipe_hf.planner.search.layouts import search_layouts
+
+
+def add_search_arguments(p: argparse.ArgumentParser) -> None:
+    """The layout-search flags of the planner CLI."""
+    p.add_argument("--search-layout", action="store_true",
+                   help="plan EPP on every pp x sp x dp x shard of --world-size GPUs (and the non-pipeline "
+                        "alternatives at their best) and recommend the fastest that fits; no --pp")
+    p.add_argument("--search-workers", type=int, default=min(os.cpu_count() or 1, 8), metavar="N",
+                   help="processes planning layouts in parallel with --search-layout (default: the CPUs, at "
+                        "most 8; 1 plans in this process)")
+
+
+def check_search_args(args: argparse.Namespace) -> None:
+    """``ValueError`` for flags the layout search cannot take."""
+    chosen = [f"{flag} {value}" for flag, value in (("--pp", args.pp), ("--dp", args.dp)) if value is not None]
+    if chosen:
+        raise ValueError(f"--search-layout chooses pp, sp, dp and shard itself; drop {' and '.join(chosen)} "
+                         f"(or drop --search-layout to plan that layout)")
+    if args.world_size is None:
+        raise ValueError("--search-layout needs --world-size: the number of GPUs of the job")
+    if args.schedule != "epp":
+        raise ValueError(f"--search-layout plans EPP on every layout and compares the non-pipeline alternatives "
+                         f"itself; drop --schedule {args.schedule}")
+    if args.search_workers < 1:
+        raise ValueError(f"--search-workers must be >= 1, got {args.search_workers}")
+    if args.sp is not None and args.sp < 1:
+        raise ValueError(f"--sp must be >= 1, got {args.sp}")
+
+
+def run_search(args: argparse.Namespace) -> LayoutSearch:
+    """The layout search the flags ask for (``NoLayoutFits`` when no layout fits)."""
+    check_search_args(args)
+    spec = read_model_spec(args.model)
+    lengths = read_lengths(args.lengths)
+    profile = read_profile(args.profile) if args.profile else None
+    try:
+        search = search_layouts(lengths, spec, world_size=args.world_size, gpus_per_node=args.gpus_per_node,
+                                memory_budget_bytes=args.gpu_memory_gib * GIB, profile=profile,
+                                sp_degrees=None if args.sp is None else (args.sp,),
+                                shards=None if args.shard is None else (args.shard,),
+                                plan_options=plan_options(args), workers=args.search_workers)
+    except NoLayoutFits as exc:
+        exc.search.extra["error"] = str(exc)
+        raise
+    best = search.recommended.layout
+    search.extra["plan_command"] = (f"python -m infinipipe_hf.plan --model {args.model} --lengths {args.lengths} "
+                                    f"{best.plan_flags()} --world-size {search.world_size} --gpus-per-node "
+                                    f"{search.gpus_per_node} --gpu-memory-gib {args.gpu_memory_gib:g} --schedule epp")
+    return search
+
+
+def _write_outputs(args: argparse.Namespace, search: LayoutSearch) -> None:
+    result = search.recommended.result
+    if args.emit_plan:
+        Path(args.emit_plan).write_text(result.plan.to_json(indent=1))
+    if args.plot:
+        from infinipipe_hf.cli.viz import plot_plan
+
+        lay = search.recommended.layout
+        plot_plan(result.plan, result.simulation, args.plot,
+                  title=f"epp: {Path(args.model).name}, {lay.label}, shard {lay.shard}")
+
+
+def search_main(args: argparse.Namespace) -> int:
+    """Run the layout search for the CLI; the exit status."""
+    try:
+        search = run_search(args)
+    except NoLayoutFits as exc:
+        print(json.dumps(exc.search.to_dict(), indent=1) if args.json else format_search(exc.search))
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _write_outputs(args, search)
+    print(json.dumps(search.to_dict(), indent=1) if args.json else format_search(search))
+    return 0

@@ -1,0 +1,115 @@
+"""Whole-system mechanisms the per-layer profile does not see, as one parameter set for every schedule.
+
+A layer profile prices a decoder layer run alone on an idle GPU.  A real training step also pays for
+kernels outside the profiled layer (optimizer step, embedding, framework launches), for collectives
+that are not hidden perfectly behind compute, for each SP/CP group it runs per round, and for ring
+attention's blockwise steps.  :class:`Calibration` holds those mechanisms; its defaults are the ideal
+machine (no effect), and ``benchmarks/calibration.py`` fits values on published measurements
+(docs/calibration.md).  Every schedule -- EPP, the pipeline baselines and the alternatives -- reads the
+same values from its profile, so calibration never favours one system.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Mechanisms beyond the layer profile (module docstring); defaults change nothing."""
+
+    compute_efficiency: float = 1.0
+    """Share of the profiled compute speed a whole training step reaches: layer, head and embedding
+    times are divided by it (:func:`apply_calibration`).  It lumps the optimizer step, launch gaps and
+    framework overheads of a full model; 1.0: the step runs at the profile's layer speed."""
+    collective_overlap: float = 1.0
+    """Share of the overlappable FSDP / ZeRO-3 gathers and reduce-scatters hidden behind compute
+    (the rest shows in the step); 1.0: perfect prefetch overlap."""
+    nccl_compute_slowdown: float = 0.0
+    """Fractional slowdown of compute while collectives run beside it (NCCL kernels take SMs and
+    memory bandwidth), charged on the overlapped time; 0.0: none."""
+    group_round_s: float = 0.0
+    """Fixed seconds per group and round of SP / CP groups (kernel launches on a fresh communicator,
+    a barrier, straggler wait), summed over the groups of a round; 0.0: none."""
+    ring_step_efficiency: float = 1.0
+    """Speed of one ring-attention step's blockwise attention relative to the same pairs in one
+    single-GPU kernel (shorter blocks, one launch per step); the ring's attention time is divided by
+    it at CP degree > 1."""
+    ring_merge_bytes_per_token: float = 0.0
+    """Bytes moved per local token, layer and ring step to merge partial attention outputs (the
+    online-softmax rescale of output and log-sum-exp), at the profile's elementwise bandwidth."""
+
+    def __post_init__(self) -> None:
+        for name in ("compute_efficiency", "ring_step_efficiency"):
+            v = getattr(self, name)
+            if not 0 < v <= 1.5:
+                raise ValueError(f"calibration field {name} must be in (0, 1.5] (a speed ratio), got {v!r}")
+        if not 0 <= self.collective_overlap <= 1:
+            raise ValueError(f"calibration field collective_overlap must be in [0, 1] (share hidden), got "
+                             f"{self.collective_overlap!r}")
+        for name in ("nccl_compute_slowdown", "group_round_s", "ring_merge_bytes_per_token"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"calibration field {name} must be >= 0, got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any] | "Calibration" | None) -> "Calibration":
+        """From a profile's ``calibration`` entry (unknown keys are an error naming the known ones)."""
+        if d is None:
+            return Calibration()
+        if isinstance(d, Calibration):
+            return d
+        known = {f.name for f in fields(Calibration)}
+        bad = sorted(set(d) - known)
+        if bad:
+            raise ValueError(f"calibration has unknown field(s) {bad}; known: {', '.join(sorted(known))}")
+        return Calibration(**{k: float(v) for k, v in d.items()})
+
+    @property
+    def is_ideal(self) -> bool:
+        return self == Calibration()
+
+
+def overlapped(compute_s: float, gathers: Sequence[float], reduces: Sequence[float] = (),
+               calibration: Calibration | None = None) -> float:
+    """Seconds of an action whose ``compute_s`` overlaps per-unit gathers (and reduce-scatters).
+
+    The first gather (and the last reduce-scatter) are exposed; the rest run beside compute.  Ideal:
+    ``first + max(compute, rest) + last``.  Calibrated, the overlapped span ``min(compute, rest)``
+    costs an extra ``(1 - collective_overlap + nccl_compute_slowdown)`` of itself.
+    """
+    c = calibration or Calibration()
+    comm = sum(gathers) + sum(reduces) if reduces else sum(gathers)
+    first = max(gathers) if gathers else 0.0
+    extra = (1.0 - c.collective_overlap + c.nccl_compute_slowdown) * min(compute_s, comm)
+    t = first + max(compute_s, comm) + max(reduces) if reduces else first + max(compute_s, comm)
+    return t + extra if extra else t  # the ideal machine adds nothing, not even a rounding
+
+
+def ring_extra_s(attention_s: float, local_tokens: float, cp: int, elementwise_bytes_per_s: float,
+                 calibration: Calibration | None = None) -> float:
+    """Seconds one layer and direction of ring attention adds to its ideal single-kernel time:
+    the attention's step inefficiency and the ``cp - 1`` merges of partial outputs."""
+    c = calibration or Calibration()
+    if cp <= 1:
+        return 0.0
+    slow = attention_s * (1.0 / c.ring_step_efficiency - 1.0)
+    merge = (cp - 1) * local_tokens * c.ring_merge_bytes_per_token / elementwise_bytes_per_s
+    return slow + merge
+
+
+def apply_calibration(profile, calibration: Calibration):
+    """``profile`` with ``calibration`` recorded and its compute times divided by
+    ``compute_efficiency`` (layer, head, embedding); apply once, to an uncalibrated profile."""
+    if not profile.calibration.is_ideal:
+        raise ValueError(f"profile {profile.name!r} is already calibrated ({profile.calibration}); "
+                         f"apply a calibration to the uncalibrated profile")
+    k = 1.0 / calibration.compute_efficiency
+    return replace(profile, name=f"{profile.name}+calibrated",
+                   layer_forward=profile.layer_forward.scaled(k, k),
+                   layer_backward=profile.layer_backward.scaled(k, k),
+                   head_forward=profile.head_forward.scaled(k, k),
+                   head_backward=profile.head_backward.scaled(k, k),
+                   embedding_token_s=profile.embedding_token_s * k, calibration=calibration)

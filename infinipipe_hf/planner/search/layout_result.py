@@ -1,0 +1,230 @@
+"""What the layout search returns: one outcome per layout, the alternatives, the recommendation.
+
+:class:`LayoutSearch.to_dict` is the ``--search-layout --json`` object of the planner CLI
+(docs/contracts.md): ``{"recommended": {"pp_degree", "sp_degree", "dp_degree", "shard",
+"tokens_per_s", ...}, "layouts": [...], "alternatives": [...], ...}``; :func:`format_search`
+is its table (the CLI without ``--json``, and the trainer's log with ``pp_degree="auto"``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from infinipipe_hf.planner.search.result import PlanResult
+
+
+def gib(nbytes: float) -> str:
+    """Bytes as GiB with three significant digits (budgets range from MiB in tests to 141 GiB)."""
+    return f"{nbytes / 2**30:.3g}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout of a job: ``world = pp_degree x sp_degree x dp_degree`` GPUs."""
+
+    pp_degree: int
+    sp_degree: int
+    dp_degree: int
+    shard: str
+    """Model-state sharding, one of :data:`infinipipe_hf.layout.SHARD_MODES`."""
+
+    @property
+    def label(self) -> str:
+        return f"pp {self.pp_degree} x sp {self.sp_degree} x dp {self.dp_degree}"
+
+    def degrees(self) -> dict:
+        """The four fields as ``EPPTrainingArguments`` / ``InfiniPipeConfig`` name them."""
+        return {"pp_degree": self.pp_degree, "sp_degree": self.sp_degree, "dp_degree": self.dp_degree,
+                "shard": self.shard}
+
+    def training_arguments(self) -> str:
+        """The ``EPPTrainingArguments`` fields that select this layout, as Python."""
+        return ", ".join(f"{k}={v!r}" for k, v in self.degrees().items())
+
+    def recipe_flags(self) -> str:
+        """The same fields on a recipe's command line (``recipes/train.py``)."""
+        return " ".join(f"--{k} {v}" for k, v in self.degrees().items())
+
+    def plan_flags(self) -> str:
+        """The planner CLI's flags that plan this layout alone."""
+        return f"--pp {self.pp_degree} --sp {self.sp_degree} --dp {self.dp_degree} --shard {self.shard}"
+
+
+@dataclass
+class LayoutOutcome:
+    """One layout's EPP plan, or why it was ruled out before planning."""
+
+    layout: Layout
+    result: PlanResult | None
+    """``plan_step``'s result; None when ruled out before planning."""
+    ruled_out: str | None
+    """Why the layout cannot fit, found before planning (model states, the longest sequence)."""
+    search_time_s: float
+    """Seconds this layout took (checks and planning)."""
+    priced_as: str | None = None
+    """The shard mode whose plan this layout shares (the cost model prices both alike)."""
+    largest_trainable: int | None = None
+    """Longest single sequence this layout trains (computed when no layout fits the batch)."""
+    sp_rounds: bool = False
+    """The plan runs elastic SP rounds (units on SP sub-groups)."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.result is not None and self.result.feasible
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.result.simulation.tokens_per_s if self.feasible else 0.0
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        sim = self.result.simulation if self.result is not None else None
+        return max(sim.peak_memory_bytes) if sim is not None and sim.peak_memory_bytes else 0.0
+
+    @property
+    def error(self) -> str | None:
+        if self.ruled_out:
+            return self.ruled_out
+        return None if self.result is None else self.result.error
+
+    def priced_as_layout(self, layout: Layout) -> LayoutOutcome:
+        """This outcome for ``layout``, whose shard mode the cost model prices the same."""
+        return replace(self, layout=layout, priced_as=self.layout.shard, search_time_s=0.0)
+
+    def to_dict(self) -> dict:
+        d = {**self.layout.degrees(), "feasible": self.feasible, "tokens_per_s": self.tokens_per_s}
+        sim = self.result.simulation if self.result is not None else None
+        if sim is not None:
+            d.update(step_time_s=sim.step_time_s, peak_memory_bytes=list(sim.peak_memory_bytes),
+                     bubble_fraction=sim.bubble_fraction, recompute_fraction=sim.recompute_fraction,
+                     num_units=len(self.result.plan.units) if self.result.plan is not None else 0,
+                     num_pipelines=self.result.plan.num_pipelines if self.result.plan is not None else 0)
+        d["planning_time_s"] = self.search_time_s
+        d["sp_rounds"] = self.sp_rounds
+        if self.priced_as:
+            d["priced_as"] = self.priced_as
+        if self.largest_trainable is not None:
+            d["largest_trainable_length"] = self.largest_trainable
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+@dataclass
+class LayoutSearch:
+    """Every layout of one search (ranked: feasible fastest first), the alternatives, the pick."""
+
+    world_size: int
+    gpus_per_node: int
+    memory_budget_bytes: float
+    layouts: list[LayoutOutcome]
+    alternatives: dict[str, PlanResult]
+    recommended: LayoutOutcome | None
+    tie_break: str
+    search_time_s: float
+    """Seconds of the whole search (every layout, the alternatives, the pick)."""
+    extra: dict = field(default_factory=dict)
+    """More keys for ``to_dict`` (the CLI adds the command that replans the pick)."""
+    without_sp_rounds: PlanResult | None = None
+    """The pick planned without elastic SP rounds, when its plan uses them."""
+
+    def recommended_dict(self) -> dict | None:
+        best = self.recommended
+        if best is None:
+            return None
+        lay = best.layout
+        d = best.to_dict()
+        d.pop("planning_time_s")
+        d.update(label=lay.label, training_arguments=lay.degrees(), recipe_flags=lay.recipe_flags(),
+                 over_alternatives={n: best.tokens_per_s / r.simulation.tokens_per_s
+                                    for n, r in self.alternatives.items() if r.feasible and r.simulation.tokens_per_s},
+                 plan=best.result.summary())
+        whole = self.without_sp_rounds
+        if whole is not None:
+            d["without_sp_rounds"] = {k: v for k, v in whole.summary().items()
+                                      if k in ("feasible", "tokens_per_s", "step_time_s", "peak_memory_bytes",
+                                               "bubble_fraction", "recompute_fraction", "error")}
+        return d
+
+    def to_dict(self) -> dict:
+        return {"recommended": self.recommended_dict(), "layouts": [o.to_dict() for o in self.layouts],
+                "alternatives": [r.summary() for r in self.alternatives.values()],
+                "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
+                "memory_budget_bytes": self.memory_budget_bytes, "tie_break": self.tie_break,
+                "num_layouts": len(self.layouts),
+                "num_planned": sum(o.result is not None and o.priced_as is None for o in self.layouts),
+                "search_time_s": self.search_time_s, **self.extra}
+
+
+class NoLayoutFits(ValueError):
+    """No layout fits the memory budget; the message names each layout's largest trainable sequence."""
+
+    def __init__(self, search: LayoutSearch, lengths: Sequence[int]):
+        self.search = search
+        longest = max(lengths)
+        ranked = sorted(search.layouts, key=lambda o: -(o.largest_trainable or 0))  # stable: search order on ties
+        per = "; ".join(f"{o.layout.label} shard {o.layout.shard}: {o.largest_trainable}" for o in ranked)
+        fits_alone = [o for o in search.layouts if (o.largest_trainable or 0) >= longest]
+        why = (f"the longest sequence ({longest} tokens) fits alone on {len(fits_alone)} of them but the whole batch "
+               f"({len(lengths)} sequences, {sum(lengths)} tokens) does not: use fewer tokens per step"
+               if fits_alone else f"the longest sequence has {longest} tokens: split or truncate longer documents")
+        super().__init__(f"no layout of {search.world_size} GPUs fits {gib(search.memory_budget_bytes)} GiB per GPU for this batch; "
+                         f"{why}, use more GPUs or a larger memory budget. Largest trainable sequence per layout "
+                         f"(tokens, longest first): {per}")
+
+
+def _row(o: LayoutOutcome) -> tuple[str, ...]:
+    lay = o.layout
+    head = (lay.label, lay.shard)
+    note = f"priced as shard {o.priced_as}" if o.priced_as else ""
+    if not o.feasible:
+        return (*head, "NO", "0", "-", "-", "-", "-", f"{o.search_time_s:.2f}", o.error or note)
+    sim = o.result.simulation
+    return (*head, "yes", f"{o.tokens_per_s:,.0f}", f"{sim.step_time_s:.3f}", gib(o.peak_memory_bytes),
+            f"{sim.bubble_fraction:.3f}", f"{sim.recompute_fraction:.3f}", f"{o.search_time_s:.2f}", note)
+
+
+def _alternative_row(name: str, r) -> tuple[str, ...]:
+    if not r.feasible:
+        return (name, "(best)", "NO", "0", "-", "-", "-", "-", f"{r.planning_time_s:.2f}", r.error or "")
+    sim, knobs = r.simulation, dict(r.plan.knobs)
+    knobs["ckpt"] = r.plan.checkpoint_layers
+    return (name, "(best)", "yes", f"{sim.tokens_per_s:,.0f}", f"{sim.step_time_s:.3f}",
+            gib(sim.peak_memory_bytes), f"{sim.bubble_fraction:.3f}", "-", f"{r.planning_time_s:.2f}",
+            ", ".join(f"{k} {v}" for k, v in knobs.items()))
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+
+
+def format_search(search: LayoutSearch) -> str:
+    """The table of every layout (ranked), the alternatives at their best and the recommendation."""
+    header = ("layout", "shard", "fits", "tokens/s", "step s", "peak GiB", "bubble", "recompute", "plan s", "note")
+    rows = [header, *(_row(o) for o in search.layouts),
+            *(_alternative_row(n, r) for n, r in search.alternatives.items())]
+    lines = [f"EPP on every layout of {search.world_size} GPUs ({search.gpus_per_node} per node), "
+             f"{gib(search.memory_budget_bytes)} GiB per GPU; alternatives on the same GPUs at their best "
+             f"knobs; bubble and recompute are shares of the step's GPU time", *_columns(rows)]
+    best = search.recommended
+    if best is None:
+        lines.append(f"no layout fits: {search.extra.get('error', '')}")
+    else:
+        lay = best.layout
+        lines.append(f"recommended: {lay.label}, shard {lay.shard}: {best.tokens_per_s:,.0f} tokens/s, peak "
+                     f"{gib(best.peak_memory_bytes)} GiB per GPU")
+        whole = search.without_sp_rounds
+        if whole is not None:
+            lines.append(f"  with elastic SP rounds; without them (--no-sp-rounds) this layout plans "
+                         f"{whole.summary()['tokens_per_s']:,.0f} tokens/s")
+        for name, ratio in search.recommended_dict()["over_alternatives"].items():
+            lines.append(f"  {ratio:.2f}x {name} at its best")
+        lines += [f"  EPPTrainingArguments({lay.training_arguments()}, ...)",
+                  f"  recipe flags: {lay.recipe_flags()} (recipes/train.py; launch {search.world_size} processes)"]
+        if "plan_command" in search.extra:
+            lines.append(f"  replan it alone: {search.extra['plan_command']}")
+    lines.append(f"tie-break: {search.tie_break}")
+    planned = sum(o.result is not None and o.priced_as is None for o in search.layouts)
+    lines.append(f"search: {len(search.layouts)} layouts, {planned} planned, {search.search_time_s:.1f} s")
+    return "\n".join(lines)
