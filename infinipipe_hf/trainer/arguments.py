@@ -50,8 +50,9 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
     CUDA, no MFU on CPU."""
 
     plan_ahead: bool = field(default=True, metadata={
-        "help": "Plan the next global batch on a background thread while the current one trains."})
-    """Plan one batch ahead on a worker thread (off the critical path); ``False`` plans each
+        "help": "Plan the next global batch in a planner process while the current one trains."})
+    """Plan one batch ahead in a planner process (an injected planner: a worker thread), off the
+    critical path and off the training loop's GIL; ``False`` plans each
     batch when its step starts."""
 
     resume_on_restart: bool = field(default=True, metadata={

@@ -66,6 +66,7 @@ def test_world1_matches_plain_trainer(ref_dir, tmp_path, name, kind):
     logged = [h for h in tr.state.log_history if "loss" in h]
     assert len(logged) == scn.max_steps and all(h["tokens_per_s"] > 0 for h in logged)
     assert tr.plan_ahead.hits == scn.max_steps * scn.grad_accum  # every plan computed ahead
+    assert tr.plan_ahead.in_process == (kind == "default")  # the default planner in its own process
     if kind == "default":
         assert all("bubble_fraction" in h and "planned_peak_memory_gib_stage0" in h for h in logged)
 

@@ -62,25 +62,34 @@ class DefaultPlanner:
                 torch.finfo(engine.dtype).bits // 8 if engine.dtype.is_floating_point else 4))
         return profile
 
-    def __call__(self, lengths: list[int], engine):
-        from infinipipe_hf.planner.search.api import plan_step
-
+    def request(self, engine) -> dict:
+        """``plan_step``'s keyword arguments for this engine: plain data, so the same request gives
+        the same plan here or in a planner process (``planner/worker.py``)."""
         c = engine.config
         if self.profile is None:
             self.profile = self._load_profile(engine)
-        return plan_step(lengths, engine.spec, pp_degree=c.pp_degree, dp_degree=engine.layout.dp_degree,
-                         schedule=c.schedule, memory_budget_bytes=memory_budget_bytes(c, engine.device),
-                         profile=self.profile, layers_per_stage=engine.layers_per_stage,
-                         max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
-                         checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
-                         sp_degree=c.sp_degree, shard=c.shard, sp_rounds=c.sp_rounds,
-                         checkpoint_levels=runnable_checkpoint_levels(engine))
+        return dict(spec=engine.spec, pp_degree=c.pp_degree, dp_degree=engine.layout.dp_degree,
+                    schedule=c.schedule, memory_budget_bytes=memory_budget_bytes(c, engine.device),
+                    profile=self.profile, layers_per_stage=list(engine.layers_per_stage),
+                    max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
+                    checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
+                    sp_degree=c.sp_degree, shard=c.shard, sp_rounds=c.sp_rounds,
+                    checkpoint_levels=runnable_checkpoint_levels(engine))
+
+    def __call__(self, lengths: list[int], engine):
+        from infinipipe_hf.planner.search.api import plan_step
+
+        return plan_step(lengths, **self.request(engine))
 
 
 def plan_locally(engine, lengths: list[int]) -> tuple[Plan, Any]:
     """This rank's own plan of ``lengths`` and its simulation, with no communication."""
     planner = engine.planner if engine.planner is not None else engine.default_planner
-    result = planner(lengths, engine)
+    return plan_from_result(planner(lengths, engine), lengths)
+
+
+def plan_from_result(result, lengths: list[int]) -> tuple[Plan, Any]:
+    """``(plan, simulation or None)`` from a planner's answer; ``ValueError`` when it found none."""
     if isinstance(result, Plan):
         return result, None
     if not getattr(result, "feasible", False) or result.plan is None:
