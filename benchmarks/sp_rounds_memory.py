@@ -15,31 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
+from torchrun_json import REPO, run_json_worker
+
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(HERE / "results" / "sp_rounds_memory.json"))
     args = ap.parse_args()
-    torchrun = Path(sys.executable).parent / "torchrun"
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "raw.json"
-        env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        p = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2",
-                            str(REPO / "tests" / "distributed" / "workers" / "sp_rounds_memory.py"), str(raw)],
-                           cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=900)
-        if p.returncode != 0:
-            raise SystemExit(p.stdout[-4000:])
-        result = json.loads(raw.read_text())
+    result = run_json_worker(REPO / "tests" / "distributed" / "workers" / "sp_rounds_memory.py")
     for row in result["rows"]:
         got, unsplit, model = row["measured"], row["sp1"], row["model"]
         row["measured_over_sp1"] = {k: got[k] / unsplit[k] for k in ("first_slice", "second_slice", "kv_store")}

@@ -7,7 +7,7 @@
 e.g. ``PLAN_SNAPSHOT_EXTRA_ARGS=--no-sp-rounds`` compares plans with elastic SP rounds switched off.
 
 Only stable entry points are used: the planner CLI ``python -m infinipipe_hf.plan --json
---emit-plan`` (DESIGN.md section 9) run as a subprocess, and ``import infinipipe_hf`` to find the
+--emit-plan`` (docs/contracts.md) run as a subprocess, and ``import infinipipe_hf`` to find the
 shipped model configs (by file name anywhere under the package, so moving them inside it is fine;
 a copy of each config is kept in the snapshot and used when the file is gone).  Batches are
 generated here, deterministically, and stored in the snapshot too.

@@ -1,4 +1,4 @@
-"""``python -m infinipipe_hf.plan --search-layout``: the JSON contract (DESIGN.md section 9), the
+"""``python -m infinipipe_hf.plan --search-layout``: the JSON contract (docs/contracts.md), the
 table, replanning the pick alone, and bad input."""
 import json
 

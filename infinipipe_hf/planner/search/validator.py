@@ -248,46 +248,47 @@ class _Checker:
     def checkpoints(self) -> None:
         plan = self.plan
         layers = plan.layers_per_stage or (list(self.cost.layers_per_stage) if self.cost is not None else [])
-        for s, per_unit in sorted(plan.checkpoint_layers.items()):
+        for s, uid, unit, n in self.stage_units(plan.checkpoint_layers, "checkpoint_layers"):
+            top = layers[s] if s < len(layers) else None
+            if n < 0 or (top is not None and n > top):
+                self.fail_unit(f"stage {s} checkpoints {n} layers of unit {uid}, outside [0, {top}] "
+                               f"(the stage has {top} decoder layers)", unit, "B", s)
+        self.checkpoint_levels(layers)
+
+    def stage_units(self, per_stage: dict, name: str):
+        """``(stage, unit id, unit, value)`` of a per-(stage, unit) plan field, in order; a stage or
+        unit the plan does not have fails."""
+        plan = self.plan
+        for s, per_unit in sorted(per_stage.items()):
             if not 0 <= s < plan.pp_degree:
-                self.fail(f"checkpoint_layers names stage {s}, outside 0..{plan.pp_degree - 1}")
-            for uid, n in sorted(per_unit.items()):
+                self.fail(f"{name} names stage {s}, outside 0..{plan.pp_degree - 1}")
+            for uid, value in sorted(per_unit.items()):
                 unit = plan.unit_by_id.get(uid)
                 if unit is None:
-                    self.fail(f"checkpoint_layers[{s}] names unit {uid}, which is not in the plan")
-                top = layers[s] if s < len(layers) else None
-                if n < 0 or (top is not None and n > top):
-                    self.fail_unit(f"stage {s} checkpoints {n} layers of unit {uid}, outside [0, {top}] "
-                                   f"(the stage has {top} decoder layers)", unit, "B", s)
-        self.checkpoint_levels(layers)
+                    self.fail(f"{name}[{s}] names unit {uid}, which is not in the plan")
+                yield s, uid, unit, value
 
     def checkpoint_levels(self, layers: list[int]) -> None:
         """Finer levels: known names, counts >= 0, whole + finer layers within the stage's layers."""
         plan = self.plan
-        for s, per_unit in sorted(plan.checkpoint_levels.items()):
-            if not 0 <= s < plan.pp_degree:
-                self.fail(f"checkpoint_levels names stage {s}, outside 0..{plan.pp_degree - 1}")
-            for uid, per in sorted(per_unit.items()):
-                unit = plan.unit_by_id.get(uid)
-                if unit is None:
-                    self.fail(f"checkpoint_levels[{s}] names unit {uid}, which is not in the plan")
-                bad = sorted(set(per) - set(FINER_LEVELS))
-                if bad:
-                    self.fail_unit(f"checkpoint_levels[{s}][{uid}] has unknown level(s) {bad}; the levels "
-                                   f"inside a layer are {', '.join(FINER_LEVELS)} (whole layers go in "
-                                   f"checkpoint_layers)", unit, "B", s)
-                for lv, n in sorted(per.items()):
-                    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                        self.fail_unit(f"checkpoint_levels[{s}][{uid}][{lv!r}] = {n!r}; level counts are "
-                                       f"non-negative ints (layers of the stage)", unit, "B", s)
-                top = layers[s] if s < len(layers) else None
-                full = plan.checkpointed(s, uid)
-                total = full + sum(per.values())
-                if top is not None and total > top:
-                    self.fail_unit(f"stage {s} gives unit {uid} {full} whole + "
-                                   + " + ".join(f"{n} {lv}" for lv, n in sorted(per.items()))
-                                   + f" = {total} checkpointed layers, but the stage has {top} decoder "
-                                   f"layers; each layer takes at most one level", unit, "B", s)
+        for s, uid, unit, per in self.stage_units(plan.checkpoint_levels, "checkpoint_levels"):
+            bad = sorted(set(per) - set(FINER_LEVELS))
+            if bad:
+                self.fail_unit(f"checkpoint_levels[{s}][{uid}] has unknown level(s) {bad}; the levels "
+                               f"inside a layer are {', '.join(FINER_LEVELS)} (whole layers go in "
+                               f"checkpoint_layers)", unit, "B", s)
+            for lv, n in sorted(per.items()):
+                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    self.fail_unit(f"checkpoint_levels[{s}][{uid}][{lv!r}] = {n!r}; level counts are "
+                                   f"non-negative ints (layers of the stage)", unit, "B", s)
+            top = layers[s] if s < len(layers) else None
+            full = plan.checkpointed(s, uid)
+            total = full + sum(per.values())
+            if top is not None and total > top:
+                self.fail_unit(f"stage {s} gives unit {uid} {full} whole + "
+                               + " + ".join(f"{n} {lv}" for lv, n in sorted(per.items()))
+                               + f" = {total} checkpointed layers, but the stage has {top} decoder "
+                               f"layers; each layer takes at most one level", unit, "B", s)
 
     def memory(self, r: int) -> None:
         plan, cost = self.plan, self.cost

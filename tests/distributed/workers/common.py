@@ -41,6 +41,25 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def fail_at_forward(engine: PipelineEngine, mode: str, call: int, timeout_s: float) -> None:
+    """Make this rank die (``die``: exit 17) or hang past its peers' deadlines and then leave
+    (``stuck``) at its ``call``-th unit forward."""
+    calls = {"n": 0}
+    fwd = engine.runner.forward
+
+    def forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            print(f"[rank {dist.get_rank()}] sabotage: {mode}", flush=True)
+            if mode == "die":
+                os._exit(17)
+            time.sleep(timeout_s * 4 + 10)  # well past the peers' deadlines, then go away
+            os._exit(0)
+        return fwd(*args, **kwargs)
+
+    engine.runner.forward = forward
+
+
 def log(msg: str) -> None:
     print(f"[rank {dist.get_rank()}] {msg}", flush=True)
 

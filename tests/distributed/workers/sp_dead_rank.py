@@ -5,32 +5,25 @@ prints ``FAILED_AS_EXPECTED after <s>: <message>`` and exits with code 3.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-from common import LENGTHS, UNITS_DP1, InfiniPipeConfig, PipelineEngine, dist, exit_now, init, make_plan, random_batch
+from common import (
+    LENGTHS,
+    UNITS_DP1,
+    InfiniPipeConfig,
+    PipelineEngine,
+    dist,
+    exit_now,
+    fail_at_forward,
+    init,
+    make_plan,
+    random_batch,
+)
 
 from tests.helpers.reference import tiny_model
 
 TIMEOUT_S = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
-
-
-def sabotage(engine: PipelineEngine, mode: str) -> None:
-    calls = {"n": 0}
-    fwd = engine.runner.forward
-
-    def forward(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            print(f"[rank {dist.get_rank()}] sabotage: {mode}", flush=True)
-            if mode == "die":
-                os._exit(17)
-            time.sleep(TIMEOUT_S * 4 + 10)  # well past the peer's deadline, then go away
-            os._exit(0)
-        return fwd(*args, **kwargs)
-
-    engine.runner.forward = forward
 
 
 if __name__ == "__main__":
@@ -43,7 +36,7 @@ if __name__ == "__main__":
     engine.train_step(batch, plan=plan)
     engine.config.p2p_timeout_s = engine.sequence_parallel.timeout_s = TIMEOUT_S
     if dist.get_rank() == 1:
-        sabotage(engine, mode)
+        fail_at_forward(engine, mode, 3, TIMEOUT_S)
     t0 = time.time()
     try:
         engine.train_step(batch, plan=plan)

@@ -9,11 +9,10 @@ rank 1.  Every surviving rank prints ``FAILED_AS_EXPECTED after <s>: <message>``
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-from common import InfiniPipeConfig, PipelineEngine, dist, exit_now, init
+from common import InfiniPipeConfig, PipelineEngine, dist, exit_now, fail_at_forward, init
 
 from tests.distributed.round_plans import rounds_plan
 from tests.helpers.reference import random_batch, tiny_model
@@ -24,23 +23,6 @@ SUB2 = [[(0, 2, [(0, 0, 5)]), (2, 1, [(2, 0, 5)]), (3, 1, [(3, 0, 8)])],
 SINGLE = [[(0, 1, [(0, 0, 5)]), (1, 1, [(2, 0, 5)])], [(0, 1, [(0, 5, 9), (1, 0, 7)]), (1, 1, [(3, 0, 8)])],
           [(0, 1, [(4, 0, 6)]), (1, 1, [(5, 0, 4), (6, 0, 3)])]]
 TIMEOUT_S = float(sys.argv[3]) if len(sys.argv) > 3 else 5.0
-
-
-def sabotage(engine: PipelineEngine, mode: str) -> None:
-    calls = {"n": 0}
-    fwd = engine.runner.forward
-
-    def forward(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            print(f"[rank {dist.get_rank()}] sabotage: {mode}", flush=True)
-            if mode == "die":
-                os._exit(17)
-            time.sleep(TIMEOUT_S * 4 + 10)  # well past the peers' deadlines, then go away
-            os._exit(0)
-        return fwd(*args, **kwargs)
-
-    engine.runner.forward = forward
 
 
 if __name__ == "__main__":
@@ -56,7 +38,7 @@ if __name__ == "__main__":
     engine.executor.comm and setattr(engine.executor.comm, "timeout_s", TIMEOUT_S)
     engine.grad_sync.timeout_s = TIMEOUT_S
     if dist.get_rank() == 1:
-        sabotage(engine, mode)
+        fail_at_forward(engine, mode, 2, TIMEOUT_S)
     t0 = time.time()
     try:
         engine.train_step(batch, plan=plan)
