@@ -36,15 +36,39 @@ def single_gpu_table(lease: Path) -> list[dict]:
     return out
 
 
+def _first(lease: Path, name: str, last: bool = False) -> Path | None:
+    """The run folder's ``name`` file, from the first run that wrote it (or the last)."""
+    found = [r / name for r in sorted(p for p in lease.iterdir() if p.is_dir()) if (r / name).is_file()]
+    return (found[-1] if last else found[0]) if found else None
+
+
+def _load(path: Path | None) -> dict:
+    return json.loads(path.read_text()) if path else {}
+
+
+def unit_kind_runs(lease: Path) -> list[dict]:
+    """``sim_*.json`` files: gpu_sim_vs_real.py on plans of one unit kind each."""
+    out = []
+    for run in sorted(p for p in lease.iterdir() if p.is_dir()):
+        for f in sorted(run.glob("sim_*.json")):
+            d = json.loads(f.read_text())
+            row = d.get("row", {})
+            out.append({"run": run.name, "case": d.get("case"), "unit_kinds": row.get("unit_kinds"),
+                        "error": row.get("error"), "measured_step_s": row.get("step_s"),
+                        **{k: d.get(k) for k in ("step_predicted_over_measured", "F_predicted_over_measured",
+                                                 "B_predicted_over_measured")}})
+    return out
+
+
 def summarise(lease: Path) -> dict:
-    run1, run2 = lease / "run1_all_steps", lease / "run2_failed_steps_and_single_gpu"
-    suite = json.loads((run1 / "gpu_suite.json").read_text())
+    suite = _load(_first(lease, "gpu_suite.json"))
     tests = {r.name: json.loads((r / "gpu_tests.json").read_text())["counts"]
-             for r in (run1, run2) if (r / "gpu_tests.json").is_file()}
-    prof = json.loads((run1 / "gpu_profile.json").read_text())["models"]
-    mem = _rows(run1, "memory_model_check.json")
-    sim = json.loads((run1 / "gpu_sim_vs_real.json").read_text())
-    demo = json.loads((run2 / "gpu_demo.json").read_text())
+             for r in sorted(p for p in lease.iterdir() if p.is_dir()) if (r / "gpu_tests.json").is_file()}
+    prof = _load(_first(lease, "gpu_profile.json")).get("models", [])
+    mem_file = _first(lease, "memory_model_check.json")
+    mem = _rows(mem_file.parent, mem_file.name) if mem_file else []
+    sim = _load(_first(lease, "gpu_sim_vs_real.json"))
+    demo = _load(_first(lease, "gpu_demo.json", last=True))
     return {
         "device": suite.get("nvidia_smi"), "versions": suite.get("versions"), "python": suite.get("python"),
         "tests": tests,
@@ -57,8 +81,9 @@ def summarise(lease: Path) -> dict:
                     "step_ratio": r.get("step_predicted_over_measured")} for r in mem],
         "sim_vs_real": {k: sim.get(k) for k in ("case", "step_predicted_over_measured", "F_predicted_over_measured",
                                                 "B_predicted_over_measured", "action_ratio_min", "action_ratio_max")},
-        "demo": {"losses_gpu_bf16": demo["losses"], "losses_cpu_fp32": demo["reference"]["losses"],
-                 "max_abs_loss_diff": demo["max_abs_loss_diff"], "same_init": demo["same_init"]},
+        "unit_kind_runs": unit_kind_runs(lease),
+        "demo": {"losses_gpu_bf16": demo.get("losses"), "losses_cpu_fp32": demo.get("reference", {}).get("losses"),
+                 "max_abs_loss_diff": demo.get("max_abs_loss_diff"), "same_init": demo.get("same_init")},
         "single_gpu": single_gpu_table(lease),
     }
 

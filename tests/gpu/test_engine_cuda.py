@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from infinipipe_hf import InfiniPipeConfig, PipelineEngine
+from infinipipe_hf.runtime.engine.planning import memory_budget_bytes
 from tests.helpers.reference import assert_grads_close, random_batch, reference_loss_and_grads, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -65,4 +66,4 @@ def test_default_budget_holds_back_the_memory_margin():
     ref = tiny_model("llama", num_layers=2, tie=True, seed=5)
     engine = _engine(ref, torch.float32, memory_margin=0.1, memory_reserve_gib=1.0)
     total = torch.cuda.get_device_properties(engine.device).total_memory
-    assert engine._memory_budget_bytes() == pytest.approx(total * 0.9 - 2**30)
+    assert memory_budget_bytes(engine.config, engine.device) == pytest.approx(total * 0.9 - 2**30)
