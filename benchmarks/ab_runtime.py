@@ -3,8 +3,10 @@
     python benchmarks/ab_runtime.py [--pp 2] [--alternations 7]
 
 The batch and model are ``runtime_cpu_bench.py``'s (the long-tailed stdlib batch, the small float32
-Llama), every schedule planned under the *same* memory budget and the same CPU profile, each engine
-planned once; then the schedules alternate step by step (``ab_worker.py``), so a slow phase of the
+Llama), every schedule planned under the *same* memory budget and the same CPU profile, fitted on
+this machine first through the runtime's own code path (``cpu_profile.fit_cpu_profile``: whole
+sequences, slices with context and packs; saved beside ``--out``), each engine planned once;
+each rank pinned to one core as the profile says (``pinned_ranks``); then the schedules alternate step by step (``ab_worker.py``), so a slow phase of the
 shared machine lands on each of them.  Reported per pair: the measured EPP / baseline throughput
 ratio of each alternation, its median and spread (min, max), beside the simulated ratio of the same
 plans, and every action's measured CPU seconds against the cost model's, per action class (whole
@@ -15,6 +17,7 @@ about GPUs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -25,11 +28,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from cpu_profile import MODEL  # noqa: E402
+from cpu_profile import LOSS_CHUNK_TOKENS, MODEL, fit_cpu_profile  # noqa: E402
 from runtime_cpu_bench import memory_budget_gib, stdlib_batch  # noqa: E402
 
 SCHEDULES = ["epp", "seq1f1b", "packed-1f1b"]
-PROFILE = HERE / "results" / "runtime_cpu_bench.profile.json"
 
 
 def pair(runs: dict, base: str) -> dict:
@@ -83,7 +85,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--alternations", type=int, default=7)
-    ap.add_argument("--profile", default=str(PROFILE), help="CPU profile (fitted on this machine by runtime_cpu_bench.py)")
+    ap.add_argument("--profile", default=None,
+                    help="a saved CPU profile of this model (default: fit one now, quick, saved beside --out)")
     ap.add_argument("--out", default=str(HERE / "results" / "ab_runtime.json"))
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--reanalyse", action="store_true", help="analyse the kept raw runs of --out again, no run")
@@ -97,12 +100,20 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     lengths = stdlib_batch()
-    profile = HardwareProfile.load(args.profile)
+    raw = Path(args.out).with_suffix(".raw.json")
+    profile_path, fit = Path(args.profile or Path(args.out).with_suffix(".profile.json")), None
+    if args.profile is None and not args.reanalyse:
+        profile, report = fit_cpu_profile(quick=True, log=lambda m: print(m, file=sys.stderr))
+        profile = dataclasses.replace(profile, pinned_ranks=True)
+        profile.save(profile_path)
+        fit = {k: report[k] for k in ("fit_worst_relative_error", "held_out_worst_relative_error", "fit_worst_row",
+                                      "fit_worst_relative_error_over_1ms", "held_out_worst_relative_error_over_1ms",
+                                      "fit_errors", "held_out_errors", "load_before", "repeat")}
+    profile = HardwareProfile.load(profile_path)
     budget = args.budget_gib or memory_budget_gib(profile, lengths, args.pp)
     spec = {"model": MODEL, "lengths": lengths, "schedules": SCHEDULES, "pp_degree": args.pp,
-            "profile": args.profile, "memory_budget_gib": budget, "alternations": args.alternations,
-            "seed": 0}
-    raw = Path(args.out).with_suffix(".raw.json")
+            "profile": str(profile_path), "memory_budget_gib": budget, "alternations": args.alternations,
+            "seed": 0, "loss_chunk_tokens": LOSS_CHUNK_TOKENS, "pin_cores": True}
     if args.reanalyse:
         runs = json.loads(raw.read_text())
     else:
@@ -110,7 +121,8 @@ def main(argv=None) -> int:
         raw.write_text(json.dumps(runs))  # kept, so the analysis can be redone (--reanalyse)
     ok = [s for s in SCHEDULES if "error" not in runs.get(s, {"error": "not run"})]
     result = {"machine": f"CPU, {__import__('os').cpu_count()} cores shared with other jobs, gloo, pp={args.pp}, "
-                         f"1 thread per rank, float32", "profile": args.profile, "memory_budget_gib": budget,
+                         f"1 thread per rank pinned to a core, float32", "profile": str(profile_path), "profile_fit": fit,
+              "memory_budget_gib": budget,
               "model": MODEL, "lengths": lengths, "runs": runs,
               "pairs": {b: pair(runs, b) for b in ok if b != "epp" and "epp" in ok},
               "per_action_class": {s: breakdown(runs[s], profile, budget, lengths) for s in ok},

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 benchmarks/ab_worker.py SPEC.json
 
 ``SPEC.json``: ``{"model", "lengths", "schedules", "pp_degree", "profile", "memory_budget_gib",
-"alternations", "seed", "out"}``.  Every schedule's engine is built first on the same weights and
+"alternations", "seed", "out"}`` and optional ``"loss_chunk_tokens"``, ``"pin_cores"`` (rank r on core r % cores).  Every schedule's engine is built first on the same weights and
 planned once (one untimed step each); then each alternation times one step of every schedule, the
 order rotated by one schedule per alternation, so slow phases of a shared machine fall on every
 schedule alike.  Rank 0 writes per schedule the timed step seconds (one per alternation, in order),
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -52,6 +53,10 @@ def timed_step(engine, batch, plan):
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
+    if spec.get("pin_cores"):
+        from runtime_worker import pin_to_core
+
+        pin_to_core()  # before gloo starts its threads, so they share the rank's core
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(spec.get("seed", 0) + 1)

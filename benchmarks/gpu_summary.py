@@ -53,7 +53,8 @@ def unit_kind_runs(lease: Path) -> list[dict]:
         for f in sorted(run.glob("sim_*.json")):
             d = json.loads(f.read_text())
             row = d.get("row", {})
-            out.append({"run": run.name, "case": d.get("case"), "unit_kinds": row.get("unit_kinds"),
+            out.append({"run": run.name, "case": d.get("case"), "profile": Path(str(d.get("profile"))).name,
+                        "unit_kinds": row.get("unit_kinds"),
                         "error": row.get("error"), "measured_step_s": row.get("step_s"),
                         **{k: d.get(k) for k in ("step_predicted_over_measured", "F_predicted_over_measured",
                                                  "B_predicted_over_measured")}})

@@ -280,7 +280,9 @@ def main(argv=None) -> int:
             "budgets": budgets, "budget_slack": args.budget_slack, "max_load": args.max_load,
             "pinned_ranks": not args.no_pin,
             "profile": {"path": profile_path.name, **{k: report.get(k) for k in (
-                "fit_worst_relative_error", "held_out_worst_relative_error", "held_out_errors", "load_before",
+                "fit_worst_relative_error", "held_out_worst_relative_error", "fit_worst_row", "held_out_worst_row",
+                "fit_worst_relative_error_over_1ms", "held_out_worst_relative_error_over_1ms", "fit_errors",
+                "held_out_errors", "load_before",
                 "load_after", "elapsed_s", "repeat", "p2p_rows")},
                 "coefficients": {k: v for k, v in dataclasses.asdict(profile).items() if k != "meta"}},
             "summary": summarise(runs_so_far), "repeats": runs_so_far, "elapsed_s": time.time() - t0,

@@ -80,7 +80,7 @@ def compact(summary: dict, cost: CostModel) -> dict:
         "num_pipelines": summary["num_pipelines"],
         "planning_time_s": summary["planning_time_s"],
     }
-    for key in ("num_slices", "pack_tokens", "token_budget", "unit_token_floor", "sp_rounds"):
+    for key in ("num_slices", "slice_balance", "pack_tokens", "token_budget", "unit_token_floor", "sp_rounds"):
         if key in info:
             keep[key] = info[key]
     if "error" in summary:

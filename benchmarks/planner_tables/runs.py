@@ -73,8 +73,8 @@ def plan_run(batches, model: str, *, pp: int, sp: int = 1, dp: int = 1, shard: s
             per[name].append({"feasible": d["feasible"], "step_time_s": d["step_time_s"],
                               "planning_time_s": d["planning_time_s"],
                               "knobs": {k: v for k, v in d.get("info", {}).items()
-                                        if k in ("num_slices", "pack_tokens", "sp_degree", "cp_degree", "num_rounds",
-                                                 "checkpoint_layers", "unit_token_floor", "sp_rounds",
+                                        if k in ("num_slices", "slice_balance", "pack_tokens", "sp_degree", "cp_degree",
+                                                 "num_rounds", "checkpoint_layers", "unit_token_floor", "sp_rounds",
                                                  "group_sizes")}})
         log(f"    batch {i}: {tokens[i] / 1e6:.2f}M tokens, longest {max(lengths)}: "
             + "  ".join(f"{n}={_tps(per[n][-1], tokens[i])}" for n in per) + f"  ({time.perf_counter() - t0:.1f} s)")

@@ -17,19 +17,20 @@ one *unit* run through ``StageRunner.forward`` / ``backward`` exactly as a pipel
 - ``elementwise``: the MLP's ``act_fn(g) * u``, what the ``mlp_act`` level redoes; ``bytes_per_s``
   counts the ``5 * intermediate`` elements per token it moves.
 
-Times are per-thread CPU seconds (``time.thread_time``), medians over repeats interleaved over the
-cases, with wall-clock medians beside them: on a shared machine a wall clock also measures the time
-the scheduler gave the core away, while a thread's CPU time is the work alone, which is what a cost
-coefficient stands for (how ranks share cores is the simulator's job).  Trade-off: CPU time still
-carries cache and memory-bandwidth interference, and the rows exclude the pipeline's Python glue
-between actions.
+Times are medians over repeats interleaved over the cases, with wall-clock medians beside them
+(``row_clock.py``): per-thread CPU seconds on CPU, where a wall clock also measures the time the
+scheduler gave the core away while a thread's CPU time is the work alone, which is what a cost
+coefficient stands for (how ranks share cores is the simulator's job); wall seconds between device
+synchronisations on CUDA.  The unit, loss and embedding rows run where the model is (or on
+``device=`` / ``dtype=``, which move it), their inputs drawn there in the model's dtype.
+Trade-off: CPU time still carries cache and memory-bandwidth interference, and the rows exclude
+the pipeline's Python glue between actions.
 """
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -37,6 +38,7 @@ from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import FINER_LEVELS, FULL, MLP_LEVELS
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.profiling.row_clock import RowClock
 
 
 @dataclass(frozen=True)
@@ -68,19 +70,33 @@ def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
-class _Clock:
-    """CPU and wall seconds of one call."""
+class _Sampler:
+    """Random inputs on the rows' device in the model's dtype; one generator stream per call, so
+    on CPU the same seed draws the same tensors whatever the device option."""
 
-    def __init__(self) -> None:
-        self.cpu: list[float] = []
-        self.wall: list[float] = []
+    def __init__(self, device: torch.device, dtype: torch.dtype, seed: int) -> None:
+        self.device, self.dtype = device, dtype
+        self.g = torch.Generator(device=device).manual_seed(seed)
 
-    def run(self, fn: Callable[[], object]):
-        c0, w0 = time.thread_time(), time.perf_counter()
-        out = fn()
-        self.wall.append(time.perf_counter() - w0)
-        self.cpu.append(time.thread_time() - c0)
-        return out
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.g, device=self.device, dtype=self.dtype)
+
+    def randint(self, high: int, *shape: int) -> torch.Tensor:
+        return torch.randint(0, high, shape, generator=self.g, device=self.device)
+
+
+def _place(model, device: torch.device | str | None, dtype: torch.dtype | None
+           ) -> tuple[torch.device, torch.dtype]:
+    """Move ``model`` to ``device`` / ``dtype`` where given; the (device, dtype) its rows run in."""
+    if device is not None or dtype is not None:
+        model.to(device=device, dtype=dtype)
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+def _timing(fwd: RowClock, bwd: RowClock, repeat: int) -> dict:
+    return {"fwd_s": fwd.seconds(), "bwd_s": bwd.seconds(), "fwd_wall_s": fwd.wall_seconds(),
+            "bwd_wall_s": bwd.wall_seconds(), "repeat": repeat}
 
 
 def _case_plan(case: UnitCase) -> tuple[Plan, list[Unit], Unit, list[int]]:
@@ -101,67 +117,82 @@ def _case_plan(case: UnitCase) -> tuple[Plan, list[Unit], Unit, list[int]]:
     return plan, units[:-1], main, lengths
 
 
-def measure_unit_rows(model, cases: Sequence[UnitCase], *, repeat: int = 7, warmup: int = 1,
-                      seed: int = 0) -> list[dict]:
-    """``unit_layer`` rows of ``cases`` on a one-layer middle stage of ``model``.
-
-    ``model`` is a float32 HF causal LM with at least 3 decoder layers (it is pruned in place to
-    layer 1: pass a copy)."""
-    from infinipipe_hf.runtime.stage.module import build_stage
-    from infinipipe_hf.runtime.stage.runner import StageRunner
-
+def _check_repeat(repeat: int, warmup: int) -> None:
     if repeat < 1 or warmup < 0:
         raise ValueError(f"repeat must be >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
-    if len(model.model.layers) < 3:
-        raise ValueError(f"measure_unit_rows needs a model with >= 3 decoder layers (a middle stage), "
-                         f"got {len(model.model.layers)}")
-    runner = StageRunner(build_stage(model, 1, range(1, 2)))
-    hidden = runner.stage.hidden_size
-    g = torch.Generator().manual_seed(seed)
+
+
+def _prepare_units(cases: Sequence[UnitCase], hidden: int, sample: _Sampler) -> list[tuple]:
+    """Per case: its plan, context units, measured unit, batch, inputs, output gradients, clocks."""
     prepared = []
     for case in cases:
         plan, ctx_units, main, lengths = _case_plan(case)
-        xs = {u.id: torch.randn(1, u.num_tokens, hidden, generator=g) for u in ctx_units + [main]}
-        grads = {u.id: torch.randn(1, u.num_tokens, hidden, generator=g) for u in ctx_units + [main]}
+        xs = {u.id: sample.randn(1, u.num_tokens, hidden) for u in ctx_units + [main]}
+        grads = {u.id: sample.randn(1, u.num_tokens, hidden) for u in ctx_units + [main]}
         batch = [{"input_ids": [0] * n} for n in lengths]
-        prepared.append((case, plan, ctx_units, main, batch, xs, grads, _Clock(), _Clock()))
+        prepared.append((case, plan, ctx_units, main, batch, xs, grads,
+                         RowClock(sample.device), RowClock(sample.device)))
+    return prepared
+
+
+def _unit_round(runner, prepared: list[tuple], timed: bool) -> None:
+    """One step per case: context units forward, the measured unit forward and backward (timed
+    when ``timed``), context backward, gradients dropped."""
+    for case, plan, ctx_units, main, batch, xs, grads, fwd, bwd in prepared:
+        runner.begin_step(plan, batch, max(sum(n - 1 for n in plan.sequences), 1))
+        for u in ctx_units:
+            runner.forward(u.id, xs[u.id])
+        if timed:
+            fwd.run(lambda: runner.forward(main.id, xs[main.id]))
+            bwd.run(lambda: runner.backward(main.id, grads[main.id]))
+        else:
+            runner.forward(main.id, xs[main.id])
+            runner.backward(main.id, grads[main.id])
+        for u in reversed(ctx_units):
+            runner.backward(u.id, grads[u.id])
+        runner.end_step()
+        for p in runner.stage.parameters():
+            p.grad = None
+
+
+def measure_unit_rows(model, cases: Sequence[UnitCase], *, repeat: int = 7, warmup: int = 1,
+                      seed: int = 0, device: torch.device | str | None = None,
+                      dtype: torch.dtype | None = None) -> list[dict]:
+    """``unit_layer`` rows of ``cases`` on a one-layer middle stage of ``model``.
+
+    ``model`` is an HF causal LM with at least 3 decoder layers (it is pruned in place to layer 1:
+    pass a copy), run where it is unless ``device`` / ``dtype`` move it (module docstring)."""
+    from infinipipe_hf.runtime.stage.module import build_stage
+    from infinipipe_hf.runtime.stage.runner import StageRunner
+
+    _check_repeat(repeat, warmup)
+    if len(model.model.layers) < 3:
+        raise ValueError(f"measure_unit_rows needs a model with >= 3 decoder layers (a middle stage), "
+                         f"got {len(model.model.layers)}")
+    sample = _Sampler(*_place(model, device, dtype), seed)
+    runner = StageRunner(build_stage(model, 1, range(1, 2)))
+    prepared = _prepare_units(cases, runner.stage.hidden_size, sample)
     for r in range(warmup + repeat):
-        for case, plan, ctx_units, main, batch, xs, grads, fwd, bwd in prepared:
-            runner.begin_step(plan, batch, max(sum(n - 1 for n in plan.sequences), 1))
-            for u in ctx_units:
-                runner.forward(u.id, xs[u.id])
-            if r < warmup:
-                runner.forward(main.id, xs[main.id])
-                runner.backward(main.id, grads[main.id])
-            else:
-                fwd.run(lambda: runner.forward(main.id, xs[main.id]))
-                bwd.run(lambda: runner.backward(main.id, grads[main.id]))
-            for u in reversed(ctx_units):
-                runner.backward(u.id, grads[u.id])
-            runner.end_step()
-            for p in runner.stage.parameters():
-                p.grad = None
-    rows = []
-    for case, *_, fwd, bwd in prepared:
-        rows.append({"kind": "unit_layer", "segments": [list(s) for s in case.segments], "level": case.level,
-                     "tokens": case.tokens, "fwd_s": _median(fwd.cpu), "bwd_s": _median(bwd.cpu),
-                     "fwd_wall_s": _median(fwd.wall), "bwd_wall_s": _median(bwd.wall), "repeat": repeat})
-    return rows
+        _unit_round(runner, prepared, timed=r >= warmup)
+    return [{"kind": "unit_layer", "segments": [list(s) for s in case.segments], "level": case.level,
+             "tokens": case.tokens, **_timing(fwd, bwd, repeat)} for case, *_, fwd, bwd in prepared]
 
 
 def measure_loss_rows(model, token_counts: Sequence[int], *, loss_chunk_tokens: int, repeat: int = 7,
-                      warmup: int = 1, seed: int = 0) -> list[dict]:
+                      warmup: int = 1, seed: int = 0, device: torch.device | str | None = None,
+                      dtype: torch.dtype | None = None) -> list[dict]:
     """``unit_loss`` rows: final norm + ``chunked_lm_loss`` forward (with graph) and backward on
     ``tokens`` label tokens, with the runtime's chunking.  ``model`` is pruned in place."""
     from infinipipe_hf.runtime.stage.loss import chunked_lm_loss
     from infinipipe_hf.runtime.stage.module import build_stage
 
+    _check_repeat(repeat, warmup)
+    sample = _Sampler(*_place(model, device, dtype), seed)
     n = len(model.model.layers)
     stage = build_stage(model, 1, range(n - 1, n))
     hidden, vocab = stage.hidden_size, int(stage.config.vocab_size)
-    g = torch.Generator().manual_seed(seed)
-    prepared = [(t, torch.randn(1, t, hidden, generator=g), torch.randint(0, vocab, (1, t), generator=g),
-                 _Clock(), _Clock()) for t in token_counts]
+    prepared = [(t, sample.randn(1, t, hidden), sample.randint(vocab, 1, t), RowClock(sample.device),
+                 RowClock(sample.device)) for t in token_counts]
     for r in range(warmup + repeat):
         for t, x, labels, fwd, bwd in prepared:
             leaf = x.detach().requires_grad_(True)
@@ -176,21 +207,22 @@ def measure_loss_rows(model, token_counts: Sequence[int], *, loss_chunk_tokens: 
                 bwd.run(loss.backward)
             for p in stage.parameters():
                 p.grad = None
-    return [{"kind": "unit_loss", "tokens": t, "loss_chunk_tokens": loss_chunk_tokens,
-             "fwd_s": _median(f.cpu), "bwd_s": _median(b.cpu), "fwd_wall_s": _median(f.wall),
-             "bwd_wall_s": _median(b.wall), "repeat": repeat} for t, _, _, f, b in prepared]
+    return [{"kind": "unit_loss", "tokens": t, "loss_chunk_tokens": loss_chunk_tokens, **_timing(f, b, repeat)}
+            for t, _, _, f, b in prepared]
 
 
 def measure_embedding_rows(model, token_counts: Sequence[int], *, repeat: int = 7, warmup: int = 1,
-                           seed: int = 0) -> list[dict]:
+                           seed: int = 0, device: torch.device | str | None = None,
+                           dtype: torch.dtype | None = None) -> list[dict]:
     """``embedding`` rows: the first stage's lookup forward (with graph) and backward."""
     from infinipipe_hf.runtime.stage.module import build_stage
 
+    _check_repeat(repeat, warmup)
+    sample = _Sampler(*_place(model, device, dtype), seed)
     stage = build_stage(model, 0, range(0, 1))
     vocab, hidden = int(stage.config.vocab_size), stage.hidden_size
-    g = torch.Generator().manual_seed(seed)
-    prepared = [(t, torch.randint(0, vocab, (1, t), generator=g), torch.randn(1, t, hidden, generator=g),
-                 _Clock(), _Clock()) for t in token_counts]
+    prepared = [(t, sample.randint(vocab, 1, t), sample.randn(1, t, hidden), RowClock(sample.device),
+                 RowClock(sample.device)) for t in token_counts]
     for r in range(warmup + repeat):
         for t, ids, grad, fwd, bwd in prepared:
             if r < warmup:
@@ -200,9 +232,7 @@ def measure_embedding_rows(model, token_counts: Sequence[int], *, repeat: int = 
                 bwd.run(lambda: out.backward(grad))
             for p in stage.parameters():
                 p.grad = None
-    return [{"kind": "embedding", "tokens": t, "fwd_s": _median(f.cpu), "bwd_s": _median(b.cpu),
-             "fwd_wall_s": _median(f.wall), "bwd_wall_s": _median(b.wall), "repeat": repeat}
-            for t, _, _, f, b in prepared]
+    return [{"kind": "embedding", "tokens": t, **_timing(f, b, repeat)} for t, _, _, f, b in prepared]
 
 
 def measure_elementwise_rows(model, token_counts: Sequence[int], *, repeat: int = 7, warmup: int = 1,
@@ -211,7 +241,7 @@ def measure_elementwise_rows(model, token_counts: Sequence[int], *, repeat: int 
     mlp = model.model.layers[0].mlp
     inter = int(model.config.intermediate_size)
     g = torch.Generator().manual_seed(seed)
-    prepared = [(t, torch.randn(t, inter, generator=g), torch.randn(t, inter, generator=g), _Clock())
+    prepared = [(t, torch.randn(t, inter, generator=g), torch.randn(t, inter, generator=g), RowClock())
                 for t in token_counts]
     with torch.no_grad():
         for r in range(warmup + repeat):

@@ -42,6 +42,19 @@ FROM_TRAINING_ARGUMENTS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 }
 """Config field -> (the ``TrainingArguments`` field it is read from, conversion)."""
 
+AUTO_DEGREES: tuple[str, ...] = ("pp_degree", "sp_degree", "dp_degree")
+"""Integer config fields the trainer also accepts as ``"auto"`` (the layout search picks them,
+``auto_layout.py``); on the command line they parse with :class:`DegreeOrAuto`."""
+
+
+class DegreeOrAuto:
+    """Command-line type of a parallel degree: an integer, or ``auto`` for the layout search."""
+
+    def __new__(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return int(value)
+
 
 def field_docstrings(cls: type) -> dict[str, str]:
     """``{field: docstring}`` of a dataclass whose fields carry a string literal after them."""
@@ -92,6 +105,8 @@ def pipeline_argument_fields(config_cls: type = InfiniPipeConfig) -> list[tuple[
         help_text = docs.get(f.name, f.name).replace("%", "%%")  # argparse formats help with %
         kw: dict[str, Any] = {"metadata": {"help": help_text}}
         tp = _as_list_type(hints[f.name])
+        if f.name in AUTO_DEGREES:
+            tp = DegreeOrAuto | None if type(None) in typing.get_args(tp) else DegreeOrAuto
         if f.default is not dataclasses.MISSING:
             if isinstance(f.default, tuple) and tp is not hints[f.name]:
                 kw["default_factory"] = functools.partial(list, f.default)

@@ -159,7 +159,9 @@ print(format_table(results))
 #   checkpoint solver picks per-(stage, unit) recompute;
 # - **packed-1f1b**: batch-level packing into equal-length micro-batches (Megatron / DeepSpeed
 #   style), one static checkpoint setting;
-# - **seq1f1b**: every packed micro-batch cut into the same number of equal slices;
+# - **seq1f1b**: every packed micro-batch cut into the same number of slices across document
+#   boundaries, of equal layer time (Seq1F1B's computation-wise split) or of equal tokens,
+#   whichever plans faster;
 # - **gpipe**: all forwards, then all backwards.
 #
 # The Gantt charts (forwards blue, backwards orange, a sequence's slices share a shade; recompute

@@ -48,3 +48,4 @@ def test_knob_records_keep_their_key_order():
     assert EPPKnobs(1, 0.5).record() == {"num_slices": 1, "estimate_s": 0.5}
     assert PackKnobs(4096).record() == {"pack_tokens": 4096}
     assert list(PackKnobs(4096, 2).record()) == ["pack_tokens", "num_slices"]
+    assert list(PackKnobs(4096, 2, "compute").record()) == ["pack_tokens", "num_slices", "slice_balance"]

@@ -150,3 +150,15 @@ def test_speed_factor_recovers_a_uniform_slowdown_and_rescale_compute_applies_it
         rescale_compute(profile, 0.0)
     with pytest.raises(ValueError, match="at least one"):
         speed_factor(profile, SPEC, p2p)
+
+
+def test_worst_error_can_skip_rows_too_short_to_matter_and_names_the_worst_row():
+    from infinipipe_hf.profiling.runtime_fit import worst_row
+
+    errors = [{"kind": "embedding", "tokens": 128, "fwd_measured_s": 3e-5, "fwd_ratio": 3.0,
+               "bwd_measured_s": 3e-5, "bwd_ratio": 1.0},
+              {"kind": "unit_layer", "segments": [[0, 512]], "fwd_measured_s": 0.015, "fwd_ratio": 1.1,
+               "bwd_measured_s": 0.03, "bwd_ratio": 0.95}]
+    assert worst_error(errors) == 2.0
+    assert abs(worst_error(errors, 1e-3) - 0.1) < 1e-12
+    assert worst_row(errors).startswith("embedding 128 fwd")

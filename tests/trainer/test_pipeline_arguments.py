@@ -37,8 +37,12 @@ def test_every_config_field_is_an_argument_with_its_type_default_and_help():
             continue
         name = pa.argument_name(f.name)
         assert name in arg_fields, f"InfiniPipeConfig.{f.name} is not on EPPTrainingArguments"
-        # tuple-typed settings are lists on the command line (the config converts them back)
-        assert arg_hints[name] == pa._as_list_type(cfg_hints[f.name]), name
+        # tuple-typed settings are lists on the command line (the config converts them back);
+        # degrees the layout search may choose parse as an integer or "auto"
+        want = pa._as_list_type(cfg_hints[f.name])
+        if f.name in pa.AUTO_DEGREES:
+            want = pa.DegreeOrAuto | None if type(None) in typing.get_args(want) else pa.DegreeOrAuto
+        assert arg_hints[name] == want, name
         assert docs[f.name] and arg_fields[name].metadata["help"] == docs[f.name].replace("%", "%%")
 
 
@@ -112,3 +116,24 @@ def test_help_renders(capsys):
         HfArgumentParser(EPPTrainingArguments).parse_args_into_dataclasses(["--help"])
     out = capsys.readouterr().out
     assert "--attention_backend" in out and "--seed_plan_on_rank0" in out and "--sp_degree" in out
+
+
+def test_degrees_parse_as_auto_or_integers_on_the_command_line():
+    """``--pp_degree auto`` (and sp/dp) reach the layout search; integers stay integers; anything
+    else is argparse's error naming the argument."""
+    import pytest
+    from transformers import HfArgumentParser
+
+    from infinipipe_hf import EPPTrainingArguments
+
+    parser = HfArgumentParser(EPPTrainingArguments)
+
+    def parse(*argv):
+        (a,) = parser.parse_args_into_dataclasses(["--output_dir", "/tmp/epp_args", "--use_cpu", "true", *argv])
+        return a.pp_degree, a.sp_degree, a.dp_degree
+
+    assert parse("--pp_degree", "auto", "--sp_degree", "auto", "--dp_degree", "auto") == ("auto", "auto", "auto")
+    assert parse("--pp_degree", "2", "--sp_degree", "4") == (2, 4, None)
+    assert parse() == (1, 1, None)
+    with pytest.raises(SystemExit):
+        parse("--pp_degree", "two")

@@ -2,7 +2,7 @@
 
 EPP searches the slice count of the longest sequence (``DEFAULT_SLICE_COUNTS``) and, when every
 sequence is short, a unit token floor; the baselines search a packing length ``max(longest, 2^k)``
-and, for seq1f1b, a uniform slice count (``SLICE_COUNTS``).  Slices keep at least
+and, for seq1f1b, a slice count per micro-batch (``SLICE_COUNTS``).  Slices keep at least
 ``MIN_SLICE_TOKENS`` tokens per GPU: thinner slices run the GPU badly.  Trade-off: grids are
 powers of two (a few candidates, milliseconds each) rather than a fine sweep.
 """
@@ -15,7 +15,7 @@ from infinipipe_hf.planner.batch.select import select_sequences
 DEFAULT_SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 """Slice counts of the longest sequence EPP searches."""
 SLICE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
-"""Uniform slice counts seq1f1b searches."""
+"""Slice counts per micro-batch seq1f1b searches."""
 MIN_SLICE_TOKENS = 256
 """Fewest tokens per GPU in a slice searched (thinner slices run the GPU badly)."""
 MIN_PACK_LOG2 = 10
@@ -57,7 +57,7 @@ def packing_candidates(lengths: Sequence[int], sp_degree: int = 1) -> list[int]:
 
 
 def slicing_candidates(lengths: Sequence[int], pack_tokens: int | None = None, sp_degree: int = 1) -> list[int]:
-    """Uniform slice counts searched for seq1f1b: 1, 2, 4, ... while slices keep
+    """Slice counts per micro-batch searched for seq1f1b: 1, 2, 4, ... while equal-token slices keep
     ``MIN_SLICE_TOKENS`` tokens per GPU (``sp_degree`` GPUs share each slice).
 
     The slice size is judged on ``pack_tokens`` (default: the longest sequence, the smallest

@@ -31,7 +31,7 @@ class PipelineContext:
     """Checkpoint policy candidates are compared with (``Schedule.checkpoint_policy``)."""
     max_tokens_per_unit: int | None = None
     num_slices: Sequence[int] | None = None
-    """Slice counts the caller restricts the search to (EPP's longest sequence, seq1f1b's uniform)."""
+    """Slice counts the caller restricts the search to (EPP's longest sequence, seq1f1b's per micro-batch)."""
     time_limit_s: float = 0.25
     sp_rounds: bool = False
     """Also plan short sequences on SP sub-groups in rounds (EPP at ``sp_degree > 1``)."""
@@ -53,7 +53,7 @@ class PipelineSchedule(Schedule):
     @abstractmethod
     def warmup(self, pp_degree: int, units: Sequence[Unit], num_slices: int = 1) -> list[int]:
         """Forwards per stage before the first backward of a pipeline of ``units`` (``num_slices``:
-        the knob's uniform slice count)."""
+        the knob's slice count per micro-batch)."""
 
     @abstractmethod
     def leanest_plan(self, cost: CostModel, n: int, max_slices: int) -> Plan:

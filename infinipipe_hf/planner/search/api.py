@@ -48,8 +48,8 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
 
     ``sp_degree``, ``shard`` and ``gpus_per_node`` describe the layout (see ``CostModel``); a
     ``cost`` passed in must have been built for the same degrees and sharding.  ``num_slices``
-    restricts the slice counts searched: of the longest sequence for EPP, the uniform one for
-    seq1f1b (a static setting; its packing length and checkpointing are still tuned).
+    restricts the slice counts searched: of the longest sequence for EPP, the one per micro-batch
+    for seq1f1b (a static setting; its packing length, slice balance and checkpointing are still tuned).
     ``solver_time_limit_s`` bounds the adaptive-checkpointing MILP run on the winning candidate.
     ``checkpoint_levels``: the levels inside a decoder layer adaptive checkpointing may use beside
     whole layers (``()`` for whole layers only); ``checkpoint_sharing``: ``cell`` (a count per

@@ -16,7 +16,12 @@ class ActionCosts:
 
     With SP rounds (``steps``, :mod:`.round_steps`) a replayed action is a whole round on the
     stage: its slowest unit's compute and its largest transfer, each unit priced on its own
-    sub-group (``unit_duration``, ``unit_transfer``)."""
+    sub-group (``unit_duration``, ``unit_transfer``).
+
+    A unit on an SP group of several ranks also pays the calibration's ``group_round_s``, the fixed
+    cost of running one group once through the model that FlexSP's rounds pay per group: spread
+    over its forward and backward on every stage, so a unit pays it once per step, as a FlexSP
+    group does per round."""
 
     def __init__(self, plan: Plan, cost: CostModel, steps=None) -> None:
         self.plan, self.cost = plan, cost
@@ -24,6 +29,8 @@ class ActionCosts:
         self.tokens = {u.id: u.num_tokens for u in plan.units}
         self.groups = unit_cost_map(plan, cost) if plan.sp_groups else {}
         self.steps = steps
+        profile = getattr(cost, "profile", None)  # stand-in cost models in tests carry none
+        self.group_fixed_s = profile.calibration.group_round_s / (2 * plan.pp_degree) if profile else 0.0
 
     def _shape(self, uid: int) -> UnitShape:
         if uid not in self.shapes:
@@ -39,10 +46,11 @@ class ActionCosts:
     def unit_duration(self, stage: int, a: Action) -> float:
         shape = self._shape(a.unit)
         cost = self.groups.get(a.unit, self.cost)
+        fixed = self.group_fixed_s if self.plan.sub_group(a.unit).size > 1 else 0.0
         if a.is_forward:
-            return cost.forward_time(stage, shape)
+            return cost.forward_time(stage, shape) + fixed
         t = cost.backward_time(stage, shape, self.plan.checkpointed(stage, a.unit))
-        return t + self.finer_recompute(stage, a.unit)
+        return t + self.finer_recompute(stage, a.unit) + fixed
 
     def recompute(self, stage: int, uid: int) -> float:
         """Seconds the unit's backward on the stage spends recomputing (whole layers and finer levels)."""

@@ -1,11 +1,19 @@
 """Baseline unit makers (planner/batch/uniform.py, packing.py): coverage, packing length, first-fit
-quality, equal-token slices, and their search grids."""
+quality, equal-token and equal-compute slices, and their search grids."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.planner.batch.uniform import make_packed_units, make_uniform_slices, pack_sequences
+from infinipipe_hf.planner.batch.uniform import (
+    equal_compute_slices,
+    layer_pair_weight,
+    make_packed_units,
+    make_uniform_slices,
+    pack_sequences,
+    uniform_token_slices,
+)
+from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.schedules.grids import packing_candidates, slicing_candidates
 
@@ -71,6 +79,58 @@ def test_uniform_slice_crosses_document_boundary_with_context():
     assert [[s.to_list() for s in u.segments] for u in units] == [[[0, 0, 5]], [[0, 5, 6], [1, 0, 4]]]
 
 
+@settings(max_examples=150, deadline=None)
+@given(lengths=lengths_st, pack=st.integers(1, 40_000), k=st.integers(1, 16), floor=st.integers(1, 2048),
+       data=st.data())
+def test_equal_compute_slices(lengths, pack, k, floor, data):
+    seqs = data.draw(st.lists(st.sampled_from(range(len(lengths))), min_size=1, unique=True))
+    units = make_uniform_slices(lengths, COST, pack, k, seqs=seqs, balance="compute", min_tokens=floor)
+    covered(units, lengths, seqs)
+    pos = 0
+    for b in pack_sequences(lengths, pack, seqs):
+        tokens = sum(lengths[s] for s in b)
+        n = min(k, tokens)
+        group = units[pos:pos + n]  # a micro-batch's slices are consecutive, in token order
+        pos += n
+        assert sum(u.num_tokens for u in group) == tokens
+        assert min(u.num_tokens for u in group) >= min(floor, tokens // n)
+        assert [s.seq for u in group for s in u.segments if s.start == 0] == list(b)
+    assert pos == len(units)
+
+
+def _layer_times(units, cost=COST):
+    shapes = [UnitShape.of(u.segments) for u in units]
+    return [cost.layer_fwd(sh.pairs, sh.tokens) + cost.layer_bwd(sh.pairs, sh.tokens) for sh in shapes]
+
+
+@pytest.mark.parametrize("n, k", [(32768, 4), (65536, 8), (131072, 4)])
+def test_equal_compute_slices_balance_layer_time_better_than_equal_tokens(n, k):
+    by_tokens = _layer_times(make_uniform_slices([n], COST, n, k))
+    by_compute = make_uniform_slices([n], COST, n, k, balance="compute", min_tokens=256)
+    times = _layer_times(by_compute)
+    assert max(times) / min(times) < 1.001 < max(by_tokens) / min(by_tokens)
+    sizes = [u.num_tokens for u in by_compute]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > n // k > sizes[-1]  # later slices are shorter
+
+
+def test_equal_compute_without_attention_or_room_and_with_a_floor():
+    members = [(0, 1000), (1, 24)]
+    sizes = lambda cut: [sum(s.length for s in segs) for segs in cut]  # noqa: E731
+    assert sizes(equal_compute_slices(members, 4, 0.0)) == [256] * 4
+    assert sizes(equal_compute_slices(members, 4, 1.0, min_tokens=256)) == [256] * 4  # the floor binds
+    assert sizes(uniform_token_slices(members, 4)) == [256] * 4
+    # Attention-bound: cuts near 1000 * sqrt(j / 4); a floor of 200 holds the last three slices.
+    assert sizes(equal_compute_slices(members, 4, 1.0)) == [500, 207, 159, 158]
+    assert sizes(equal_compute_slices(members, 4, 1.0, min_tokens=200)) == [424, 200, 200, 200]
+
+
+def test_equal_compute_slices_cross_document_boundaries_with_context():
+    # Two documents in one micro-batch, cut where the work (tokens + pairs) splits evenly.
+    cut = equal_compute_slices([(0, 6), (1, 4)], 2, 1.0)
+    assert [[s.to_list() for s in segs] for segs in cut] == [[[0, 0, 5]], [[0, 5, 6], [1, 0, 4]]]
+    assert layer_pair_weight(COST) > 0
+
+
 def test_packing_candidates_grid():
     lengths = [5000, 3000, 2000] + [700] * 40
     cands = packing_candidates(lengths)
@@ -89,6 +149,7 @@ def test_slicing_candidates_keep_slices_large_enough():
 @pytest.mark.parametrize("call, match", [
     (lambda: make_packed_units([10], COST, 0), "pack_tokens"),
     (lambda: make_uniform_slices([10], COST, 10, 0), "num_slices"),
+    (lambda: make_uniform_slices([10], COST, 10, 2, balance="flops"), "balance='flops' is not a slice balance"),
     (lambda: make_packed_units([], COST, 10), "no sequences"),
 ])
 def test_user_errors(call, match):

@@ -93,7 +93,8 @@ def test_largest_trainable_length_per_schedule():
     epp = largest_trainable_length(cost)
     seq = largest_trainable_length(cost, schedule="seq1f1b")
     packed = largest_trainable_length(cost, schedule="packed-1f1b")
-    assert epp >= seq > packed > 0  # slicing holds more; EPP's equal-time slices at least as much
+    assert min(epp, seq) > packed > 0  # slicing holds more
+    assert epp >= seq * (1 - 1e-4)  # both cut 64 equal-time slices at the limit: the same up to rounding
     assert plan_step([packed], SPEC, pp_degree=4, sp_degree=2, schedule="packed-1f1b", cost=cost).feasible
     assert not plan_step([packed + 1], SPEC, pp_degree=4, sp_degree=2, schedule="packed-1f1b", cost=cost).feasible
     with pytest.raises(ValueError, match="schedule='zb1p' is not known"):

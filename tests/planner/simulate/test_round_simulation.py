@@ -65,3 +65,23 @@ def test_memory_is_the_busiest_ranks_and_a_single_gpu_unit_stays_on_its_rank():
             == stage_peak_bytes(rank_view(large, 1), cost, 0, 0, {}))
     assert (stage_peak_bytes(rank_view(large, 0), cost, 0, 0, {})
             > stage_peak_bytes(rank_view(small, 0), cost, 0, 0, {}))
+
+
+def test_group_round_cost_is_charged_once_per_unit_on_several_ranks_as_flexsp_pays_per_group():
+    """Units 0 and 1 run on both SP ranks and pay ``group_round_s`` once over the step (spread over
+    their forward and backward on both stages); units 2 and 3 run alone on one rank and pay nothing."""
+    from dataclasses import replace
+
+    from infinipipe_hf.planner.cost.calibration import Calibration
+    from infinipipe_hf.planner.simulate.action_costs import ActionCosts
+
+    plan, fixed = round_plan(), 0.01
+    base = _cost()
+    cal = CostModel(TINY, replace(base.profile, calibration=Calibration(group_round_s=fixed)), pp_degree=2,
+                    sp_degree=2, memory_budget_bytes=40 * GIB)
+    plain, charged = ActionCosts(plan, base), ActionCosts(plan, cal)
+    for uid, pays in ((0, True), (1, True), (2, False), (3, False)):
+        extra = sum(charged.unit_duration(s, Action(k, uid)) - plain.unit_duration(s, Action(k, uid))
+                    for s in range(2) for k in "FB")
+        assert abs(extra - (fixed if pays else 0.0)) < 1e-12, (uid, extra)
+    assert simulate(plan, cal).step_time_s > simulate(plan, base).step_time_s + fixed
