@@ -116,6 +116,8 @@ def main(argv=None) -> int:
             "seed": 0, "loss_chunk_tokens": LOSS_CHUNK_TOKENS, "pin_cores": True}
     if args.reanalyse:
         runs = json.loads(raw.read_text())
+        if Path(args.out).exists():  # the profile fit was reported by the run itself; keep it
+            fit = json.loads(Path(args.out).read_text()).get("profile_fit")
     else:
         runs = launch_ab(spec, args.pp, args.timeout)
         raw.write_text(json.dumps(runs))  # kept, so the analysis can be redone (--reanalyse)
