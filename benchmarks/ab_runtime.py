@@ -5,9 +5,9 @@
 The batch and model are ``runtime_cpu_bench.py``'s (the long-tailed stdlib batch, the small float32
 Llama), every schedule planned under the *same* memory budget and the same CPU profile, fitted on
 this machine first through the runtime's own code path (``cpu_profile.fit_cpu_profile``: whole
-sequences, slices with context and packs; saved beside ``--out``), each engine planned once;
-each rank pinned to one core as the profile says (``pinned_ranks``); then the schedules alternate step by step (``ab_worker.py``), so a slow phase of the
-shared machine lands on each of them.  Reported per pair: the measured EPP / baseline throughput
+sequences, slices with context and packs; saved beside ``--out``), each engine planned once and
+each rank pinned to one core as the profile says (``pinned_ranks``); then the schedules alternate
+step by step (``ab_worker.py``), so a slow phase of the shared machine lands on each of them.  Reported per pair: the measured EPP / baseline throughput
 ratio of each alternation, its median and spread (min, max), beside the simulated ratio of the same
 plans, and every action's measured CPU seconds against the cost model's, per action class (whole
 sequence, pack, first slice, context slice, hybrid; forward, backward with and without

@@ -3,10 +3,10 @@
     torchrun --standalone --nproc_per_node 2 benchmarks/ab_worker.py SPEC.json
 
 ``SPEC.json``: ``{"model", "lengths", "schedules", "pp_degree", "profile", "memory_budget_gib",
-"alternations", "seed", "out"}`` and optional ``"loss_chunk_tokens"``, ``"pin_cores"`` (rank r on core r % cores).  Every schedule's engine is built first on the same weights and
-planned once (one untimed step each); then each alternation times one step of every schedule, the
-order rotated by one schedule per alternation, so slow phases of a shared machine fall on every
-schedule alike.  Rank 0 writes per schedule the timed step seconds (one per alternation, in order),
+"alternations", "seed", "out"}`` and optional ``"loss_chunk_tokens"``, ``"pin_cores"`` (rank r on
+core r % cores).  Every schedule's engine is built first on the same weights and planned once
+(one untimed step each); then each alternation times one step of every schedule, the order rotated
+by one schedule per alternation, so slow phases of a shared machine fall on every schedule alike.  Rank 0 writes per schedule the timed step seconds (one per alternation, in order),
 the simulated step, the plan, and every timed step's merged timeline events (stage, action, CPU
 seconds, wall seconds, wait seconds) for the per-action breakdown.
 """

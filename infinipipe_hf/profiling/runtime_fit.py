@@ -190,17 +190,22 @@ def row_errors(profile: HardwareProfile, spec: ModelSpec, rows: Sequence[Mapping
     return out
 
 
+def _misses(errors: Sequence[Mapping[str, Any]], min_seconds: float = 0.0):
+    """``(|measured / predicted - 1|, row, direction)`` of every row and direction measured at
+    ``min_seconds`` or more."""
+    return ((abs(e[f"{k}_ratio"] - 1.0), e, k) for e in errors for k in ("fwd", "bwd")
+            if e[f"{k}_measured_s"] >= min_seconds)
+
+
 def worst_error(errors: Sequence[Mapping[str, Any]], min_seconds: float = 0.0) -> float:
     """Largest ``|measured / predicted - 1|`` over rows and directions measured at ``min_seconds``
     or more (the embedding's rows take tens of microseconds: a 3x miss there is noise, not cost)."""
-    return max((abs(e[f"{k}_ratio"] - 1.0) for e in errors for k in ("fwd", "bwd")
-                if e[f"{k}_measured_s"] >= min_seconds), default=0.0)
+    return max((miss for miss, _, _ in _misses(errors, min_seconds)), default=0.0)
 
 
 def worst_row(errors: Sequence[Mapping[str, Any]]) -> str:
     """The row and direction behind :func:`worst_error`, with its measured time, for reports."""
-    miss, e, k = max(((abs(e[f"{k}_ratio"] - 1.0), e, k) for e in errors for k in ("fwd", "bwd")),
-                     key=lambda t: t[0], default=(0.0, None, ""))
+    miss, e, k = max(_misses(errors), key=lambda t: t[0], default=(0.0, None, ""))
     if e is None:
         return "no rows"
     what = e.get("segments", e.get("tokens"))

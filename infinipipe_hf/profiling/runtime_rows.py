@@ -28,7 +28,6 @@ the pipeline's Python glue between actions.
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -64,10 +63,6 @@ class UnitCase:
     @property
     def tokens(self) -> int:
         return sum(b - a for a, b in self.segments)
-
-
-def _median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs))
 
 
 class _Sampler:
@@ -252,8 +247,8 @@ def measure_elementwise_rows(model, token_counts: Sequence[int], *, repeat: int 
                     clock.run(lambda: mlp.act_fn(gate) * up)
     rows = []
     for t, gate, _, clock in prepared:
-        sec = _median(clock.cpu)
-        rows.append({"kind": "elementwise", "tokens": t, "seconds": sec, "wall_s": _median(clock.wall),
+        sec = clock.seconds()
+        rows.append({"kind": "elementwise", "tokens": t, "seconds": sec, "wall_s": clock.wall_seconds(),
                      "bytes_per_s": 5 * inter * t * gate.element_size() / max(sec, 1e-12), "repeat": repeat})
     return rows
 

@@ -46,7 +46,7 @@ class ActionCosts:
     def unit_duration(self, stage: int, a: Action) -> float:
         shape = self._shape(a.unit)
         cost = self.groups.get(a.unit, self.cost)
-        fixed = self.group_fixed_s if self.plan.sub_group(a.unit).size > 1 else 0.0
+        fixed = self.group_fixed_s if self.group_fixed_s and self.plan.sub_group(a.unit).size > 1 else 0.0
         if a.is_forward:
             return cost.forward_time(stage, shape) + fixed
         t = cost.backward_time(stage, shape, self.plan.checkpointed(stage, a.unit))
