@@ -3,6 +3,9 @@
 One dataclass, one docstring per field, checks in ``__post_init__`` (``ValueError`` for users).
 Checks that need the world size or the model (``pp_degree`` dividing the world, enough layers)
 happen where those are known: ``resolve_dp_degree`` (``layout.py``) and the stage partition.
+
+:func:`planning_budget` is the one rule that turns a device's memory into the budget a plan stays
+under; the engine and the planner CLI both call it, so they plan to the same bytes.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from infinipipe_hf.layout import resolve_dp_degree, shard_mode
 
 CHECKPOINT_LEVELS = ("keep_attn", "mlp", "mlp_act")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash")
+GIB = 2**30
 
 
 @dataclass
@@ -140,6 +144,76 @@ class InfiniPipeConfig:
         if self.p2p_timeout_s <= 0:
             raise ValueError(f"p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")
 
+    def memory_budget(self, device_memory_bytes: float | None) -> MemoryBudget:
+        """The budget plans stay under on a device of ``device_memory_bytes`` (:func:`planning_budget`)."""
+        return planning_budget(device_memory_bytes, self.memory_margin, self.memory_reserve_gib,
+                               self.memory_budget_gib)
+
     def resolve_dp_degree(self, world_size: int) -> int:
         """Check ``pp_degree``, ``sp_degree`` (and ``dp_degree``) against the world; return ``dp_degree``."""
         return resolve_dp_degree(world_size, self.pp_degree, self.sp_degree, self.dp_degree)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The memory a plan stays under per device, and how it was derived."""
+
+    budget_bytes: float | None
+    """Bytes per device the plan must stay under; ``None``: unlimited (no device memory known)."""
+    device_memory_bytes: float | None
+    """The device's total memory; ``None`` when not known (CPU)."""
+    margin: float | None
+    """Share of the device's memory held back; ``None`` when an explicit budget was given."""
+    reserve_bytes: float | None
+    """Bytes held back besides the margin; ``None`` when an explicit budget was given."""
+
+    @property
+    def explicit(self) -> bool:
+        """The budget was given (``memory_budget_gib``), not derived from the device."""
+        return self.margin is None and self.budget_bytes is not None
+
+    def to_dict(self) -> dict:
+        """The planner CLI's JSON keys of the budget (docs/contracts.md)."""
+        return {"memory_budget_bytes": self.budget_bytes, "device_memory_bytes": self.device_memory_bytes,
+                "memory_margin": self.margin, "memory_reserve_bytes": self.reserve_bytes}
+
+    def describe(self) -> str:
+        """One line: the budget and where it came from, e.g. ``71.6 GiB per GPU (80 GiB device
+        - 8% margin - 2 GiB reserve; the trainer's default)``."""
+        if self.budget_bytes is None:
+            return "unlimited (no device memory known)"
+        head = f"{self.budget_bytes / GIB:.4g} GiB per GPU"
+        if self.explicit:
+            return f"{head} (given: --memory-budget-gib / memory_budget_gib)"
+        default = (self.margin == InfiniPipeConfig.memory_margin
+                   and self.reserve_bytes == InfiniPipeConfig.memory_reserve_gib * GIB)
+        return (f"{head} ({self.device_memory_bytes / GIB:.4g} GiB device - {100 * self.margin:.4g}% margin - "
+                f"{self.reserve_bytes / GIB:.4g} GiB reserve" + ("; the trainer's default)" if default else ")"))
+
+
+def planning_budget(device_memory_bytes: float | None, memory_margin: float, memory_reserve_gib: float,
+                    memory_budget_gib: float | None = None) -> MemoryBudget:
+    """The budget a plan stays under on a device of ``device_memory_bytes`` (``None``: unknown).
+
+    ``memory_budget_gib`` wins when given; else the device's memory less ``memory_margin`` of it
+    and ``memory_reserve_gib`` (the fields of :class:`InfiniPipeConfig`); unlimited when the
+    device's memory is unknown.  ``ValueError`` when the derived budget is not positive."""
+    if memory_budget_gib is not None:
+        if not memory_budget_gib > 0:
+            raise ValueError(f"memory_budget_gib (--memory-budget-gib) must be > 0, got {memory_budget_gib}")
+        return MemoryBudget(memory_budget_gib * GIB, device_memory_bytes, None, None)
+    if not 0.0 <= memory_margin < 0.5 or memory_reserve_gib < 0:
+        raise ValueError(f"memory_margin (--memory-margin) must be in [0, 0.5) and memory_reserve_gib "
+                         f"(--memory-reserve-gib) >= 0, got {memory_margin} and {memory_reserve_gib}")
+    if device_memory_bytes is None:
+        return MemoryBudget(None, None, memory_margin, memory_reserve_gib * GIB)
+    # Rounded to a millionth of a GiB (a KiB), so the budget prints as a user would type it
+    # (71.6, not 71.60000000000001) and ``memory_budget_gib`` set to that number plans the same bytes.
+    budget = round((device_memory_bytes * (1.0 - memory_margin) - memory_reserve_gib * GIB) / GIB, 6) * GIB
+    if budget <= 0:
+        raise ValueError(f"a device of {device_memory_bytes / GIB:.4g} GiB less a {memory_margin:g} margin and "
+                         f"{memory_reserve_gib:g} GiB reserve leaves {budget / GIB:.4g} GiB to plan to; give the "
+                         f"budget itself (memory_budget_gib, --memory-budget-gib) or lower the reserve "
+                         f"(memory_reserve_gib, --memory-reserve-gib)")
+    return MemoryBudget(budget, device_memory_bytes, memory_margin, memory_reserve_gib * GIB)
+

@@ -12,7 +12,8 @@ shipped model configs (by file name anywhere under the package, so moving them i
 a copy of each config is kept in the snapshot and used when the file is gone).  Batches are
 generated here, deterministically, and stored in the snapshot too.
 
-Each case records the CLI's exit status and stderr, its full ``--json`` output and every plan file
+Each case records the CLI's exit status and stderr (its temporary folder written as ``<tmp>``),
+its full ``--json`` output and every plan file
 it emits (``--schedule all`` writes ``plan.json`` plus ``plan.<schedule>.json``), compared exactly
 (floats too) except:
   planning_time_s (anywhere in ``--json``) -- wall-clock planning time: dropped, never compared.
@@ -45,7 +46,7 @@ SUMMARY_TIMED = ("step_time_s", "tokens_per_s", "bubble_fraction", "peak_memory_
                  "recompute_fraction")
 PLAN_TIMED = ("checkpoint_layers", "checkpoint_levels")
 INFO_TIMED = ("checkpoint_method", "checkpoint_note", "recompute_time_s")
-MODELS = {"llama3.2-1b": "24", "llama2-7b": "80"}  # model -> --gpu-memory-gib (so recompute happens)
+MODELS = {"llama3.2-1b": "24", "llama2-7b": "80"}  # model -> --memory-budget-gib (so recompute happens)
 LAYOUTS = {
     "sp1": ["--pp", "4"],
     "sp1-dp2": ["--pp", "4", "--world-size", "8"],
@@ -93,15 +94,15 @@ def build_cases() -> dict[str, list[str]]:
             for layout, largs in LAYOUTS.items():
                 for level, vargs in LEVELS.items():
                     cases[f"{model}/{batch}/{layout}/{level}"] = [
-                        model, batch, *largs, "--gpu-memory-gib", mem, "--schedule", "all", *vargs]
+                        model, batch, *largs, "--memory-budget-gib", mem, "--schedule", "all", *vargs]
     base = ["llama3.2-1b", "long-tail", "--pp", "4"]
     for s in SCHEDULES:  # the single-schedule output form (an object, plan at the exact path)
-        cases[f"llama3.2-1b/long-tail/sp1/only-{s}"] = [*base, "--gpu-memory-gib", "24", "--schedule", s]
-    extras = {"checkpointing-none-80g": ["--gpu-memory-gib", "80", "--checkpointing", "none"],
-              "checkpointing-none": ["--gpu-memory-gib", "24", "--checkpointing", "none"],  # infeasible
-              "checkpointing-full": ["--gpu-memory-gib", "24", "--checkpointing", "full"],
-              "levels-keep_attn": ["--gpu-memory-gib", "24", "--checkpoint-levels", "keep_attn"],
-              "max-tokens-8192": ["--gpu-memory-gib", "24", "--max-tokens-per-unit", "8192"]}
+        cases[f"llama3.2-1b/long-tail/sp1/only-{s}"] = [*base, "--memory-budget-gib", "24", "--schedule", s]
+    extras = {"checkpointing-none-80g": ["--memory-budget-gib", "80", "--checkpointing", "none"],
+              "checkpointing-none": ["--memory-budget-gib", "24", "--checkpointing", "none"],  # infeasible
+              "checkpointing-full": ["--memory-budget-gib", "24", "--checkpointing", "full"],
+              "levels-keep_attn": ["--memory-budget-gib", "24", "--checkpoint-levels", "keep_attn"],
+              "max-tokens-8192": ["--memory-budget-gib", "24", "--max-tokens-per-unit", "8192"]}
     for name, args in extras.items():
         cases[f"llama3.2-1b/long-tail/sp1/{name}"] = [*base, *args, "--schedule", "all"]
     return cases
@@ -149,7 +150,7 @@ def run_case(args: list[str], inputs: dict) -> dict:
         cmd = [sys.executable, "-m", "infinipipe_hf.plan", "--model", str(tmp / "config.json"),
                "--lengths", str(tmp / "lengths.txt"), *flags, *extra, "--json", "--emit-plan", str(plans / "plan.json")]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        out = {"args": args, "returncode": proc.returncode, "stderr": proc.stderr}
+        out = {"args": args, "returncode": proc.returncode, "stderr": proc.stderr.replace(str(tmp), "<tmp>")}
         out["json"] = strip(json.loads(proc.stdout)) if proc.returncode == 0 else proc.stdout
         out["plans"] = {p.name: json.loads(p.read_text()) for p in sorted(plans.iterdir())}
     split_timed(out)

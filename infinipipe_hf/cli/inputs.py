@@ -1,14 +1,19 @@
 """Inputs of the planner CLI: JSON objects, HF model configs, sequence-length lists, cost
-profiles, and the planning options its flags set.
+profiles, the planning options its flags set, and the memory budget (the trainer's rule).
 
 Every reader raises a ``ValueError`` naming the file (and line) it cannot use, which the CLI
 prints as an input error (exit status 2).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import shlex
+import sys
 from pathlib import Path
 
+from infinipipe_hf.config import GIB, InfiniPipeConfig, MemoryBudget, planning_budget
+from infinipipe_hf.ir.levels import FINER_LEVELS
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.planner.cost.profile import HardwareProfile
 
@@ -87,3 +92,72 @@ def plan_options(args) -> dict:
         lv.strip() for lv in args.checkpoint_levels.split(","))
     return {"max_tokens_per_unit": args.max_tokens_per_unit, "checkpointing": args.checkpointing,
             "checkpoint_levels": levels, "sp_rounds": getattr(args, "sp_rounds", None)}
+
+
+def add_memory_arguments(p) -> None:
+    """The memory flags: the device's memory and the trainer's margin and reserve, or a budget."""
+    defaults = {f.name: f.default for f in dataclasses.fields(InfiniPipeConfig)}
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                   help="memory of one GPU in GiB, as torch reports it (an H100 80GB reports 79.2); the plan "
+                        "stays under it less --memory-margin and --memory-reserve-gib, as the trainer's does")
+    p.add_argument("--memory-margin", type=float, default=defaults["memory_margin"],
+                   help="share of the GPU's memory held back for the memory model's error (InfiniPipeConfig."
+                        "memory_margin, default %(default)s)")
+    p.add_argument("--memory-reserve-gib", type=float, default=defaults["memory_reserve_gib"],
+                   help="GiB held back for the allocator, CUDA context and communication buffers "
+                        "(InfiniPipeConfig.memory_reserve_gib, default %(default)s)")
+    p.add_argument("--memory-budget-gib", type=float, default=None,
+                   help="plan to exactly this many GiB per GPU instead (InfiniPipeConfig.memory_budget_gib)")
+
+
+def memory_budget(args) -> MemoryBudget:
+    """The budget the flags plan to: the trainer's rule (``InfiniPipeConfig.memory_budget``)."""
+    if not args.gpu_memory_gib > 0:
+        raise ValueError(f"--gpu-memory-gib must be > 0 (the GPU's memory in GiB), got {args.gpu_memory_gib}")
+    budget = planning_budget(args.gpu_memory_gib * GIB, args.memory_margin, args.memory_reserve_gib,
+                             args.memory_budget_gib)
+    if budget.explicit and budget.budget_bytes > budget.device_memory_bytes:
+        print(f"warning: --memory-budget-gib {args.memory_budget_gib:g} is more than the GPU's "
+              f"--gpu-memory-gib {args.gpu_memory_gib:g}", file=sys.stderr)
+    return budget
+
+
+def memory_flags(args) -> str:
+    """The memory flags as given, for a command that plans to the same budget."""
+    if args.memory_budget_gib is not None:
+        return f"--memory-budget-gib {args.memory_budget_gib!r}"
+    defaults = {f.name: f.default for f in dataclasses.fields(InfiniPipeConfig)}
+    out = f"--gpu-memory-gib {args.gpu_memory_gib:g}"
+    if args.memory_margin != defaults["memory_margin"]:
+        out += f" --memory-margin {args.memory_margin!r}"
+    if args.memory_reserve_gib != defaults["memory_reserve_gib"]:
+        out += f" --memory-reserve-gib {args.memory_reserve_gib!r}"
+    return out
+
+
+def length_warnings(spec: ModelSpec, lengths: list[int]) -> list[str]:
+    """Warnings for sequences longer than the model's ``max_position_embeddings`` (the trainer
+    would not run them whole), each saying what to change."""
+    limit = spec.max_position_embeddings
+    over = [n for n in lengths if n > limit] if limit else []
+    if not over:
+        return []
+    return [f"{len(over)} of {len(lengths)} sequences (longest {max(over)} tokens) are longer than the model's "
+            f"max_position_embeddings={limit}: the trainer would cut such documents into pieces of at most {limit} "
+            f"tokens (long_document_policy='split', the default) or refuse them ('reject'), so it would not run "
+            f"this plan; plan lengths of at most {limit}, or use a model config with longer positions (e.g. "
+            f"infinipipe_hf/models/configs/llama3.1-8b.json, 131072)"]
+
+
+def plan_option_flags(args) -> str:
+    """The planning flags given besides their defaults, for a command that plans alike."""
+    out = [f"--profile {shlex.quote(args.profile)}"] if args.profile else []
+    if args.max_tokens_per_unit is not None:
+        out.append(f"--max-tokens-per-unit {args.max_tokens_per_unit}")
+    if args.checkpointing != "adaptive":
+        out.append(f"--checkpointing {args.checkpointing}")
+    if plan_options(args)["checkpoint_levels"] != FINER_LEVELS:
+        out.append(f"--checkpoint-levels {shlex.quote(args.checkpoint_levels)}")
+    if getattr(args, "sp_rounds", None) is not None:
+        out.append("--sp-rounds" if args.sp_rounds else "--no-sp-rounds")
+    return " ".join(out)

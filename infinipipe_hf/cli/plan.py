@@ -12,6 +12,13 @@ says which groups cross nodes; ``--world-size`` checks ``pp x sp`` against a job
 derives ``--dp``.  ``--schedule all`` plans every schedule with the same layout.  Times, bytes
 and the memory budget are per GPU.
 
+Memory: ``--gpu-memory-gib`` is the GPU's memory; the plan stays under it less
+``--memory-margin`` and ``--memory-reserve-gib`` (the trainer's ``memory_margin`` and
+``memory_reserve_gib``, same defaults, same rule: ``InfiniPipeConfig.memory_budget``), or under
+``--memory-budget-gib`` exactly.  The table and the JSON say the budget planned to.  Sequences
+longer than the model's ``max_position_embeddings`` are warned about (stderr, ``warnings`` in the
+JSON): the trainer would cut or refuse them.
+
 ``--search-layout --world-size N`` (no ``--pp``) plans EPP on every ``pp x sp x dp x shard`` of
 N GPUs instead and recommends one (:mod:`infinipipe_hf.cli.plan_layouts`).
 
@@ -35,7 +42,15 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from infinipipe_hf.cli.inputs import plan_options, read_lengths, read_model_spec, read_profile
+from infinipipe_hf.cli.inputs import (
+    add_memory_arguments,
+    length_warnings,
+    memory_budget,
+    plan_options,
+    read_lengths,
+    read_model_spec,
+    read_profile,
+)
 from infinipipe_hf.cli.plan_layouts import add_search_arguments, search_main
 from infinipipe_hf.config import InfiniPipeConfig
 from infinipipe_hf.ir.levels import CHECKPOINTING, FINER_LEVELS
@@ -67,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "inter-node bandwidth")
     p.add_argument("--world-size", type=int, default=None,
                    help="total GPUs of the job: checked against pp x sp (x dp)")
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory budget per GPU in GiB")
+    add_memory_arguments(p)
     p.add_argument("--profile", default=None, help="cost profile JSON (default: shipped H100/bf16)")
     p.add_argument("--schedule", default="epp", choices=[*PIPELINE_SCHEDULES, *ALTERNATIVES, "all"],
                    help="a pipeline schedule, a non-pipeline alternative on the same GPUs, or all of them")
@@ -87,12 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> list[PlanResult]:
-    """Plan the batch with every schedule asked for, in order (pipeline schedules, then alternatives)."""
+    """Plan the batch with every schedule asked for, in order (pipeline schedules, then alternatives).
+    Sets ``args.budget`` (the budget planned to) and ``args.warnings`` (about the lengths)."""
     spec = read_model_spec(args.model)
     lengths = read_lengths(args.lengths)
     dp = resolve_layout(args)
+    args.budget = memory_budget(args)
+    args.warnings = length_warnings(spec, lengths)
     profile = read_profile(args.profile) if args.profile else None
-    cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.gpu_memory_gib * GIB,
+    cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.budget.budget_bytes,
                      sp_degree=args.sp, shard=args.shard, dp_degree=dp, gpus_per_node=args.gpus_per_node)
     schedules = (*PIPELINE_SCHEDULES, *ALTERNATIVES) if args.schedule == "all" else (args.schedule,)
     options = plan_options(args)
@@ -129,7 +147,7 @@ def _plan_pipeline(lengths, spec, args: argparse.Namespace, dp: int, schedule: s
 def _flat_cost(args: argparse.Namespace, spec, cost: CostModel, dp: int) -> FlatCost:
     """The alternatives' cost on the pipeline layout's ``pp x sp x dp`` GPUs (warns that they
     ignore ``--max-tokens-per-unit``)."""
-    flat = FlatCost.of(spec, args.pp * args.sp * dp, args.gpu_memory_gib * GIB, cost.profile,
+    flat = FlatCost.of(spec, args.pp * args.sp * dp, args.budget.budget_bytes, cost.profile,
                        cost.layout.gpus_per_node)
     if args.max_tokens_per_unit is not None:
         print(f"warning: --max-tokens-per-unit caps pipeline units; {', '.join(ALTERNATIVES)} "
@@ -202,9 +220,9 @@ def report_written(args: argparse.Namespace, results: list[PlanResult]) -> None:
         if r.plan is None:
             continue
         if args.emit_plan:
-            written.append(str(_sibling(args.emit_plan, r.schedule, i == 0)))
+            written.append(str(_sibling(args.emit_plan, r.file_name, i == 0)))
         if args.plot and get_schedule(r.schedule).kind != ROUNDS:
-            written.append(str(_sibling(args.plot, r.schedule, i == 0)))
+            written.append(str(_sibling(args.plot, r.file_name, i == 0)))
     if written:
         print(f"wrote {len(written)} file(s): {', '.join(written)}", file=sys.stderr)
 
@@ -232,12 +250,26 @@ def main(argv: list[str] | None = None) -> int:
                             + (f", sp={args.sp}" if args.sp != 1 else "")
                             + (f", shard={args.shard}" if args.shard != "none" else ""))
     report_written(args, results)
+    for warning in args.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
-        out = [r.summary() for r in results]
+        out = [with_budget(r.summary(), args) for r in results]
         print(json.dumps(out if args.schedule == "all" else out[0], indent=1))
     else:
         print(format_table(results))
+        print(f"memory budget planned to: {args.budget.describe()}")
     return 0
+
+
+def with_budget(summary: dict, args: argparse.Namespace) -> dict:
+    """A schedule's ``--json`` object with the budget's keys (the budget planned to, also when no
+    plan fits; the GPU's memory, margin and reserve) and the input ``warnings`` when there are any."""
+    d = {**summary, **{k: v for k, v in args.budget.to_dict().items() if k != "memory_budget_bytes"}}
+    if d.get("memory_budget_bytes") is None:
+        d["memory_budget_bytes"] = args.budget.budget_bytes
+    if args.warnings:
+        d["warnings"] = list(args.warnings)
+    return d
 
 
 if __name__ == "__main__":

@@ -4,8 +4,12 @@ Plans the batch with EPP on every layout of ``--world-size`` GPUs (``--gpus-per-
 that can run, and each non-pipeline alternative (ulysses-zero3, ring-cp, flexsp) at its best on
 the same GPUs (:mod:`infinipipe_hf.planner.search.layouts`); prints a table, or with ``--json``
 ``{"recommended": {...}, "layouts": [...], "alternatives": [...], "search_time_s", ...}``, and
-the recommended layout as ``EPPTrainingArguments`` fields, recipe flags and the planner command
-that replans it alone (same tokens/s).  ``--sp`` / ``--shard`` restrict the search; ``--pp`` and
+the recommended layout as ``EPPTrainingArguments`` fields and recipe flags that reproduce its plan
+in the trainer (the degrees, ``tokens_per_step``, ``memory_budget_gib``: the exact budget planned
+to, and every planning option given), and the planner command that replans it alone (same
+tokens/s).  The budget is the trainer's rule on ``--gpu-memory-gib`` (or ``--memory-budget-gib``),
+printed and in the JSON beside ``memory_budget_bytes`` (``device_memory_bytes``, ``memory_margin``,
+``memory_reserve_bytes``).  ``--sp`` / ``--shard`` restrict the search; ``--pp`` and
 ``--dp`` are what it chooses and are refused.  ``--emit-plan`` / ``--plot`` write the recommended
 layout's plan / Gantt chart.  Exit status: 0, 2 for input errors, 1 when no layout fits (the
 message names each layout's largest trainable sequence; with ``--json`` the object still prints,
@@ -19,8 +23,16 @@ import os
 import sys
 from pathlib import Path
 
-from infinipipe_hf.cli.inputs import plan_options, read_lengths, read_model_spec, read_profile
-from infinipipe_hf.planner.cost.model import GIB
+from infinipipe_hf.cli.inputs import (
+    length_warnings,
+    memory_budget,
+    memory_flags,
+    plan_option_flags,
+    plan_options,
+    read_lengths,
+    read_model_spec,
+    read_profile,
+)
 from infinipipe_hf.planner.search.layout_result import LayoutSearch, NoLayoutFits, format_search
 from infinipipe_hf.planner.search.layouts import search_layouts
 
@@ -57,21 +69,36 @@ def run_search(args: argparse.Namespace) -> LayoutSearch:
     check_search_args(args)
     spec = read_model_spec(args.model)
     lengths = read_lengths(args.lengths)
+    budget = args.budget = memory_budget(args)
+    args.warnings = length_warnings(spec, lengths)
     profile = read_profile(args.profile) if args.profile else None
     try:
         search = search_layouts(lengths, spec, world_size=args.world_size, gpus_per_node=args.gpus_per_node,
-                                memory_budget_bytes=args.gpu_memory_gib * GIB, profile=profile,
+                                memory_budget_bytes=budget.budget_bytes, profile=profile,
                                 sp_degrees=None if args.sp is None else (args.sp,),
                                 shards=None if args.shard is None else (args.shard,),
                                 plan_options=plan_options(args), workers=args.search_workers)
     except NoLayoutFits as exc:
+        _add_inputs(args, exc.search)
         exc.search.extra["error"] = str(exc)
         raise
+    _add_inputs(args, search)
     best = search.recommended.layout
+    options = plan_option_flags(args)
     search.extra["plan_command"] = (f"python -m infinipipe_hf.plan --model {args.model} --lengths {args.lengths} "
                                     f"{best.plan_flags()} --world-size {search.world_size} --gpus-per-node "
-                                    f"{search.gpus_per_node} --gpu-memory-gib {args.gpu_memory_gib:g} --schedule epp")
+                                    f"{search.gpus_per_node} {memory_flags(args)} {options + ' ' if options else ''}"
+                                    f"--schedule epp")
     return search
+
+
+def _add_inputs(args: argparse.Namespace, search: LayoutSearch) -> None:
+    """The budget's keys, the input warnings and the profile file (a recipe setting) on ``search``."""
+    search.extra.update({k: v for k, v in args.budget.to_dict().items() if k != "memory_budget_bytes"})
+    if args.warnings:
+        search.extra["warnings"] = list(args.warnings)
+    if args.profile:
+        search.settings["profile"] = args.profile
 
 
 def _write_outputs(args: argparse.Namespace, search: LayoutSearch) -> None:
@@ -91,12 +118,22 @@ def search_main(args: argparse.Namespace) -> int:
     try:
         search = run_search(args)
     except NoLayoutFits as exc:
-        print(json.dumps(exc.search.to_dict(), indent=1) if args.json else format_search(exc.search))
+        _print(args, exc.search)
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     _write_outputs(args, search)
-    print(json.dumps(search.to_dict(), indent=1) if args.json else format_search(search))
+    _print(args, search)
     return 0
+
+
+def _print(args: argparse.Namespace, search: LayoutSearch) -> None:
+    for warning in args.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(search.to_dict(), indent=1))
+    else:
+        print(format_search(search))
+        print(f"memory budget planned to: {args.budget.describe()}")

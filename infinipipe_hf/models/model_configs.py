@@ -1,8 +1,11 @@
 """Real published HF ``config.json`` files shipped with the package, for planning and benchmarks.
 
 Design: the planner only needs a model's shape, so benchmarks plan for Llama-2-7B/13B,
-Llama-3-8B, Llama-3.2-1B, Qwen2.5-7B and SmolLM2-135M from their published ``config.json``
-(copied verbatim, under ``infinipipe_hf/models/configs/``) without weights or network.
+Llama-3-8B, Llama-3.1-8B, Llama-3.2-1B, Qwen2.5-7B and SmolLM2-135M from their published
+``config.json`` (copied verbatim, under ``infinipipe_hf/models/configs/``) without weights or
+network.  Llama-3-8B has 8K positions; Llama-3.1-8B (``llama3.1-8b``) is the same shape with its
+real 128K positions and ``llama3`` RoPE scaling: plan long sequences with it (the planner CLI warns
+on sequences over a config's ``max_position_embeddings``).
 LLaMA-30B (``llama-30b``, the InfiniPipe paper's largest model; 52 heads, so Ulysses SP 8 splits
 heads unevenly) and Llama-2-70B (``llama2-70b``, 8 K/V heads) are written from their published
 hub configs' fields; ``llama-30b`` states ``num_key_value_heads: 52`` explicitly, which LLaMA-1

@@ -24,6 +24,8 @@ from transformers import TrainingArguments
 from infinipipe_hf.config import InfiniPipeConfig
 from infinipipe_hf.trainer import notices
 from infinipipe_hf.trainer.auto_layout import check_auto_fields, is_auto
+from infinipipe_hf.trainer.hf_conventions.parallelism import apply_parallelism_config, refuse_deepspeed
+from infinipipe_hf.trainer.nonfinite import NONFINITE_POLICIES
 from infinipipe_hf.trainer.pipeline_arguments import PipelineArguments, config_kwargs, rename_in_message
 
 LONG_DOCUMENT_POLICIES = ("split", "reject")
@@ -37,7 +39,9 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
     tokens_per_step: int = field(default=16384, metadata={
         "help": "Token budget of one global batch (all DP replicas together); replaces the batch size."})
     """Token budget of one global batch: the sampler fills it with whole documents (or pieces of
-    long ones).  With ``gradient_accumulation_steps=n`` one optimizer step sees up to n budgets."""
+    long ones).  Each of the ``dp_degree`` replicas gets an even share and sequences of its own; a
+    piece longer than a share is one replica's work (such a step holds more than the budget).
+    With ``gradient_accumulation_steps=n`` one optimizer step sees up to n budgets."""
 
     long_document_policy: str = field(default="split", metadata={
         "help": "Documents longer than the model's max positions or tokens_per_step: split or reject."})
@@ -61,6 +65,16 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
     is not told where to resume, resume from the newest complete checkpoint in ``output_dir``
     (``resume_from_checkpoint=True``), or start from step 0 when there is none."""
 
+    nonfinite_policy: str = field(default="stop", metadata={
+        "help": "A NaN/inf loss or gradient norm: 'stop' (raise, naming step, ranks, units) or 'skip' the step."})
+    """What a step whose loss or gradient norm is NaN or infinite does, decided alike on every rank
+    before the optimizer step: ``stop`` raises ``NonFiniteError`` naming the step, the ranks
+    holding non-finite gradients and the units whose loss was not finite (no update, no
+    checkpoint of that step); ``skip`` drops that step's update (no optimizer step, weight decay
+    or momentum; the LR scheduler holds, as HF does after an fp16 overflow; ``global_step`` still
+    advances), warns naming it and logs the count as ``nonfinite_skipped_steps``.  Either way a
+    checkpoint whose parameters are not finite is never saved."""
+
     per_device_train_batch_size: int | None = field(default=None, metadata={
         "help": "Ignored by EPPTrainer: tokens_per_step decides the global batch."})
     """Ignored (warning when set): the token budget ``tokens_per_step`` forms the batches."""
@@ -70,6 +84,11 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
     """Ignored (warning when set): evaluation batches are filled up to ``tokens_per_step``."""
 
     def __post_init__(self) -> None:
+        # HF's own parallelism settings first, before TrainingArguments.__post_init__ acts on them:
+        # deepspeed is refused (transformers would import it), parallelism_config mapped onto the
+        # pipeline's fields, which the checks below then validate (hf_conventions/parallelism.py).
+        refuse_deepspeed(self)
+        apply_parallelism_config(self)
         self._check_epp_fields()
         import torch
 
@@ -94,6 +113,9 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
         if self.long_document_policy not in LONG_DOCUMENT_POLICIES:
             raise ValueError(f"long_document_policy={self.long_document_policy!r} is not known; use "
                              f"'split' (cut long documents into pieces) or 'reject' (raise)")
+        if self.nonfinite_policy not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite_policy={self.nonfinite_policy!r} is not known; use 'stop' "
+                             f"(raise at a NaN/inf loss or gradient norm) or 'skip' (skip that step)")
         if self.profile is not None and not os.path.isfile(self.profile):
             raise ValueError(f"profile={self.profile!r} is not a file; pass the JSON written by "
                              f"`python -m infinipipe_hf.profile` or leave profile=None")
@@ -107,10 +129,10 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
         if self.fp16 or self.fp16_full_eval:
             raise ValueError("fp16=True is not supported by EPPTrainer (the pipeline has no loss "
                              "scaler); use bf16=True, or neither for full precision")
-        if self.fsdp or self.deepspeed:
-            raise ValueError("fsdp/deepspeed cannot be combined with EPPTrainer: the pipeline already "
-                             "splits the model across processes and does data parallelism itself; "
-                             "remove fsdp/deepspeed and use pp_degree")
+        if self.fsdp:  # deepspeed: refused before TrainingArguments imports it (__post_init__)
+            raise ValueError("fsdp cannot be combined with EPPTrainer: the pipeline already splits the "
+                             "model across processes and does data parallelism itself; remove fsdp and "
+                             "use pp_degree, with shard='dp' or 'sp+dp' to shard each stage's states")
         if self.auto_find_batch_size:
             raise ValueError("auto_find_batch_size is not supported by EPPTrainer; lower "
                              "tokens_per_step or set memory_budget_gib instead")

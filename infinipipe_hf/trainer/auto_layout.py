@@ -4,9 +4,11 @@ The trainer takes the first global batches its training loader yields (same seed
 training), runs the planner's layout search on them over the launched processes (what
 ``python -m infinipipe_hf.plan --search-layout`` runs, without the non-pipeline alternatives),
 logs the search's table and the choice, and sets ``pp_degree``, ``sp_degree``, ``dp_degree`` and
-``shard`` on the arguments before the engine is built.  With several batches the choice is the
-layout with the most tokens per second over all of them (total tokens / total step time) among
-those that fit every batch.
+``shard`` on the arguments before the engine is built.  The loader's batches feed every DP
+replica, so they depend on ``dp_degree``: each DP degree is searched on the batches the loader
+forms for it, and a layout whose replicas a batch cannot feed is dropped with the reason in the
+table.  The choice is the layout with the most tokens per second over its batches (total tokens
+/ total step time) among those that fit every one of them.
 
 ``sp_degree`` and ``shard`` are searched when ``"auto"`` or left at their defaults (1,
 ``"none"``); another value restricts the search to it.  Rank 0 searches and broadcasts the choice
@@ -75,38 +77,54 @@ def first_batch_lengths(loader, count: int = SEARCH_BATCHES) -> list[list[int]]:
     return out
 
 
-def choose(batches: list[list[int]], spec, args, world_size: int, gpus_per_node: int | None,
-           memory_budget_bytes: float | None):
-    """The layout search on each batch; ``(Layout, table to log)``.  ``ValueError`` (the search's
-    message) when no layout can run or none fits a batch."""
-    from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
-    from infinipipe_hf.planner.search.layout_result import format_search
-    from infinipipe_hf.planner.search.layouts import rank_key, search_layouts
+def choose(batches, spec, args, world_size: int, gpus_per_node: int | None, memory_budget_bytes: float | None):
+    """The layout search on the first batches; ``(Layout, table to log)``.
 
+    ``batches``: the batches' sequence lengths, or ``dp_degree -> batches`` (the sampler's batches
+    depend on how many replicas they feed, so each DP degree is searched on its own).  A layout
+    must fit every batch of its DP degree; the pick has the most tokens per second over them.
+    ``ValueError`` (the search's message) when no layout can run or none fits."""
+    from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+    from infinipipe_hf.planner.search.layout_result import NoLayoutFits, format_search
+    from infinipipe_hf.planner.search.layouts import enumerate_layouts, rank_key, search_layouts
+
+    batches_for = batches if callable(batches) else (lambda dp: batches)
     profile = HardwareProfile.load(args.profile) if args.profile is not None else default_profile()
+    gpn = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     sp_degrees, shards = search_restrictions(args)
+    dps = sorted({lay.dp_degree for lay in enumerate_layouts(spec, world_size, gpn, sp_degrees=sp_degrees,
+                                                             shards=shards)})
     options = {"max_tokens_per_unit": args.max_tokens_per_unit, "num_slices": args.num_slices,
                "checkpointing": args.checkpointing, "checkpoint_levels": tuple(args.checkpoint_levels),
                "loss_chunk_tokens": args.loss_chunk_tokens, "sp_rounds": args.sp_rounds}
-    searches = [search_layouts(lengths, spec, world_size=world_size, gpus_per_node=gpus_per_node,
-                               memory_budget_bytes=memory_budget_bytes, profile=profile, sp_degrees=sp_degrees,
-                               shards=shards, alternatives=False, plan_options=options) for lengths in batches]
-    totals: dict = {}
-    for search in searches:
-        for o in search.layouts:
-            t = totals.setdefault(o.layout, [0, 0.0, 0, o])
-            if o.feasible:
-                t[0] += 1
-                t[1] += o.result.simulation.step_time_s
-    tokens = sum(sum(b) for b in batches)
-    every = [(tokens / t[1], t[3]) for t in totals.values() if t[0] == len(searches) and t[1] > 0]
-    if not every:
-        raise ValueError(f"no layout of {world_size} processes fits all of the first {len(batches)} batches; "
-                         f"lower tokens_per_step or raise memory_budget_gib")
-    top = max(rate for rate, _ in every)
-    best = min((o for rate, o in every if rate >= top * (1 - 1e-9)), key=rank_key).layout
+    searches, rates, no_fit = [], [], None
+    for dp in dps:
+        dp_batches = batches_for(dp)
+        totals: dict = {}
+        for lengths in dp_batches:
+            try:
+                search = search_layouts(lengths, spec, world_size=world_size, gpus_per_node=gpn,
+                                        memory_budget_bytes=memory_budget_bytes, profile=profile,
+                                        sp_degrees=sp_degrees, shards=shards, alternatives=False,
+                                        plan_options=options, dp_degrees=(dp,))
+            except NoLayoutFits as exc:
+                search, no_fit = exc.search, no_fit or exc
+            search.settings["tokens_per_step"] = args.tokens_per_step  # the run's, not this batch's count
+            searches.append(search)
+            for o in search.layouts:
+                t = totals.setdefault(o.layout, [0, 0.0, o])
+                if o.feasible:
+                    t[0] += 1
+                    t[1] += o.result.simulation.step_time_s
+        tokens = sum(sum(b) for b in dp_batches)
+        rates += [(tokens / t[1], t[2]) for t in totals.values() if t[0] == len(dp_batches) and t[1] > 0]
+    if not rates:
+        raise ValueError(f"no layout of {world_size} processes fits all of its first {SEARCH_BATCHES} batches; "
+                         f"lower tokens_per_step or raise memory_budget_gib" + (f". {no_fit}" if no_fit else ""))
+    top = max(rate for rate, _ in rates)
+    best = min((o for rate, o in rates if rate >= top * (1 - 1e-9)), key=rank_key).layout
     table = "\n\n".join(format_search(s) for s in searches)
-    return best, f"{table}\nchosen over the first {len(batches)} batch(es): {best.label}, shard {best.shard} " \
+    return best, f"{table}\nchosen over the first batch(es) of each DP degree: {best.label}, shard {best.shard} " \
                  f"({top:,.0f} tokens/s planned)"
 
 
@@ -148,11 +166,13 @@ def _search_on_rank0(trainer, hf_config, world_size: int) -> dict:
         if trainer.train_dataset is None:
             raise ValueError("it plans the first batches of train_dataset: pass a train_dataset, or set "
                              "pp_degree (python -m infinipipe_hf.plan --search-layout recommends one)")
-        loader = trainer._global_loader(trainer.train_dataset, shuffle=True, what="train_dataset")
+        def batches_for(dp: int) -> list[list[int]]:
+            return first_batch_lengths(trainer._global_loader(trainer.train_dataset, shuffle=True,
+                                                              what="train_dataset", dp_degree=dp))
+
         gpn = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
         budget = memory_budget_bytes(InfiniPipeConfig(**placeholder_kwargs(args)), args.device)
-        layout, table = choose(first_batch_lengths(loader), ModelSpec.from_hf_config(hf_config), args,
-                               world_size, gpn, budget)
+        layout, table = choose(batches_for, ModelSpec.from_hf_config(hf_config), args, world_size, gpn, budget)
     except Exception as exc:  # noqa: BLE001 - every rank must raise it, none may wait forever
         what = "" if isinstance(exc, ValueError) else f"{type(exc).__name__}: "
         return {"error": f"pp_degree='auto': {what}{exc}"}

@@ -9,7 +9,8 @@ Like TRL's ``SFTTrainer``, a few hooks are overridden and ``super()`` does the r
   batch on every rank (accelerate would shard it).
 - ``training_step`` = ``engine.train_step(global batch, num_label_tokens=num_items_in_batch)``:
   n accumulated batches give exactly the gradient of their mean token loss, as HF does.
-- Clipping uses the engine's global norm; saving writes HF checkpoints stage by stage
+- Clipping uses the engine's global norm; a NaN/inf loss or norm stops the job or skips the step
+  (``nonfinite_policy``, ``nonfinite.py``); saving writes HF checkpoints stage by stage
   (``trainer.checkpoints``); resume restores per-stage optimizer state, scheduler and RNG.
 - A whole optimizer step without label tokens updates nothing and is left out of the logged mean
   loss (``skipped_steps`` counts it).
@@ -51,6 +52,7 @@ from infinipipe_hf.trainer.model_setup import (
     peak_flops_per_device,
     preflight,
 )
+from infinipipe_hf.trainer.nonfinite import guard_of
 from infinipipe_hf.trainer.notices import global_rank
 from infinipipe_hf.trainer.plan_ahead import PlanAhead
 from infinipipe_hf.trainer.step_metrics import StepMetrics, TrainingCounts
@@ -168,13 +170,16 @@ class EPPTrainer(Trainer):
         return super().create_optimizer(self.engine.stage.hf_model)
 
     # --- data --------------------------------------------------------------------------------
-    def _global_loader(self, dataset, shuffle: bool, what: str):
+    def _global_loader(self, dataset, shuffle: bool, what: str, dp_degree: int | None = None):
+        """Global batches feeding every DP replica (``dp_degree``: the engine's, or a layout's the
+        auto-layout search weighs before the engine exists)."""
         args = self.args
         return build_global_batch_loader(
             dataset, tokens_per_step=args.tokens_per_step, max_length=self._max_length,
             long_document_policy=args.long_document_policy,
             seed=args.data_seed if args.data_seed is not None else args.seed, shuffle=shuffle,
-            num_workers=args.dataloader_num_workers, pin_memory=False, what=what)
+            num_workers=args.dataloader_num_workers, pin_memory=False, what=what,
+            dp_degree=self.engine.layout.dp_degree if dp_degree is None else dp_degree)
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
@@ -221,7 +226,7 @@ class EPPTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest *complete*
         checkpoint, and a job restarted by its launcher resumes by itself (``resume_on_restart``)."""
-        self._counts = TrainingCounts()
+        self._counts, self._nonfinite_guard = TrainingCounts(), None
         with self._reporting():
             resume = resolve_resume(resume_from_checkpoint, self.args.output_dir, self.args.resume_on_restart)
             out = super().train(resume, *args, **kwargs)
@@ -252,6 +257,7 @@ class EPPTrainer(Trainer):
         out = self.engine.train_step(inputs, plan=planned[0] if planned else None,
                                      num_label_tokens=max(total, n))
         self._step_metrics.add(out, planned[1] if planned else out.simulation)
+        guard_of(self).record(out)
         # float64 so callers (and tests) see the engine's loss unrounded.
         return torch.tensor(out.loss, dtype=torch.float64, device=self.args.device)
 
@@ -259,7 +265,10 @@ class EPPTrainer(Trainer):
         return self.engine.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        return self.engine.clip_grad_norm_(math.inf) if grad_norm is None else grad_norm
+        norm = self.engine.clip_grad_norm_(math.inf) if grad_norm is None else grad_norm
+        # Before every optimizer step (clipping or not): a NaN/inf stops the job or skips the step.
+        guard_of(self).decide(norm, self.state.global_step + 1, self.optimizer)
+        return norm
 
     def log(self, logs, start_time=None):
         if "loss" in logs:  # a training log line: add the pipeline's window metrics
@@ -267,6 +276,8 @@ class EPPTrainer(Trainer):
             logs.update(self._counts.correct_window_loss(logs["loss"], self.state.global_step))
             if self.token_metrics:
                 logs["num_tokens"] = float(self.num_tokens_trained)
+        if "loss" in logs or "train_runtime" in logs:
+            logs.update(guard_of(self).log_fields())
         if "train_runtime" in logs:  # the end-of-training metrics
             logs.update(self._counts.final_metrics(logs, self.state.global_step))
         super().log(logs, start_time)

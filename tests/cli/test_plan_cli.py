@@ -28,7 +28,9 @@ def test_json_all_and_emit_plan(lengths_file, tmp_path, capsys):
                                             "ring-cp-packed", "flexsp"]
     epp = out[0]
     assert epp["feasible"] and epp["num_tokens"] == sum(LENGTHS)
-    assert epp["memory_budget_bytes"] == 80 * 2**30
+    # --gpu-memory-gib is the GPU's memory: the plan stays under it less the trainer's margin and reserve.
+    assert epp["memory_budget_bytes"] == 71.6 * 2**30  # 80 GiB - 8% - 2 GiB, as the trainer plans
+    assert (epp["device_memory_bytes"], epp["memory_margin"], epp["memory_reserve_bytes"]) == (80 * 2**30, 0.08, 2**31)
     plan = json.loads(plan_path.read_text())
     assert plan["schedule"] == "epp" and plan["pp_degree"] == 4 and plan["sequences"] == LENGTHS
     assert set(plan["actions"]) == {"0"} and len(plan["actions"]["0"]) == 4
@@ -77,7 +79,7 @@ def test_model_directory_and_bad_json_name_the_file(lengths_file, tmp_path, caps
     assert f"model directory {ckpt} has no config.json" in capsys.readouterr().err
     # a checkpoint directory holding a config.json is read like the file itself
     (ckpt / "config.json").write_text(config_path("llama2-7b").read_text())
-    assert main(["--model", str(ckpt), "--lengths", str(lengths_file), "--pp", "2", "--json"]) == 0
+    assert main(["--model", str(ckpt), "--lengths", str(lengths_file), "--pp", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["feasible"]
     broken = tmp_path / "broken.json"
     broken.write_text('{"model_type": "llama",\n "hidden_size": }')
@@ -122,7 +124,7 @@ def test_module_entry_point(lengths_file):
 def test_checkpoint_levels_flag(lengths_file, tmp_path, capsys):
     """Finer levels are on by default and go in the plan's own key; ``none`` turns them off."""
     args = ["--model", str(config_path("llama2-7b")), "--lengths", str(lengths_file), "--pp", "4",
-            "--gpu-memory-gib", "40", "--json"]
+            "--memory-budget-gib", "40", "--json"]
     for flag, want_levels in (([], True), (["--checkpoint-levels", "none"], False)):
         plan_path = tmp_path / f"plan{len(flag)}.json"
         assert main(args + flag + ["--emit-plan", str(plan_path)]) == 0

@@ -21,7 +21,7 @@ def files(tmp_path):
 
 
 def _search(files, *extra, gib="0.3"):
-    return [*files, "--world-size", "4", "--gpus-per-node", "4", "--gpu-memory-gib", gib, "--search-layout",
+    return [*files, "--world-size", "4", "--gpus-per-node", "4", "--memory-budget-gib", gib, "--search-layout",
             "--search-workers", "1", *extra]
 
 
@@ -32,9 +32,13 @@ def test_json_contract_and_the_pick_replans_to_the_same_tokens_per_s(files, tmp_
     rec = out["recommended"]
     assert {"pp_degree", "sp_degree", "dp_degree", "shard", "tokens_per_s"} <= set(rec)
     assert rec["pp_degree"] * rec["sp_degree"] * rec["dp_degree"] == 4
-    assert rec["training_arguments"] == {k: rec[k] for k in ("pp_degree", "sp_degree", "dp_degree", "shard")}
+    degrees = {k: rec[k] for k in ("pp_degree", "sp_degree", "dp_degree", "shard")}
+    # The degrees, the batch's tokens and the exact budget planned to: the fields that change the plan.
+    assert rec["training_arguments"] == {**degrees, "tokens_per_step": sum(LENGTHS), "memory_budget_gib": 0.3}
     assert rec["recipe_flags"] == (f"--pp_degree {rec['pp_degree']} --sp_degree {rec['sp_degree']} "
-                                   f"--dp_degree {rec['dp_degree']} --shard {rec['shard']}")
+                                   f"--dp_degree {rec['dp_degree']} --shard {rec['shard']} "
+                                   f"--tokens_per_step {sum(LENGTHS)} --memory_budget_gib 0.3")
+    assert out["memory_budget_bytes"] == 0.3 * 2**30 and out["memory_margin"] is None
     feasible = [lay for lay in out["layouts"] if lay["feasible"]]
     assert rec["tokens_per_s"] == max(lay["tokens_per_s"] for lay in feasible)
     assert all({"pp_degree", "sp_degree", "dp_degree", "shard", "feasible", "tokens_per_s"} <= set(lay)
@@ -44,13 +48,13 @@ def test_json_contract_and_the_pick_replans_to_the_same_tokens_per_s(files, tmp_
     assert json.loads(plan_path.read_text())["pp_degree"] == rec["pp_degree"]
     # The contract: planning the pick alone with the planner's layout flags gives the same tokens/s.
     assert main([*files, "--pp", str(rec["pp_degree"]), "--sp", str(rec["sp_degree"]), "--dp", str(rec["dp_degree"]),
-                 "--shard", rec["shard"], "--world-size", "4", "--gpus-per-node", "4", "--gpu-memory-gib", "0.3",
+                 "--shard", rec["shard"], "--world-size", "4", "--gpus-per-node", "4", "--memory-budget-gib", "0.3",
                  "--schedule", "epp", "--json"]) == 0
     alone = json.loads(capsys.readouterr().out)
     assert alone["tokens_per_s"] == rec["tokens_per_s"]
     assert out["plan_command"].endswith(f"--pp {rec['pp_degree']} --sp {rec['sp_degree']} --dp {rec['dp_degree']} "
                                         f"--shard {rec['shard']} --world-size 4 --gpus-per-node 4 "
-                                        f"--gpu-memory-gib 0.3 --schedule epp")
+                                        f"--memory-budget-gib 0.3 --schedule epp")
 
 
 def test_table_shows_every_layout_the_alternatives_and_the_arguments(files, capsys):

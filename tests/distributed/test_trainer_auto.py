@@ -22,6 +22,6 @@ def test_auto_layout_is_agreed_trains_exactly_and_fails_alike(tmp_path):
     refs.mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reference_run(SCENARIOS["base"], str(refs))
+        reference_run(SCENARIOS["base"], str(refs), dp_degrees=(1, 2))
     r = run_torchrun("trainer_auto.py", 2, [str(refs), str(tmp_path / "out")], timeout_s=360)
     check_cases(r, 2, CASES, all_ok="ALL OK")

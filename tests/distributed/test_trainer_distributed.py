@@ -1,8 +1,9 @@
 """EPPTrainer on 2 and 4 CPU processes (gloo), launched by torchrun and by accelerate launch.
 
 Each launch runs many cases (``workers/trainer_cases.py``) against references the plain HF
-``Trainer`` computed in this process on the same global batches: pp 2, pp 4 and dp 2 x pp 2
-losses/grad norms/weights equal to float64 precision, gradient accumulation, evaluation, exact
+``Trainer`` computed in this process on the same global batches: pp 2, pp 4, dp 2 x pp 2 and
+pp 1 x dp 2 (the latter two also on documents longer than ``tokens_per_step``: every replica fed
+pieces of its own) losses/grad norms/weights equal to float64 precision, gradient accumulation, evaluation, exact
 resume from a step-2 checkpoint, ``save_model`` loading with ``from_pretrained``, LoRA training
 only adapters and saving a ``PeftModel``-loadable adapter, and the pp-not-dividing-world error.
 The expected case names are listed here so a case that silently stops running fails the test.
@@ -27,8 +28,9 @@ from tests.distributed.workers.trainer_common import SCENARIOS, reference_run  #
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 CPU_CONFIG = REPO / "recipes" / "accelerate" / "cpu_4proc.yaml"
 CASES = {
-    "pp2": ["pp2_base_eval", "pp2_grad_accum", "pp2_tied_resume_save", "pp2_lora", "pp3_on_2_processes"],
-    "world4": ["pp4_tied_eval", "dp2pp2_resume_save", "pp4_lora", "pp3_on_4_processes"],
+    "pp2": ["pp2_base_eval", "pp2_grad_accum", "pp2_tied_resume_save", "pp2_lora", "pp1dp2_long_docs",
+            "pp3_on_2_processes"],
+    "world4": ["pp4_tied_eval", "dp2pp2_resume_save", "dp2pp2_long_docs", "pp4_lora", "pp3_on_4_processes"],
     "accel2": ["accel_pp2_base"],
     "accel4": ["accel_pp4_base", "accel_dp2pp2_tied"],
 }
@@ -43,7 +45,7 @@ def ref_dir(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for scn in SCENARIOS.values():
-            reference_run(scn, str(d))
+            reference_run(scn, str(d), dp_degrees=(1, 2))
     return str(d)
 
 

@@ -44,12 +44,18 @@ def test_a_fast_failure_on_rank_1_is_named_on_every_rank(mode, own_error, tmp_pa
     assert elapsed < TIMEOUT_S, elapsed
 
 
-@pytest.mark.slow  # 4 ranks, a 10 s deadline, then the stopped rank is killed after 20 s
+@pytest.mark.slow  # 4 ranks and the peer watch's 30 s window
 @pytest.mark.timeout(300)
-def test_a_stopped_rank_is_named_on_every_other_rank(tmp_path):
+def test_a_stopped_rank_is_named_on_every_other_rank_within_a_minute(tmp_path):
+    """Default ddp_timeout (30 minutes): the stopped rank's heartbeat decides, within a minute, on
+    the rank waiting for its gradients (a transfer), on its DP peer (a collective) and on rank 0
+    (a collective with a live rank that itself waits on the stopped one)."""
+    from infinipipe_hf.runtime.parallel.peer_watch import STALE_AFTER_S
+
     outcomes = _outcomes("stopped_rank", 4, tmp_path)
     assert set(outcomes) == {0, 1, 2}, outcomes
     for r, (elapsed, text, code) in outcomes.items():
         assert code == 3
-        assert "rank 3 (stage 1, dp 1) has stopped" in text, (r, text)
-        assert elapsed < 10 + 10, (r, elapsed)  # the worker's ddp_timeout (10 s) and the diagnosis
+        assert f"rank 3 (stage 1, dp 1) has stopped: its heartbeat stood still for {STALE_AFTER_S:g} s" in text, (r, text)
+        assert "did not complete within" not in text, (r, text)
+        assert STALE_AFTER_S <= elapsed < 60, (r, elapsed)

@@ -28,7 +28,7 @@ def test_trainer_sharded_dp2_pp2(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in ("tied", "ga2", "base", "lora"):
-            reference_run(SCENARIOS[name], str(refs))
+            reference_run(SCENARIOS[name], str(refs), dp_degrees=(1, 2))
     out = tmp_path / "out"
     r = run_torchrun("trainer_sharded.py", 4, [str(refs), str(out), PLANNER], timeout_s=360)
     check_cases(r, 4, CASES, all_ok=f"planner={PLANNER} ALL OK")

@@ -55,7 +55,7 @@ def test_choose_is_the_search_pick_and_respects_restrictions(tmp_path):
     layout, table = choose([batch], SPEC, args, 4, 4, 2**30)
     want = search_layouts(batch, SPEC, world_size=4, gpus_per_node=4, memory_budget_bytes=2**30,
                           alternatives=False).recommended.layout
-    assert layout == want and f"chosen over the first 1 batch(es): {want.label}" in table
+    assert layout == want and f"chosen over the first batch(es) of each DP degree: {want.label}" in table
     restricted = _args(tmp_path, pp_degree="auto", sp_degree=2, shard="sp")
     assert search_restrictions(restricted) == ((2,), ("sp",))
     layout, _ = choose([batch, batch[:5]], SPEC, restricted, 4, 4, 2**30)
@@ -94,3 +94,18 @@ def test_trainer_with_no_valid_layout_raises_before_building(tmp_path):
 def test_bad_auto_arguments(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message):
         _args(tmp_path, **kw)
+
+
+def test_each_dp_degree_is_searched_on_its_own_batches_and_unfed_layouts_are_dropped(tmp_path):
+    asked = []
+
+    def batches_for(dp):
+        asked.append(dp)
+        return [[90]] if dp == 2 else [[90, 40]]  # the dp 2 loader could only form a one-sequence batch
+
+    layout, table = choose(batches_for, SPEC, _args(tmp_path, pp_degree="auto"), 2, 2, 2**30)
+    assert sorted(asked) == [1, 2] and layout.dp_degree == 1
+    assert "1 sequence for 2 DP replicas: a replica would idle" in table
+    # fed, the dp 2 layout is planned on its own batches and can win
+    layout, table = choose(lambda dp: [[90, 40]], SPEC, _args(tmp_path, pp_degree="auto"), 2, 2, 2**30)
+    assert "would idle" not in table

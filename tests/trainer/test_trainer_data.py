@@ -147,7 +147,9 @@ def _is_slice_of(s, d):
 
 def test_loader_limit_is_model_positions_when_smaller():
     ds = datasets.Dataset.from_dict({"input_ids": _docs([50])})
-    loader = build_global_batch_loader(ds, tokens_per_step=64, max_length=20, long_document_policy="split")
+    with pytest.warns(UserWarning, match=r"longer than max_position_embeddings=20 .* to keep them whole, the "
+                                         r"model cannot attend over more positions"):
+        loader = build_global_batch_loader(ds, tokens_per_step=64, max_length=20, long_document_policy="split")
     assert sorted(len(x["input_ids"]) for b in loader for x in b) == [16, 17, 17]
     with pytest.raises(ValueError, match="document 0 has 50 tokens"):
         build_global_batch_loader(ds, tokens_per_step=64, max_length=20, long_document_policy="reject")

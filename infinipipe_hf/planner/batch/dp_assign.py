@@ -6,6 +6,11 @@ sequence dearer per token, so balancing tokens alone would overload the replica 
 longest document.  Sequences go, longest first (ties by seq id), to the replica with the least
 load so far (ties by replica index): deterministic, so every rank computes the same assignment.
 
+A batch of fewer sequences than replicas leaves the last replicas without work (idle: they run
+no action and contribute zero gradients to the step's all-reduce): planning never fails on it.
+The trainer's sampler gives every replica its own sequences whenever the data has enough of them,
+and the layout search rules such layouts out; :func:`idle_replicas` counts them for messages.
+
 Trade-off: LPT is within 4/3 of the optimal makespan and runs in O(n log n); the per-unit
 constant and the pipeline's bubbles are ignored here (they depend on the units the sequence
 processor makes later), which is a second-order error for batches of many sequences.
@@ -26,13 +31,11 @@ def sequence_cost(length: int, lt: LayerTime) -> float:
 
 
 def assign_sequences(lengths: Sequence[int], dp_degree: int, cost: CostModel) -> list[list[int]]:
-    """Sequence ids per DP replica; every sequence exactly once, each list longest first."""
+    """Sequence ids per DP replica; every sequence exactly once, each list longest first (a
+    replica beyond the batch's sequence count gets an empty list)."""
     if int(dp_degree) != dp_degree or dp_degree < 1:
         raise ValueError(f"dp_degree must be a positive integer, got {dp_degree!r}")
     chosen = select_sequences(lengths, None)
-    if len(chosen) < dp_degree:
-        raise ValueError(f"batch of {len(chosen)} sequences cannot feed dp_degree={dp_degree} replicas; "
-                         f"give at least {dp_degree} sequences per step")
     lt = LayerTime.of(cost)
     order = sorted(chosen, key=lambda s: (-int(lengths[s]), s))
     heap = [(0.0, r) for r in range(dp_degree)]  # (load, replica): ties go to the lower replica
@@ -43,6 +46,11 @@ def assign_sequences(lengths: Sequence[int], dp_degree: int, cost: CostModel) ->
         heapq.heappush(heap, (load + sequence_cost(int(lengths[s]), lt), r))
     # Appended in global longest-first order, so each list is already longest first.
     return replicas
+
+
+def idle_replicas(num_sequences: int, dp_degree: int) -> int:
+    """Replicas a batch of ``num_sequences`` sequences leaves without work."""
+    return max(int(dp_degree) - int(num_sequences), 0)
 
 
 def replica_loads(lengths: Sequence[int], replicas: Sequence[Sequence[int]], cost: CostModel) -> list[float]:

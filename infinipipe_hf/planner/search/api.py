@@ -22,7 +22,7 @@ from typing import Sequence
 from infinipipe_hf.ir.levels import CHECKPOINTING, FINER_LEVELS, check_levels
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
-from infinipipe_hf.planner.batch.dp_assign import assign_sequences
+from infinipipe_hf.planner.batch.dp_assign import assign_sequences, idle_replicas
 from infinipipe_hf.planner.batch.select import check_batch
 from infinipipe_hf.planner.checkpointing.problem import SHARING
 from infinipipe_hf.planner.cost.model import GIB, CostModel
@@ -57,6 +57,7 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     see docs/checkpoint_levels.md.  Baselines keep their static whole-layer setting.
     ``sp_rounds``: elastic SP rounds (short sequences on SP sub-groups, docs/algorithms.md);
     ``None`` uses them whenever the schedule has them and ``sp_degree > 1`` (:func:`resolve_sp_rounds`).
+    A batch of fewer sequences than ``dp_degree`` leaves replicas idle (``plan.info["idle_replicas"]``).
     """
     t0 = time.perf_counter()
     if schedule not in PIPELINE_SCHEDULES:
@@ -77,7 +78,11 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_deg
     rounds = resolve_sp_rounds(sp_rounds, cost.sp_degree, schedule)
     ctx = PipelineContext(lengths, replicas, cost, sched.checkpoint_policy(checkpointing), max_tokens_per_unit,
                           num_slices, solver_time_limit_s, rounds)
-    return finish_pipeline(sched, ctx, run_search(sched, ctx), t0, levels, checkpoint_sharing)
+    result = finish_pipeline(sched, ctx, run_search(sched, ctx), t0, levels, checkpoint_sharing)
+    idle = idle_replicas(len(lengths), dp_degree)
+    if idle and result.plan is not None:
+        result.plan.info["idle_replicas"] = idle  # the batch has fewer sequences than replicas
+    return result
 
 
 def plan_alternative(lengths: Sequence[int], spec: ModelSpec, schedule: str, *, world_size: int,

@@ -15,7 +15,7 @@ from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.schedules.base import SearchState
 from infinipipe_hf.planner.schedules.grids import DEFAULT_SLICE_COUNTS
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext, PipelineSchedule
-from infinipipe_hf.planner.search.limits import largest_trainable_length
+from infinipipe_hf.planner.search.limits import largest_trainable_length, states_advice, states_per_gpu
 from infinipipe_hf.planner.search.result import PlanResult
 from infinipipe_hf.planner.search.validator import validate
 from infinipipe_hf.planner.simulate.result import SimulationResult
@@ -28,7 +28,7 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
     cost = ctx.cost
     elapsed = time.perf_counter() - t0
     if state.best is None:
-        error = infeasible_message(ctx.lengths, cost, schedule.name, state.last_error)
+        error = infeasible_message(ctx.lengths, cost, schedule.name, state.last_error, ctx.policy)
         return PlanResult(schedule.name, None, None, False, error, elapsed, state.tried, cost.sp_degree, cost.shard)
     plan, sim = state.best
     if ctx.policy == "adaptive":
@@ -60,18 +60,34 @@ def final_solve(plan: Plan, sim: SimulationResult, cost: CostModel, time_limit_s
     return sim
 
 
-def infeasible_message(lengths: list[int], cost: CostModel, schedule: str, last_error: str | None) -> str:
-    """Why no candidate of ``schedule`` fits: a sequence over the largest trainable length, or the
-    last candidate's error."""
-    longest = max(lengths)
-    limit = largest_trainable_length(cost)
-    budget = cost.memory_budget_bytes / 2**30
+def infeasible_message(lengths: list[int], cost: CostModel, schedule: str, last_error: str | None,
+                       policy: str = "adaptive") -> str:
+    """Why no candidate of ``schedule`` fits, by cause, with the numbers and what would change it:
+    the model states (nothing fits at any length), one sequence over the largest trainable length,
+    or the batch's activations (``policy``: the checkpointing the candidates were compared with)."""
+    longest, budget = max(lengths), cost.memory_budget_bytes / 2**30
+    states = states_per_gpu(cost)
+    limit = largest_trainable_length(cost, schedule=schedule) if states < cost.memory_budget_bytes else 0
+    if limit == 0:
+        return f"no {schedule} plan fits: {states_advice(cost)}"
+    room = (f"model states take {states / 2**30:.3g} GiB of the {budget:.3g} GiB budget per GPU, leaving "
+            f"{budget - states / 2**30:.3g} GiB for activations")
+    more = "sp_degree, " if cost.sp_degree < cost.spec.num_attention_heads else ""
+    other = "" if schedule == "epp" else ", or schedule='epp'"
     if longest > limit:
-        seq = lengths.index(longest)
-        more = "sp_degree, " if cost.sp_degree < cost.spec.num_attention_heads else ""
-        return (f"sequence {seq} of {longest} tokens cannot fit in {budget:.3g} GiB per GPU even fully "
-                f"checkpointed and cut into {max(DEFAULT_SLICE_COUNTS)} slices; the largest that fits is "
-                f"{limit} tokens: split or truncate longer documents, raise pp_degree, {more}or raise the memory budget")
-    return (f"no {schedule} plan fits {budget:.3g} GiB per GPU for this batch "
-            f"({len(lengths)} sequences, {sum(lengths)} tokens, longest {longest}); "
-            f"last candidate said: {last_error}; use fewer tokens per step or schedule='epp'")
+        how = (f"and cut into {max(DEFAULT_SLICE_COUNTS)} slices" if schedule == "epp"
+               else f"in {schedule}'s leanest plan of it")
+        return (f"sequence {lengths.index(longest)} of {longest} tokens cannot fit in {budget:.3g} GiB per GPU even "
+                f"fully checkpointed {how} ({room}); the largest that fits is {limit} tokens: split or truncate "
+                f"longer documents (the trainer cuts documents longer than tokens_per_step into pieces), raise "
+                f"pp_degree, {more}or raise the memory budget{other}")
+    recompute = {"adaptive": "checkpointing is already adaptive (layers are recomputed as memory needs)",
+                 "full": "every layer is already checkpointed",
+                 "uniform": f"{schedule} checkpoints one static count of layers for every unit"}.get(
+        policy, f"checkpointing={policy!r}; 'adaptive' recomputes layers as memory needs")
+    return (f"no {schedule} plan fits {budget:.3g} GiB per GPU for this batch ({len(lengths)} sequences, "
+            f"{sum(lengths)} tokens, longest {longest}); one sequence fits alone with every layer checkpointed "
+            f"(up to {limit} tokens), so the batch's activations are what does not fit ({room}); {recompute}; "
+            f"use fewer tokens per step "
+            f"(tokens_per_step), more stages (pp_degree), {more}or a larger budget{other}; "
+            f"last candidate said: {last_error}")

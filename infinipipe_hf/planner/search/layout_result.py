@@ -7,9 +7,12 @@ is its table (the CLI without ``--json``, and the trainer's log with ``pp_degree
 """
 from __future__ import annotations
 
+import inspect
+import shlex
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
+from infinipipe_hf.planner.search.api import plan_step
 from infinipipe_hf.planner.search.result import PlanResult
 
 
@@ -37,17 +40,52 @@ class Layout:
         return {"pp_degree": self.pp_degree, "sp_degree": self.sp_degree, "dp_degree": self.dp_degree,
                 "shard": self.shard}
 
-    def training_arguments(self) -> str:
-        """The ``EPPTrainingArguments`` fields that select this layout, as Python."""
-        return ", ".join(f"{k}={v!r}" for k, v in self.degrees().items())
+    def training_arguments(self, settings: Mapping[str, Any] | None = None) -> str:
+        """The ``EPPTrainingArguments`` fields that select this layout (and ``settings``: the other
+        fields that change the plan, :func:`recipe_settings`), as Python."""
+        return ", ".join(f"{k}={v!r}" for k, v in {**self.degrees(), **(settings or {})}.items())
 
-    def recipe_flags(self) -> str:
-        """The same fields on a recipe's command line (``recipes/train.py``)."""
-        return " ".join(f"--{k} {v}" for k, v in self.degrees().items())
+    def recipe_flags(self, settings: Mapping[str, Any] | None = None) -> str:
+        """The same fields on a recipe's command line (``recipes/train.py``, ``HfArgumentParser``).
+        An empty list has no command-line form and is left out (:func:`flagless`)."""
+        return " ".join(f"--{k} {_flag_value(v)}" for k, v in {**self.degrees(), **(settings or {})}.items()
+                        if not _empty_list(v))
 
     def plan_flags(self) -> str:
         """The planner CLI's flags that plan this layout alone."""
         return f"--pp {self.pp_degree} --sp {self.sp_degree} --dp {self.dp_degree} --shard {self.shard}"
+
+
+def _empty_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and not value
+
+
+def _flag_value(value: Any) -> str:
+    """A value as ``HfArgumentParser`` reads it back: lists space-separated, floats exactly."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(shlex.quote(str(v)) for v in value)
+    return repr(value) if isinstance(value, float) else shlex.quote(str(value))
+
+
+def flagless(settings: Mapping[str, Any]) -> list[str]:
+    """The settings the recipe flags cannot carry (empty lists), as Python to set instead."""
+    return [f"{k}=[]" for k, v in settings.items() if _empty_list(v)]
+
+
+def recipe_settings(lengths: Sequence[int], memory_budget_bytes: float, plan_options: Mapping[str, Any]) -> dict:
+    """The ``EPPTrainingArguments`` fields besides the degrees that change a layout's plan:
+    ``tokens_per_step`` (the batch's tokens), ``memory_budget_gib`` (the exact budget planned to, so
+    the trainer plans to the same bytes whatever its device reports) and every plan option that
+    differs from ``plan_step``'s default (the trainer's defaults are the same)."""
+    defaults = inspect.signature(plan_step).parameters
+    out: dict[str, Any] = {"tokens_per_step": int(sum(lengths)), "memory_budget_gib": memory_budget_bytes / 2**30}
+    for name, value in plan_options.items():
+        default = defaults[name].default if name in defaults else None
+        same = tuple(value) == tuple(default) if isinstance(value, (list, tuple)) and default is not None \
+            else value == default
+        if not same:
+            out[name] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 @dataclass
@@ -67,6 +105,10 @@ class LayoutOutcome:
     """Longest single sequence this layout trains (computed when no layout fits the batch)."""
     sp_rounds: bool = False
     """The plan runs elastic SP rounds (units on SP sub-groups)."""
+    unfed_replicas: bool = False
+    """Ruled out because the batch has fewer sequences than the layout's DP replicas."""
+    states_bytes: float | None = None
+    """Model states per GPU on the fullest stage (computed when no layout fits the batch)."""
 
     @property
     def feasible(self) -> bool:
@@ -105,6 +147,8 @@ class LayoutOutcome:
             d["priced_as"] = self.priced_as
         if self.largest_trainable is not None:
             d["largest_trainable_length"] = self.largest_trainable
+        if self.states_bytes is not None:
+            d["model_states_bytes"] = self.states_bytes
         if self.error:
             d["error"] = self.error
         return d
@@ -127,6 +171,16 @@ class LayoutSearch:
     """More keys for ``to_dict`` (the CLI adds the command that replans the pick)."""
     without_sp_rounds: PlanResult | None = None
     """The pick planned without elastic SP rounds, when its plan uses them."""
+    settings: dict = field(default_factory=dict)
+    """``EPPTrainingArguments`` fields besides the degrees that reproduce the plans
+    (:func:`recipe_settings`; the CLI adds ``profile``)."""
+
+    def recommended_settings(self) -> dict:
+        """``settings`` for the pick: ``sp_rounds=True`` is dropped at sp 1, as its plan ran without."""
+        out = dict(self.settings)
+        if out.get("sp_rounds") and self.recommended is not None and self.recommended.layout.sp_degree == 1:
+            del out["sp_rounds"]
+        return out
 
     def recommended_dict(self) -> dict | None:
         best = self.recommended
@@ -135,7 +189,9 @@ class LayoutSearch:
         lay = best.layout
         d = best.to_dict()
         d.pop("planning_time_s")
-        d.update(label=lay.label, training_arguments=lay.degrees(), recipe_flags=lay.recipe_flags(),
+        settings = self.recommended_settings()
+        d.update(label=lay.label, training_arguments={**lay.degrees(), **settings},
+                 recipe_flags=lay.recipe_flags(settings),
                  over_alternatives={n: best.tokens_per_s / r.simulation.tokens_per_s
                                     for n, r in self.alternatives.items() if r.feasible and r.simulation.tokens_per_s},
                  plan=best.result.summary())
@@ -157,20 +213,41 @@ class LayoutSearch:
 
 
 class NoLayoutFits(ValueError):
-    """No layout fits the memory budget; the message names each layout's largest trainable sequence."""
+    """No layout fits the memory budget.  The message says why, by cause, with the numbers: the model
+    states on every layout (with ``states_remedies``: what would fit them), the longest sequence, or
+    the whole batch; then each layout's largest trainable sequence."""
 
-    def __init__(self, search: LayoutSearch, lengths: Sequence[int]):
+    def __init__(self, search: LayoutSearch, lengths: Sequence[int], states_remedies: str = ""):
         self.search = search
-        longest = max(lengths)
         ranked = sorted(search.layouts, key=lambda o: -(o.largest_trainable or 0))  # stable: search order on ties
         per = "; ".join(f"{o.layout.label} shard {o.layout.shard}: {o.largest_trainable}" for o in ranked)
-        fits_alone = [o for o in search.layouts if (o.largest_trainable or 0) >= longest]
-        why = (f"the longest sequence ({longest} tokens) fits alone on {len(fits_alone)} of them but the whole batch "
-               f"({len(lengths)} sequences, {sum(lengths)} tokens) does not: use fewer tokens per step"
-               if fits_alone else f"the longest sequence has {longest} tokens: split or truncate longer documents")
-        super().__init__(f"no layout of {search.world_size} GPUs fits {gib(search.memory_budget_bytes)} GiB per GPU for this batch; "
-                         f"{why}, use more GPUs or a larger memory budget. Largest trainable sequence per layout "
-                         f"(tokens, longest first): {per}")
+        gpus = f"{search.world_size} GPU{'s' if search.world_size != 1 else ''}"
+        super().__init__(f"no layout of {gpus} fits {gib(search.memory_budget_bytes)} GiB per GPU "
+                         f"for this batch; {no_fit_cause(search, lengths, states_remedies)}. Largest trainable "
+                         f"sequence per layout (tokens, longest first): {per}")
+
+
+def no_fit_cause(search: LayoutSearch, lengths: Sequence[int], states_remedies: str = "") -> str:
+    """Why no layout fits: model states everywhere, one sequence too long, or the batch's activations."""
+    # Layouts ruled out for want of sequences per replica say nothing about memory.
+    longest = max(lengths)
+    outcomes = [o for o in search.layouts if not o.unfed_replicas] or search.layouts
+    best = max(outcomes, key=lambda o: o.largest_trainable or 0)
+    if not best.largest_trainable:
+        least = min(outcomes, key=lambda o: o.states_bytes if o.states_bytes is not None else float("inf"))
+        states = f" (the least: {gib(least.states_bytes)} GiB per GPU, {least.layout.label} shard " \
+                 f"{least.layout.shard})" if least.states_bytes is not None else ""
+        return (f"the model states (weights, gradients, optimizer states) leave no room for any sequence on any "
+                f"layout{states}" + (f"; {states_remedies}" if states_remedies else ""))
+    fits_alone = [o for o in outcomes if (o.largest_trainable or 0) >= longest]
+    if not fits_alone:
+        return (f"the longest sequence has {longest} tokens but the largest any layout trains is "
+                f"{best.largest_trainable} ({best.layout.label} shard {best.layout.shard}): split or truncate "
+                f"longer documents (the trainer cuts documents longer than tokens_per_step into pieces), use more "
+                f"GPUs (more stages, a larger sp group) or a larger memory budget")
+    return (f"the longest sequence ({longest} tokens) fits alone on {len(fits_alone)} of them but the whole batch "
+            f"({len(lengths)} sequences, {sum(lengths)} tokens) does not: its activations do not fit beside the "
+            f"model states; use fewer tokens per step (tokens_per_step), more GPUs or a larger memory budget")
 
 
 def _row(o: LayoutOutcome) -> tuple[str, ...]:
@@ -220,8 +297,12 @@ def format_search(search: LayoutSearch) -> str:
                          f"{whole.summary()['tokens_per_s']:,.0f} tokens/s")
         for name, ratio in search.recommended_dict()["over_alternatives"].items():
             lines.append(f"  {ratio:.2f}x {name} at its best")
-        lines += [f"  EPPTrainingArguments({lay.training_arguments()}, ...)",
-                  f"  recipe flags: {lay.recipe_flags()} (recipes/train.py; launch {search.world_size} processes)"]
+        settings = search.recommended_settings()
+        lines += [f"  EPPTrainingArguments({lay.training_arguments(settings)}, ...)",
+                  f"  recipe flags: {lay.recipe_flags(settings)} (recipes/train.py; launch {search.world_size} "
+                  f"processes)"]
+        if flagless(settings):
+            lines.append(f"  (no command-line form for {', '.join(flagless(settings))}: set it in Python)")
         if "plan_command" in search.extra:
             lines.append(f"  replan it alone: {search.extra['plan_command']}")
     lines.append(f"tie-break: {search.tie_break}")

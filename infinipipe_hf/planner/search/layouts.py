@@ -9,8 +9,9 @@ left; every shard mode the layout's checks accept for those degrees (:mod:`infin
 Each layout is planned with :func:`~infinipipe_hf.planner.search.api.plan_step`, exactly as
 ``python -m infinipipe_hf.plan --pp --sp --dp --shard --schedule epp`` plans it, so the
 recommended layout replans to the same tokens/s.  Before planning, a layout is ruled out when
-its model states alone exceed the budget, or when the batch's longest sequence does not fit even
-alone with every layer checkpointed at any slice count EPP would try (:func:`fits_alone`).  Shard
+the batch has fewer sequences than its DP replicas (one would idle), when its model states alone
+exceed the budget, or when the batch's longest sequence does not fit even alone with every layer
+checkpointed at any slice count EPP would try (:func:`fits_alone`).  Shard
 modes that shard and replicate over the same mesh dims (``sp`` and ``hybrid``: they differ only
 in who reduces over DP) are priced identically and planned once.  No layout that fits is skipped for speed, so the pick equals a brute force over
 every layout (``benchmarks/layout_search.py`` checks it).
@@ -40,8 +41,15 @@ from infinipipe_hf.planner.registry import ALTERNATIVES, get_schedule
 from infinipipe_hf.planner.schedules.base import PIPELINE
 from infinipipe_hf.planner.schedules.grids import DEFAULT_SLICE_COUNTS, slice_count_candidates
 from infinipipe_hf.planner.search.api import plan_alternative, plan_step, resolve_sp_rounds
-from infinipipe_hf.planner.search.layout_result import Layout, LayoutOutcome, LayoutSearch, NoLayoutFits, gib
-from infinipipe_hf.planner.search.limits import largest_trainable_length
+from infinipipe_hf.planner.search.layout_result import (
+    Layout,
+    LayoutOutcome,
+    LayoutSearch,
+    NoLayoutFits,
+    gib,
+    recipe_settings,
+)
+from infinipipe_hf.planner.search.limits import largest_trainable_length, states_per_gpu, states_remedies
 from infinipipe_hf.planner.search.result import PlanResult
 from infinipipe_hf.planner.simulate.simulator import simulate
 
@@ -76,9 +84,11 @@ def shard_candidates(pp_degree: int, sp_degree: int, dp_degree: int) -> list[str
 
 
 def enumerate_layouts(spec: ModelSpec, world_size: int, gpus_per_node: int, *,
-                      sp_degrees: Sequence[int] | None = None, shards: Sequence[str] | None = None) -> list[Layout]:
+                      sp_degrees: Sequence[int] | None = None, shards: Sequence[str] | None = None,
+                      dp_degrees: Sequence[int] | None = None) -> list[Layout]:
     """Every layout that can run on ``world_size`` GPUs (module docstring), ``sp`` then ``pp``
-    ascending; ``sp_degrees`` / ``shards`` restrict the search.  ``ValueError`` when none can."""
+    ascending; ``sp_degrees`` / ``shards`` / ``dp_degrees`` restrict the search.  ``ValueError``
+    when none can."""
     for name, value in (("world_size", world_size), ("gpus_per_node", gpus_per_node)):
         if isinstance(value, bool) or int(value) != value or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -95,6 +105,8 @@ def enumerate_layouts(spec: ModelSpec, world_size: int, gpus_per_node: int, *,
             if pp > spec.num_layers:
                 continue
             dp = world_size // (pp * sp)
+            if dp_degrees is not None and dp not in dp_degrees:
+                continue
             out.extend(Layout(pp, sp, dp, s) for s in shard_candidates(pp, sp, dp) if shards is None or s in shards)
     if not out:
         raise ValueError(_no_layout_message(spec, world_size, gpus_per_node, sps, sp_degrees, shards))
@@ -191,6 +203,9 @@ class SearchInputs:
 def plan_layout(inputs: SearchInputs, layout: Layout) -> LayoutOutcome:
     """One layout's outcome: ruled out before planning (states, longest sequence) or planned."""
     t0 = time.perf_counter()
+    if len(inputs.lengths) < layout.dp_degree:
+        return LayoutOutcome(layout, None, unfed_replicas_reason(len(inputs.lengths), layout.dp_degree), 0.0,
+                             unfed_replicas=True)
     cost = inputs.cost(layout)
     states = max(cost.static_bytes(s) for s in range(layout.pp_degree))
     budget = inputs.memory_budget_bytes
@@ -207,6 +222,12 @@ def plan_layout(inputs: SearchInputs, layout: Layout) -> LayoutOutcome:
                        sp_degree=layout.sp_degree, shard=layout.shard, cost=cost, schedule="epp", **options)
     return LayoutOutcome(layout, result, None, time.perf_counter() - t0,
                          sp_rounds=resolve_sp_rounds(options.get("sp_rounds"), layout.sp_degree))
+
+
+def unfed_replicas_reason(num_sequences: int, dp_degree: int) -> str:
+    """Why a layout is ruled out for a batch with fewer sequences than its DP replicas."""
+    return (f"{num_sequences} sequence{'s' if num_sequences != 1 else ''} for {dp_degree} DP replicas: a replica "
+            f"would idle (the trainer gives each its own; search a batch of >= {dp_degree} sequences)")
 
 
 def layout_options(plan_options: Mapping[str, Any], layout: Layout) -> dict:
@@ -260,12 +281,12 @@ def search_layouts(lengths: Sequence[int], spec: ModelSpec, *, world_size: int, 
                    memory_budget_bytes: float | None = None, profile: HardwareProfile | None = None,
                    sp_degrees: Sequence[int] | None = None, shards: Sequence[str] | None = None,
                    alternatives: bool = True, plan_options: Mapping[str, Any] | None = None,
-                   workers: int = 1) -> LayoutSearch:
+                   workers: int = 1, dp_degrees: Sequence[int] | None = None) -> LayoutSearch:
     """Plan ``lengths`` (one global batch) with EPP on every layout of ``world_size`` GPUs and
     recommend the fastest that fits (module docstring).
 
     ``gpus_per_node`` and ``memory_budget_bytes`` default to the profile's; ``sp_degrees`` /
-    ``shards`` restrict the layouts; ``alternatives`` also plans ulysses-zero3, ring-cp and flexsp
+    ``shards`` (and ``dp_degrees``) restrict the layouts; ``alternatives`` also plans ulysses-zero3, ring-cp and flexsp
     on the same GPUs; ``plan_options`` go to every ``plan_step``; ``workers`` > 1 plans the layouts
     in that many processes (same results, the planning is deterministic).  ``ValueError`` when no layout
     can run; :class:`NoLayoutFits` (with the search attached) when none fits the budget.
@@ -275,23 +296,33 @@ def search_layouts(lengths: Sequence[int], spec: ModelSpec, *, world_size: int, 
     profile = profile or default_profile()
     gpn = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     budget = profile.memory_gib * GIB if memory_budget_bytes is None else float(memory_budget_bytes)
-    layouts = enumerate_layouts(spec, world_size, gpn, sp_degrees=sp_degrees, shards=shards)
+    layouts = enumerate_layouts(spec, world_size, gpn, sp_degrees=sp_degrees, shards=shards, dp_degrees=dp_degrees)
     inputs = SearchInputs([int(n) for n in lengths], spec, profile, budget, gpn, dict(plan_options or {}))
     outcomes = plan_layouts(inputs, layouts, workers)
     alts = plan_alternatives(inputs, world_size) if alternatives else {}
     best = pick(outcomes)
     search = LayoutSearch(world_size, gpn, budget, sorted(outcomes, key=rank_key), alts, best, TIE_BREAK,
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, settings=recipe_settings(inputs.lengths, budget, inputs.plan_options))
     if best is not None:
         search.without_sp_rounds = whole_group_replan(inputs, best)
         search.search_time_s = time.perf_counter() - t0
     if best is None:
-        limits: dict[tuple, int] = {}
-        for o in search.layouts:
-            key = pricing_key(o.layout)
-            if key not in limits:
-                limits[key] = largest_alone(inputs.cost(o.layout))
-            o.largest_trainable = limits[key]
-        search.search_time_s = time.perf_counter() - t0
-        raise NoLayoutFits(search, inputs.lengths)
+        raise no_fit_error(inputs, search, t0)
     return search
+
+
+def no_fit_error(inputs: SearchInputs, search: LayoutSearch, t0: float) -> NoLayoutFits:
+    """The error of a search where no layout fits: each layout's largest trainable sequence and
+    model states per GPU and, when the states leave no room anywhere, what would fit them."""
+    limits: dict[tuple, tuple[int, float]] = {}
+    for o in search.layouts:
+        key = pricing_key(o.layout)
+        if key not in limits:
+            cost = inputs.cost(o.layout)
+            limits[key] = (largest_alone(cost), states_per_gpu(cost))
+        o.largest_trainable, o.states_bytes = limits[key]
+    remedies = ""
+    if not any(o.largest_trainable for o in search.layouts):
+        remedies = states_remedies(inputs.cost(Layout(1, 1, 1, "none")))  # GPU counts from one GPU up
+    search.search_time_s = time.perf_counter() - t0
+    return NoLayoutFits(search, inputs.lengths, remedies)

@@ -45,3 +45,73 @@ def largest_trainable_length(cost: CostModel, max_slices: int | None = None, sch
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def states_per_gpu(cost: CostModel) -> float:
+    """Model states (weights, gradients, optimizer states) per GPU on the fullest stage."""
+    return max(cost.static_bytes(s) for s in range(cost.pp_degree))
+
+
+def _first_fit(cost: CostModel, layouts) -> tuple[dict, float] | None:
+    """The first of ``layouts`` (``CostModel`` keyword dicts) whose states fit ``cost``'s budget."""
+    for kw in layouts:
+        try:
+            other = CostModel(cost.spec, cost.profile, memory_budget_bytes=cost.memory_budget_bytes,
+                              gpus_per_node=cost.layout.gpus_per_node, state_precision=cost.states.precision, **kw)
+        except ValueError:
+            continue  # a layout the checks refuse (heads, shard groups)
+        states = states_per_gpu(other)
+        if states < cost.memory_budget_bytes:
+            return kw, states
+    return None
+
+
+def states_fit_options(cost: CostModel, max_gpus: int = 4096) -> list[str]:
+    """The fewest GPUs that bring the model states per GPU under ``cost``'s budget, one option per
+    direction from ``cost``'s layout: more stages, states sharded over a larger SP group, states
+    sharded over DP replicas (FSDP2).  Activations still need room beside the states."""
+    pp, sp, dp, shard = cost.pp_degree, cost.sp_degree, cost.dp_degree, cost.shard
+    powers = [2**k for k in range(1, max_gpus.bit_length())]
+    sp_mode = "sp+dp" if shard in ("dp", "sp+dp") else "sp"
+    dp_mode = "sp+dp" if shard in ("sp", "sp+dp", "hybrid") else "dp"
+    directions = (
+        ("pp_degree={pp}", [dict(pp_degree=p, sp_degree=sp, dp_degree=dp, shard=shard)
+                            for p in range(pp + 1, cost.spec.num_layers + 1) if p * sp * dp <= max_gpus]),
+        ("shard='{shard}' with sp_degree={sp}", [
+            dict(pp_degree=pp, sp_degree=s, dp_degree=dp, shard=sp_mode) for s in powers
+            if s > sp and s <= min(cost.spec.num_attention_heads, cost.layout.gpus_per_node) and pp * s * dp <= max_gpus]),
+        ("shard='{shard}' over dp_degree={dp} replicas", [
+            dict(pp_degree=pp, sp_degree=sp, dp_degree=d, shard=dp_mode) for d in powers
+            if d > (dp if "dp" in shard else 1) and pp * sp * d <= max_gpus]),
+    )
+    out = []
+    for text, layouts in directions:
+        found = _first_fit(cost, layouts)
+        if found is not None:
+            kw, states = found
+            out.append(f"{text.format(pp=kw['pp_degree'], sp=kw['sp_degree'], dp=kw['dp_degree'], shard=kw['shard'])} "
+                       f"({kw['pp_degree'] * kw['sp_degree'] * kw['dp_degree']} GPUs, {states / 2**30:.3g} GiB of "
+                       f"states per GPU)")
+    return out
+
+
+def states_remedies(cost: CostModel) -> str:
+    """What would fit the model states, from ``cost``'s layout (:func:`states_fit_options`), or
+    that neither direction alone does; then the model-side options."""
+    options = states_fit_options(cost)
+    fit = ("they alone would fit (activations need room beside them) with " + ", or ".join(options) if options
+           else "neither more stages alone nor sharding alone fits them, up to 4096 GPUs")
+    return (f"{fit}; or train a smaller model, or LoRA (frozen weights keep no gradients or optimizer states; the "
+            f"cost profile prices {cost.states.precision.state_bytes_per_param:g} bytes per parameter, full "
+            f"fine-tuning)")
+
+
+def states_advice(cost: CostModel) -> str:
+    """Why nothing fits when the model states leave no room: the states per GPU against the budget,
+    and what would fit them (:func:`states_remedies`)."""
+    states, budget = states_per_gpu(cost), cost.memory_budget_bytes
+    over = "exceed" if states >= budget else "leave too little room for any activations in"
+    return (f"the model states (weights, gradients, optimizer states) take {states / 2**30:.3g} GiB per GPU at "
+            f"pp_degree={cost.pp_degree}, sp_degree={cost.sp_degree}, dp_degree={cost.dp_degree}, "
+            f"shard={cost.shard!r}, and {over} the {budget / 2**30:.3g} GiB budget per GPU, so no sequence fits "
+            f"at any length; {states_remedies(cost)}")

@@ -68,6 +68,8 @@ class StepOutput:
     timeline: Timeline
     """This rank's actions; ``PipelineEngine.gather_timeline`` merges all ranks'."""
     step_time_s: float
+    nonfinite_units: tuple[int, ...] = ()
+    """Units whose token losses on this rank (a last stage) were NaN or infinite."""
 
 
 class PipelineEngine:
@@ -211,7 +213,7 @@ class PipelineEngine:
         loss = self.grad_sync.global_sum(result.loss_part, "loss sum", self.step_count)
         return StepOutput(loss=loss, num_tokens=sum(lengths), num_label_tokens=n_labels, plan=plan,
                           simulation=sim, timeline=result.timeline,
-                          step_time_s=time.perf_counter() - t0)
+                          step_time_s=time.perf_counter() - t0, nonfinite_units=result.nonfinite_units)
 
     @torch.no_grad()
     def eval_step(self, batch, *, plan: Plan | None = None) -> float:

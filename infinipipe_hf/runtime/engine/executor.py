@@ -16,6 +16,7 @@ the one that matters.  The executor never reorders actions: the plan's order is 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ class ExecutorResult:
     loss_part: float
     """Sum of the loss parts this rank produced (non-zero only on last stages)."""
     timeline: Timeline
+    nonfinite_units: tuple[int, ...] = ()
+    """Units whose loss part on this rank is NaN or infinite (looked up only when the sum is)."""
 
 
 class PipelineExecutor:
@@ -98,6 +101,7 @@ class PipelineExecutor:
         sends: list[Transfer] = []
         next_post = 0
         loss_parts: list[torch.Tensor] = []
+        loss_units: list[int] = []
         finished: list[Transfer] = []
         previous = (rank_actions(plan, lay.dp_rank, lay.stage_index - 1, lay.sp_rank)
                     if train and not lay.is_first_stage else None)
@@ -116,6 +120,7 @@ class PipelineExecutor:
                        else self.runner.forward_only(action.unit, data))
                 if lay.is_last_stage:
                     loss_parts.append(out.detach())
+                    loss_units.append(action.unit)
                 else:
                     sends.append(self.comm.post_send(out, HIDDEN, action.unit))
             else:
@@ -133,4 +138,6 @@ class PipelineExecutor:
         for s in sends:
             self.comm.wait(s, step=step, action=f"end of step (send of unit {s.unit_id})")
         loss = float(torch.stack(loss_parts).sum().item()) if loss_parts else 0.0
-        return ExecutorResult(loss_part=loss, timeline=timeline)
+        bad = () if math.isfinite(loss) else tuple(
+            u for u, part in zip(loss_units, torch.stack(loss_parts).tolist()) if not math.isfinite(part))
+        return ExecutorResult(loss_part=loss, timeline=timeline, nonfinite_units=bad)

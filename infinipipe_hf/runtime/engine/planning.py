@@ -10,6 +10,7 @@ they are (or takes rank 0's) before any rank runs one.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Any
 
@@ -20,13 +21,21 @@ from infinipipe_hf.ir.plan import Plan
 
 
 def memory_budget_bytes(config: InfiniPipeConfig, device: torch.device) -> float | None:
-    """The plan's memory limit per device (``None``: unlimited)."""
-    if config.memory_budget_gib is not None:
-        return config.memory_budget_gib * 2**30
-    if device.type == "cuda":
+    """The plan's memory limit per device (``None``: unlimited): ``config.memory_budget_gib``, or the
+    CUDA device's memory less the margin and reserve (``InfiniPipeConfig.memory_budget``, the rule
+    the planner CLI applies to ``--gpu-memory-gib`` too)."""
+    total = None
+    if config.memory_budget_gib is None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        return total * (1.0 - config.memory_margin) - config.memory_reserve_gib * 2**30
-    return None
+    return config.memory_budget(total).budget_bytes
+
+
+def gpus_per_node() -> int | None:
+    """Ranks per node as the launcher started them (``LOCAL_WORLD_SIZE``, set by torchrun and
+    accelerate), so groups crossing nodes are priced as the layout search priced them; ``None``
+    (the profile's) without a launcher."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
 
 
 def runnable_checkpoint_levels(engine) -> tuple[str, ...]:
@@ -74,7 +83,7 @@ class DefaultPlanner:
                     max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
                     checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
                     sp_degree=c.sp_degree, shard=c.shard, sp_rounds=c.sp_rounds,
-                    checkpoint_levels=runnable_checkpoint_levels(engine))
+                    checkpoint_levels=runnable_checkpoint_levels(engine), gpus_per_node=gpus_per_node())
 
     def __call__(self, lengths: list[int], engine):
         from infinipipe_hf.planner.search.api import plan_step
@@ -93,10 +102,12 @@ def plan_from_result(result, lengths: list[int]) -> tuple[Plan, Any]:
     if isinstance(result, Plan):
         return result, None
     if not getattr(result, "feasible", False) or result.plan is None:
+        # The planner's error names the cause (model states, one sequence, the batch) and what would
+        # change it; a planner that gives none gets the general advice.
+        why = getattr(result, "error", None) or ("the planner gave no reason; raise memory_budget_gib or "
+                                                 "pp_degree, or lower tokens_per_step")
         raise ValueError(f"no feasible plan for a batch of {len(lengths)} sequences "
-                         f"({sum(lengths)} tokens, longest {max(lengths)}): "
-                         f"{getattr(result, 'error', None)}; raise memory_budget_gib, pp_degree "
-                         f"or lower the batch's token budget")
+                         f"({sum(lengths)} tokens, longest {max(lengths)}): {why}")
     return result.plan, getattr(result, "simulation", None)
 
 

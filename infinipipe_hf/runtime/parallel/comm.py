@@ -15,7 +15,9 @@ deadline with (``layout.timeout_setting``: ``InfiniPipeConfig.p2p_timeout_s`` fo
 ``ddp_timeout`` under the trainer), not a hard-coded name.  Trade-off: gloo closes the connection pair after a
 timed-out wait, so a timeout is fatal for the process group; that is intended (a pipeline with a
 missing stage cannot continue), and recovery is left to the launcher (restart from checkpoint).
-Collectives go through ``wait_collective`` with the same deadline.
+Collectives go through ``wait_collective`` with the same deadline.  A stopped peer ends a wait
+long before the deadline: every wait is registered with the peer watch (``peer_watch.py``), which
+releases it once the peer's heartbeat stood still, and the error then says so.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
+from infinipipe_hf.runtime.parallel.peer_watch import Wait, verdict_of, watching
 
 HIDDEN = 0
 GRAD = 1
@@ -53,6 +56,8 @@ class Transfer:
     unit_id: int
     is_recv: bool
     posted_at: float
+    group: Any = None
+    """Process group the transfer was posted on (``None``: the default group)."""
 
 
 class StageComm:
@@ -74,9 +79,9 @@ class StageComm:
         peer = self.layout.prev_rank if kind == HIDDEN else self.layout.next_rank
         assert peer is not None, f"{self.layout.describe()} has no peer for {_WHAT[kind]}"
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-        work = dist.irecv(buf, src=peer, group=self.layout.link_group(peer, self.layout.rank),
-                          tag=message_tag(unit_id, kind))
-        return Transfer(work, buf, peer, kind, unit_id, True, time.perf_counter())
+        group = self.layout.link_group(peer, self.layout.rank)
+        work = dist.irecv(buf, src=peer, group=group, tag=message_tag(unit_id, kind))
+        return Transfer(work, buf, peer, kind, unit_id, True, time.perf_counter(), group)
 
     def post_send(self, tensor: torch.Tensor, kind: int, unit_id: int) -> Transfer:
         import torch.distributed as dist
@@ -84,9 +89,9 @@ class StageComm:
         peer = self.layout.next_rank if kind == HIDDEN else self.layout.prev_rank
         assert peer is not None, f"{self.layout.describe()} has no peer for {_WHAT[kind]}"
         tensor = tensor.detach().to(self.dtype).contiguous()
-        work = dist.isend(tensor, dst=peer, group=self.layout.link_group(self.layout.rank, peer),
-                          tag=message_tag(unit_id, kind))
-        return Transfer(work, tensor, peer, kind, unit_id, False, time.perf_counter())
+        group = self.layout.link_group(self.layout.rank, peer)
+        work = dist.isend(tensor, dst=peer, group=group, tag=message_tag(unit_id, kind))
+        return Transfer(work, tensor, peer, kind, unit_id, False, time.perf_counter(), group)
 
     # --- waiting -------------------------------------------------------------------------
     def wait(self, transfer: Transfer, *, step: int, action: str) -> torch.Tensor:
@@ -94,27 +99,34 @@ class StageComm:
         t0 = time.perf_counter()
         # The deadline counts from posting: a receive posted ahead has been waiting all along.
         remaining = max(self.timeout_s - (t0 - transfer.posted_at), 0.001)
+        watch = None
         try:
-            if self.device.type == "cuda":
-                # NCCL's wait() only orders streams (its timeout is enforced by a watchdog that
-                # aborts the process without naming the action), so poll completion ourselves.
-                deadline = t0 + remaining
-                while not transfer.work.is_completed():
-                    if time.perf_counter() > deadline:
-                        raise RuntimeError("timed out")
-                    time.sleep(1e-4)
-            transfer.work.wait(timeout=timedelta(seconds=remaining))
+            with watching([transfer.peer], transfer.group, self.layout.describe) as watch:
+                if self.device.type == "cuda":
+                    # NCCL's wait() only orders streams (its timeout is enforced by a watchdog
+                    # that aborts the process without naming the action): poll completion here.
+                    poll_completion(transfer.work, t0 + remaining, watch)
+                transfer.work.wait(timeout=timedelta(seconds=remaining))
         except Exception as exc:  # gloo raises RuntimeError; keep its text for diagnosis
-            raise RuntimeError(with_culprit(self.layout, self._failure_message(transfer, step, action, exc))) from exc
+            raise RuntimeError(self._failure_message(transfer, step, action, exc, watch)) from exc
         finally:
             self.wait_time_s += time.perf_counter() - t0
         return transfer.tensor
 
-    def _failure_message(self, t: Transfer, step: int, action: str, exc: BaseException) -> str:
+    def _failure_message(self, t: Transfer, step: int, action: str, exc: BaseException,
+                         watch: Wait | None = None) -> str:
         me = self.layout.describe()
         peer = self.layout.describe(t.peer)
         what = _WHAT[t.kind]
         where = f"{me}: step {step}, action {action}"
+        verdict = verdict_of(watch)
+        if verdict:
+            if t.is_recv:
+                return f"{where}: waiting for the {what} of unit {t.unit_id} from {peer}: {verdict}"
+            return f"{where}: waiting for {peer} to take the {what} of unit {t.unit_id}: {verdict}"
+        return with_culprit(self.layout, self._lost_peer_message(t, where, peer, what, exc))
+
+    def _lost_peer_message(self, t: Transfer, where: str, peer: str, what: str, exc: BaseException) -> str:
         if _is_timeout(exc):
             if t.is_recv:
                 return (f"{where}: no {what} of unit {t.unit_id} from {peer} within "
@@ -129,14 +141,33 @@ class StageComm:
                 f"({type(exc).__name__}: {exc})")
 
 
+def poll_completion(work: Any, deadline: float, watch: Wait | None) -> None:
+    """Return once ``work`` completed; ``RuntimeError`` past ``deadline`` (``perf_counter``) or
+    once the peer watch has a verdict."""
+    while not work.is_completed():
+        if watch is not None and watch.verdict:
+            raise RuntimeError("a peer has stopped")
+        if time.perf_counter() > deadline:
+            raise RuntimeError("timed out")
+        time.sleep(1e-4)
+
+
 def wait_collective(work: Any, *, timeout_s: float, layout: ParallelLayout, ranks: list[int],
-                    what: str, step: int) -> None:
-    """Wait for an async collective with a deadline; on failure name the ranks involved (and the
-    rank that failed first, when it is known)."""
+                    what: str, step: int, group: Any = None) -> None:
+    """Wait for an async collective over ``group`` (``None``: the default group) with a deadline;
+    on failure name the ranks involved (and the rank that failed first, when it is known)."""
     t0 = time.perf_counter()
+    watch = None
     try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
+        with watching(ranks, group, layout.describe) as watch:
+            if layout.device_type == "cuda":  # as in StageComm.wait: NCCL's wait only orders streams
+                poll_completion(work, t0 + timeout_s, watch)
+            work.wait(timeout=timedelta(seconds=timeout_s))
     except Exception as exc:
+        verdict = verdict_of(watch)
+        if verdict:
+            raise RuntimeError(f"{layout.describe()}: step {step}, {what} over ranks {ranks}: "
+                               f"{verdict}") from exc
         raise RuntimeError(with_culprit(layout, collective_failure(
             layout, what, ranks, step, timeout_s, time.perf_counter() - t0, exc))) from exc
 

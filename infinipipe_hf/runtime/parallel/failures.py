@@ -8,7 +8,10 @@ timeout that never happened.  So:
 - every rank beats a heartbeat counter in the store from a daemon thread (``start_heartbeat``);
   a rank that was killed or stopped (SIGSTOP) publishes nothing, but its counter stands still;
 - a rank whose transfer or collective fails asks ``explain``: the first published failure, else
-  the ranks whose heartbeat stood still, named the way the runtime names ranks.
+  the ranks whose heartbeat stood still, named the way the runtime names ranks;
+- while a rank waits on its peers, the heartbeat thread also watches theirs (``peer_watch.py``,
+  hooked in with ``on_beat``) and ends the wait once a peer's counter stood still for a while,
+  well before the deadline.
 The store is the one the launcher already runs (``MASTER_ADDR:MASTER_PORT``: torchrun's agent,
 or rank 0 under a bare ``init_process_group``), reached through a client of its own with a short
 timeout, so a diagnosis never blocks long.  Keys carry the restart count
@@ -36,6 +39,8 @@ STORE_TIMEOUT_S = 3.0
 """Deadline of one store operation made for a diagnosis."""
 FIRST_WAIT_S = 1.0
 """How long a rank that lost a peer waits for that peer's own error to be published."""
+STOPPED_KEY = "stopped"
+"""Store key of the first stopped-rank verdict of a peer watch: every rank's watched wait ends on it."""
 
 _PEER_TEXTS = ("connection closed", "connection reset", "connection refused", "broken pipe",
                "timed out", "timeout", "has died or is stuck", "lost the connection",
@@ -64,6 +69,11 @@ def _store():
         except Exception:  # no reachable store: errors keep their own text
             _state["store"] = None
         return _state["store"]
+
+
+def status_store():
+    """The job's status store (a prefixed client of the launcher's store), or ``None``."""
+    return _store()
 
 
 def _rank() -> int:
@@ -96,12 +106,15 @@ def _one_line(exc: BaseException, limit: int = 600) -> str:
 
 
 # --- heartbeats ------------------------------------------------------------------------------
-def start_heartbeat(rank: int | None = None) -> bool:
-    """Start this process's heartbeat thread once; False when no store is reachable."""
+def start_heartbeat(rank: int | None = None, on_beat: Callable[[], None] | None = None) -> bool:
+    """Start this process's heartbeat thread once; False when no store is reachable.  ``on_beat``
+    (if given) runs on that thread after every beat that reached the store."""
     store = _store()
     if store is None:
         return False
     with _lock:
+        if on_beat is not None:
+            _state["on_beat"] = on_beat
         if _state["beat"] is not None:
             return True
         _state["me"] = _rank() if rank is None else rank
@@ -111,8 +124,11 @@ def start_heartbeat(rank: int | None = None) -> bool:
             while not stop.is_set():
                 try:
                     store.add(key, 1)
+                    hook = _state.get("on_beat")
+                    if hook is not None:
+                        hook()
                 except Exception:
-                    return  # the store is gone: the job is ending
+                    pass  # a slow store: beat again (a thread that stopped would read as a stopped rank)
                 stop.wait(HEARTBEAT_S)
 
         thread = threading.Thread(target=beat, name="infinipipe-heartbeat", daemon=True)
@@ -123,6 +139,11 @@ def start_heartbeat(rank: int | None = None) -> bool:
         # store (hosted by rank 0 under some launchers) is torn down aborts the process.
         atexit.register(stop_heartbeat)
         return True
+
+
+def heartbeat_rank() -> int | None:
+    """The rank this process beats for, or ``None`` when no heartbeat runs here."""
+    return _state["me"] if _state.get("beat") is not None else None
 
 
 def stop_heartbeat() -> None:
@@ -180,15 +201,30 @@ def explain(ranks: list[int], describe: Callable[[int], str] = describe_rank) ->
     silent = stalled_ranks(ranks)
     if not silent:
         return ""
-    names = ", ".join(describe(r) for r in silent)
-    text = (f"{names} has stopped: its heartbeat stood still for {STALL_WINDOW_S:g} s (the process died, "
+    text = stopped_text(silent, describe, STALL_WINDOW_S)
+    publish_stopped(text, every_wait=False)  # ranks that look later read it at once
+    return text
+
+
+def stopped_text(ranks: list[int], describe: Callable[[int], str], seconds: float) -> str:
+    """How a stopped rank is named: ``rank 3 (stage 1, dp 1) has stopped: ...``."""
+    names = ", ".join(describe(r) for r in ranks)
+    return (f"{names} has stopped: its heartbeat stood still for {seconds:g} s (the process died, "
             f"was killed or stopped with SIGSTOP)")
+
+
+def publish_stopped(text: str, every_wait: bool = True) -> None:
+    """Record ``text`` as the first failure (unless one is known); ``every_wait``: also under
+    :data:`STOPPED_KEY`, the verdict that ends every rank's watched wait (``peer_watch.py``)."""
     store = _store()
-    try:  # ranks that look later read it at once
+    if store is None:
+        return
+    try:
         store.compare_set("first", "", text)
+        if every_wait:
+            store.compare_set(STOPPED_KEY, "", text)
     except Exception:
         pass
-    return text
 
 
 def is_peer_failure(exc: BaseException) -> bool:

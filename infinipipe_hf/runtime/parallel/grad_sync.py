@@ -53,9 +53,9 @@ class GradientSync:
         self.sharding = sharding
         """``StageSharding`` when the stage's states are sharded, else ``None``."""
 
-    def _wait(self, work, ranks: list[int], what: str, step: int) -> None:
+    def _wait(self, work, ranks: list[int], what: str, step: int, group=None) -> None:
         wait_collective(work, timeout_s=self.timeout_s, layout=self.layout, ranks=ranks, what=what,
-                        step=step)
+                        step=step, group=group)
 
     def all_reduce(self, tensors: list[torch.Tensor], group, ranks: list[int], what: str,
                    step: int) -> None:
@@ -70,7 +70,7 @@ class GradientSync:
                 end += 1
             bucket = tensors[start:end]
             flat = _flatten_dense_tensors(bucket)
-            self._wait(_dist().all_reduce(flat, group=group, async_op=True), ranks, what, step)
+            self._wait(_dist().all_reduce(flat, group=group, async_op=True), ranks, what, step, group)
             for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 t.copy_(reduced)
             start = end
@@ -121,7 +121,7 @@ class GradientSync:
             # replica's stages (with this SP rank) are enough.
             t = torch.tensor([local], dtype=torch.float64, device=self.device)
             self._wait(_dist().all_reduce(t, group=lay.pp_group, async_op=True),
-                       lay.pp_ranks_of_replica(lay.dp_rank), "gradient-norm sum", step)
+                       lay.pp_ranks_of_replica(lay.dp_rank), "gradient-norm sum", step, lay.pp_group)
             local = float(t.item())
         return math.sqrt(local)
 

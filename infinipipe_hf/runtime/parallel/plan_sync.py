@@ -21,6 +21,7 @@ import torch
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.runtime.parallel.comm import wait_collective
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
+from infinipipe_hf.runtime.parallel.peer_watch import verdict_of, watching
 
 
 def plan_digest(plan: Plan | None) -> int:
@@ -33,11 +34,12 @@ def plan_digest(plan: Plan | None) -> int:
 
 def start_status_exchange(layout: ParallelLayout) -> None:
     """Beat this rank's heartbeat in the launcher's store, so a rank that loses a peer can tell a
-    stopped or killed rank by name (``failures.py``); nothing to do in a world of one."""
+    stopped or killed rank by name (``failures.py``) and a wait on a stopped peer ends within
+    seconds (``peer_watch.py``); nothing to do in a world of one."""
     if layout.world_size > 1:
-        from infinipipe_hf.runtime.parallel.failures import start_heartbeat
+        from infinipipe_hf.runtime.parallel import peer_watch
 
-        start_heartbeat(layout.rank)
+        peer_watch.start(layout.rank)
 
 
 class PlanAgreement:
@@ -74,8 +76,19 @@ class PlanAgreement:
                 box[0] = ("ok", plan.to_dict(), sim)
             except ValueError as exc:  # every rank must learn of the failure, not hang
                 box[0] = ("error", str(exc), None)
-        # broadcast_object_list has no async form: bound it by the process group's own timeout.
-        dist.broadcast_object_list(box, src=0)
+        # broadcast_object_list has no async form: bounded by the process group's own timeout,
+        # ended earlier by the peer watch when a rank has stopped.
+        ranks = list(range(self.layout.world_size))
+        watch = None
+        try:
+            with watching(ranks, None, self.layout.describe) as watch:
+                dist.broadcast_object_list(box, src=0)
+        except Exception as exc:
+            verdict = verdict_of(watch)
+            if not verdict:
+                raise
+            raise RuntimeError(f"{self.layout.describe()}: step {step}, plan broadcast from rank 0: "
+                               f"{verdict}") from exc
         status, payload, sim = box[0]
         if status != "ok":
             raise ValueError(payload)

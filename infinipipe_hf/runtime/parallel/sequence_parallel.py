@@ -156,7 +156,8 @@ class SequenceParallel:
             work.wait()  # stream order only; see the module docstring
         else:
             wait_collective(work, timeout_s=self.timeout_s, layout=self.layout, ranks=self.ranks,
-                            what=f"sequence-parallel all-to-all ({what})", step=self.step)
+                            what=f"sequence-parallel all-to-all ({what})", step=self.step,
+                            group=self.group)
         # gloo's worker thread may hold the last reference to the buffers of a finished
         # collective, so their memory would be freed on that thread, where a CPU allocator probe
         # does not see it; holding them until the next exchange frees them on this one.

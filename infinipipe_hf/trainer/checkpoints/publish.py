@@ -1,27 +1,46 @@
-"""Saving a training checkpoint atomically: written under a staging name, listed, then renamed.
+"""Saving a training checkpoint atomically and checkably: staged, checksummed, then renamed.
 
 Design: a process killed during a save (or a full disk) must never leave a ``checkpoint-N`` that a
-resume picks up half written.  Every rank writes into ``tmp-checkpoint-N`` (a name HF's
-``get_last_checkpoint`` and checkpoint rotation ignore); after a barrier rank 0 writes
-``epp_manifest.json`` (every file with its size, what ``verify_checkpoint`` checks on resume) and
-renames the folder to ``checkpoint-N`` (one atomic rename on a POSIX filesystem), then a second
-barrier.  The steps between are HF's ``Trainer._save_checkpoint`` (model, optimizer, scheduler,
-RNG states, trainer state, best-model bookkeeping, hub push, rotation).  A staging folder left by a
-killed save is removed by the next save of the same step and named (skipped) by a resume.
+resume picks up half written, and a file damaged later must never be loaded.  Every rank writes
+into ``tmp-checkpoint-N`` (a name HF's ``get_last_checkpoint`` and checkpoint rotation ignore);
+after a barrier rank 0 lists the files, every rank hashes a share of them, and rank 0 writes
+``epp_manifest.json`` (every file with its size and SHA-256, ``manifest.py``) and renames the
+folder to ``checkpoint-N`` (one atomic rename on a POSIX filesystem), then a second barrier.
+The steps between are HF's ``Trainer._save_checkpoint`` (model, optimizer, scheduler, RNG
+states, trainer state, best-model bookkeeping, hub push, rotation).  Before anything is written
+the ranks check together that the parameters are finite: a NaN model is never saved, so it can
+never rotate a good checkpoint out.  ``check_checkpoint`` is the other half: the same files,
+sizes and checksums, checked on resume by all ranks together.  A staging folder left by a killed
+save is removed by the next save of the same step and named (skipped) by a resume.
 
 Trade-off: the rename is atomic for one filesystem; a checkpoint folder on an object store is not
-covered.
+covered.  Hashing reads the checkpoint once more (shared out over the ranks).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
+from dataclasses import dataclass
 
 from infinipipe_hf.trainer.checkpoints.common import barrier
+from infinipipe_hf.trainer.checkpoints.integrity import Exchange
+from infinipipe_hf.trainer.checkpoints.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    file_checksum,
+    file_problem,
+    list_files,
+    read_manifest,
+    write_manifest,
+)
+from infinipipe_hf.trainer.nonfinite import check_parameters
 
 STAGING_PREFIX = "tmp-"
-MANIFEST_NAME = "epp_manifest.json"
+_NAMED = 3
+"""Damaged files named one by one in a verdict; the rest are counted."""
+
+__all__ = ["MANIFEST_NAME", "STAGING_PREFIX", "Verdict", "check_checkpoint", "save_checkpoint",
+           "staging_dir", "verify_checkpoint", "write_manifest"]
 
 
 def staging_dir(final: str) -> str:
@@ -30,46 +49,59 @@ def staging_dir(final: str) -> str:
     return os.path.join(head, STAGING_PREFIX + tail)
 
 
-def _files(folder: str) -> dict[str, int]:
-    out = {}
-    for root, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(root, name)
-            out[os.path.relpath(path, folder)] = os.path.getsize(path)
-    return dict(sorted(out.items()))
+@dataclass(frozen=True)
+class Verdict:
+    """What checking one checkpoint folder found."""
+
+    problem: str | None
+    """Why the folder must not be resumed from (naming the files), or ``None``."""
+    manifest: Manifest | None
+    """Its manifest, when one could be read."""
+    has_manifest: bool
+    """Whether the folder has a manifest at all (a checkpoint of another tool has none)."""
 
 
-def write_manifest(folder: str) -> None:
-    """List every file of ``folder`` with its size in ``epp_manifest.json`` (written, then renamed)."""
-    files = {k: v for k, v in _files(folder).items() if k != MANIFEST_NAME}
-    tmp = os.path.join(folder, MANIFEST_NAME + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump({"files": files}, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(folder, MANIFEST_NAME))
+def _read(folder: str) -> tuple[Manifest | str, bool]:
+    return read_manifest(folder), os.path.isfile(os.path.join(folder, MANIFEST_NAME))
 
 
-def verify_checkpoint(folder: str) -> str | None:
-    """Why ``folder`` is not a complete checkpoint (naming the file), or ``None`` when every file
-    its manifest lists is there with its size."""
-    path = os.path.join(folder, MANIFEST_NAME)
-    if not os.path.isfile(path):
-        return (f"it has no {MANIFEST_NAME}, so it was not published by a completed EPPTrainer save "
-                f"(interrupted, or written by another tool)")
-    try:
-        with open(path) as fh:
-            listed = json.load(fh)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{path} is unreadable ({type(exc).__name__}: {exc})"
-    for name, size in listed.items():
-        file = os.path.join(folder, name)
-        if not os.path.isfile(file):
-            return f"{file} is missing"
-        got = os.path.getsize(file)
-        if got != size:
-            return f"{file} has {got} bytes but {size} were saved (truncated or overwritten)"
-    return None
+def check_checkpoint(folder: str, exchange: Exchange | None = None) -> Verdict:
+    """Every file the manifest lists: there, with its size and (when recorded) its checksum.
+
+    Collective with an ``exchange`` over several ranks (all of them call it): rank 0 reads the
+    manifest, the files are checked by all ranks, and every rank returns the same verdict."""
+    ex = exchange or Exchange()
+    manifest, exists = ex.broadcast(lambda: _read(folder))
+    if isinstance(manifest, str):
+        return Verdict(manifest, None, exists)
+    answers, errors = ex.map_files(manifest.files, lambda name: file_problem(folder, name, manifest))
+    problems = [f"{os.path.join(folder, n)} cannot be checked ({errors[n]})" if n in errors else answers[n]
+                for n in manifest.files if n in errors or answers.get(n)]
+    if not problems:
+        return Verdict(None, manifest, True)
+    more = len(problems) - _NAMED
+    text = "; ".join(problems[:_NAMED]) + (f"; and {more} more damaged files" if more > 0 else "")
+    return Verdict(text, manifest, True)
+
+
+def verify_checkpoint(folder: str, exchange: Exchange | None = None) -> str | None:
+    """Why ``folder`` is not a complete, intact checkpoint (naming the files), or ``None`` when
+    every file its manifest lists is there with its size and checksum (``check_checkpoint``)."""
+    return check_checkpoint(folder, exchange).problem
+
+
+def _publish_manifest(staging: str, main: bool) -> None:
+    """Collective: list the staging folder (rank 0), hash its files (shared out over the ranks),
+    write the manifest (rank 0)."""
+    ex = Exchange.current()
+    files = ex.broadcast(lambda: list_files(staging))
+    sums, errors = ex.map_files(files, lambda name: file_checksum(os.path.join(staging, name)))
+    if errors:  # the same answers on every rank: every rank stops here
+        name = sorted(errors)[0]
+        raise OSError(f"cannot checksum {os.path.join(staging, name)} of the checkpoint being saved "
+                      f"({errors[name]}); the checkpoint is not published")
+    if main:
+        write_manifest(staging, files, sums)
 
 
 def _is_main(trainer) -> bool:
@@ -115,6 +147,7 @@ def save_checkpoint(trainer, trial=None) -> str:
         trainer.store_flos()
     run_dir = trainer._get_output_dir(trial=trial)
     final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    check_parameters(trainer.engine, final)  # collective; before the staging folder exists
     staging = staging_dir(final)
     if _is_main(trainer):
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
@@ -123,8 +156,8 @@ def save_checkpoint(trainer, trial=None) -> str:
     _best_model(trainer, run_dir, final)
     _save_state(trainer, staging)
     barrier()
+    _publish_manifest(staging, _is_main(trainer))
     if _is_main(trainer):
-        write_manifest(staging)
         if os.path.isdir(final):  # the same step saved again (a restarted job): replace it
             shutil.rmtree(final)
         os.replace(staging, final)

@@ -1,7 +1,7 @@
 """The global batch loader: pieces -> unpadded global batches, the same on every rank.
 
-Nothing is sharded: every rank yields the whole global batch, which the pipeline plans and
-assigns to DP replicas itself.
+Nothing is sharded: every rank yields the whole global batch, which holds work for every DP
+replica (the sampler's replica shares) and which the pipeline plans and deals to the replicas.
 """
 from __future__ import annotations
 
@@ -93,18 +93,19 @@ class GlobalBatchLoader(DataLoader):
 
 def build_global_batch_loader(token_dataset, *, tokens_per_step: int, max_length: int,
                               long_document_policy: str = "split", seed: int = 0, shuffle: bool = True,
-                              num_workers: int = 0, pin_memory: bool = False,
+                              num_workers: int = 0, pin_memory: bool = False, dp_degree: int = 1,
                               what: str = "the dataset") -> GlobalBatchLoader:
     """Loader yielding the same global batches on every rank (nothing is sharded).
 
     ``max_length``: the model's ``max_position_embeddings``; documents longer than it or than
-    ``tokens_per_step`` are split or rejected (``long_document_policy``)."""
+    ``tokens_per_step`` are split or rejected (``long_document_policy``).  ``dp_degree``: each
+    global batch feeds that many replicas (:class:`TokenBudgetBatchSampler`)."""
     limits = {"tokens_per_step": int(tokens_per_step), "max_position_embeddings": int(max_length)}
     pieces = split_documents(dataset_lengths(token_dataset), limits, long_document_policy, what)
     if not pieces:
         raise ValueError(f"{what} has no document with at least 2 tokens; nothing to train on")
-    sampler = TokenBudgetBatchSampler([p.length for p in pieces], tokens_per_step, seed=seed,
-                                      shuffle=shuffle)
+    sampler = TokenBudgetBatchSampler([p.length for p in pieces], tokens_per_step, dp_degree=dp_degree,
+                                      seed=seed, shuffle=shuffle, what=what)
     return GlobalBatchLoader(PieceDataset(token_dataset, pieces), batch_sampler=sampler,
                              collate_fn=GlobalBatchCollator(), num_workers=num_workers,
                              pin_memory=pin_memory)

@@ -34,7 +34,8 @@ class Piece:
 
 
 _RAISE_HINT = {
-    "tokens_per_step": "raise tokens_per_step",
+    "tokens_per_step": "raise tokens_per_step (the planner cuts long sequences into slices; "
+                       "python -m infinipipe_hf.plan says what fits)",
     "max_position_embeddings": "the model cannot attend over more positions (use a model with a "
                                "longer context)",
 }
@@ -84,9 +85,11 @@ def split_documents(lengths: Sequence[int], limit: int | dict[str, int], policy:
         pieces.extend(Piece(doc, a, b) for a, b in zip(bounds[:-1], bounds[1:]))
         long_docs, long_tokens, extra_pieces = long_docs + 1, long_tokens + n, extra_pieces + k
     if long_docs:
+        fix = _RAISE_HINT.get(name, f"raise {name or 'the limit'}")
         notices.warn(f"{what}: {long_docs} of {len(lengths)} documents ({long_tokens} of {sum(map(int, lengths))} "
                      f"tokens) are longer than {bound} and are trained as {extra_pieces} "
-                     f"independent pieces (no attention across pieces); set "
+                     f"independent pieces (no attention across pieces); to keep them whole, "
+                     f"{fix}; set "
                      f"long_document_policy='reject' to refuse them instead")
     if skipped:
         notices.warn(f"{what}: {skipped} document(s) with fewer than 2 tokens have no next-token target and "

@@ -1,11 +1,21 @@
-"""Failure worker (any world size >= 3, one pipeline): rank 1 dies (``die``: ``os._exit``) or hangs (``stuck``) before its 3rd action.
+"""Failure worker (any world size >= 3, one pipeline): rank 1 dies (``die``: ``os._exit``), hangs
+while alive (``stuck``) or is stopped with SIGSTOP (``stopped``) before its 3rd action; or it is
+only slow (``slow``: busy for several peer-watch windows, then goes on).
 
-Every other rank must end with a ``RuntimeError`` naming a peer, the step and the action within the
-p2p timeout; it prints ``FAILED_AS_EXPECTED after <s>: <message>`` and exits with code 3.
+``dead_rank.py MODE TIMEOUT_S [DONE_DIR]``.  Every other rank must end with a ``RuntimeError``
+naming a peer, the step and the action; it prints ``FAILED_AS_EXPECTED after <s>: <message>``,
+writes ``DONE_DIR/done.<rank>`` (when given) and exits with code 3.  ``die``/``stuck`` run step 2
+with the short ``TIMEOUT_S``; ``stopped`` keeps the engine's default ``p2p_timeout_s`` (the peer
+watch must end the wait long before it), and the stopped rank is killed only once every other
+rank has reported (a child process watches ``DONE_DIR``), so no lost connection can help.
+``slow`` shortens the peer watch's window to ``SLOW_WINDOW_S``; every rank must finish step 2
+and print ``step 2 finished without error`` (a busy rank keeps beating: no false alarm).
 """
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -23,6 +33,15 @@ from common import (
 )
 
 TIMEOUT_S = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
+DONE_DIR = sys.argv[3] if len(sys.argv) > 3 else None
+SLOW_WINDOW_S = 2.0
+
+
+def stop_until_the_others_reported() -> None:
+    others = dist.get_world_size() - 1
+    subprocess.Popen(["sh", "-c", f"for i in $(seq 240); do [ $(ls {DONE_DIR} | grep -c done) -ge {others} ] "
+                                  f"&& break; sleep 0.5; done; kill -9 {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def sabotage(engine: PipelineEngine, mode: str) -> None:
@@ -36,6 +55,13 @@ def sabotage(engine: PipelineEngine, mode: str) -> None:
             print(f"[rank {dist.get_rank()}] sabotage: {mode}", flush=True)
             if mode == "die":
                 os._exit(17)
+            if mode == "stopped":
+                stop_until_the_others_reported()
+            if mode == "slow":
+                end = time.time() + 4 * SLOW_WINDOW_S
+                while time.time() < end:  # pure Python: holds the GIL but for its switch interval
+                    pass
+                return
             time.sleep(TIMEOUT_S * 3 + 2)  # past every peer's deadline, then go away
             os._exit(0)
 
@@ -53,6 +79,12 @@ if __name__ == "__main__":
     plan = make_plan(LENGTHS, UNITS_DP1, pp, engine.layers_per_stage)
     batch = random_batch(LENGTHS)
     engine.train_step(batch, plan=plan)  # step 1 succeeds everywhere
+    if mode in ("stopped", "slow"):
+        TIMEOUT_S = InfiniPipeConfig().p2p_timeout_s  # the default deadline
+    if mode == "slow":
+        from infinipipe_hf.runtime.parallel import peer_watch
+
+        peer_watch.STALE_AFTER_S = SLOW_WINDOW_S
     engine.config.p2p_timeout_s = engine.executor.comm.timeout_s = TIMEOUT_S
     if dist.get_rank() == 1:
         sabotage(engine, mode)
@@ -62,5 +94,7 @@ if __name__ == "__main__":
     except RuntimeError as exc:
         print(f"[rank {dist.get_rank()}] FAILED_AS_EXPECTED after {time.time() - t0:.2f}s: {exc}",
               flush=True)
+        if DONE_DIR:
+            open(os.path.join(DONE_DIR, f"done.{dist.get_rank()}"), "w").close()
         exit_now(3)
     print(f"[rank {dist.get_rank()}] step 2 finished without error", flush=True)

@@ -33,9 +33,9 @@ def log(msg: str) -> None:
 
 def auto_match(tag: str, **kw) -> tuple:
     scn = SCENARIOS["base"]
-    ref, ref_w = load_reference(REF_DIR, "base")
     tr = epp_trainer(scn, os.path.join(OUT_DIR, tag), "auto", **kw)
     a = tr.args
+    ref, ref_w = load_reference(REF_DIR, "base", a.dp_degree)  # the batches depend on dp
     layout = (a.pp_degree, a.sp_degree, a.dp_degree, a.shard)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, layout)

@@ -22,6 +22,7 @@ from trainer_common import (
     SCENARIOS,
     assert_close_list,
     assert_weights_match,
+    dp_of,
     epp_trainer,
     load_reference,
     make_model,
@@ -43,7 +44,7 @@ def train_match(scn_name: str, pp: int, tag: str, eval_set: bool = False) -> Non
     """Losses, grad norms and trained weights equal the single-process Trainer's."""
     t0 = time.time()
     scn = SCENARIOS[scn_name]
-    ref, ref_w = load_reference(REF_DIR, scn_name)
+    ref, ref_w = load_reference(REF_DIR, scn_name, dp_of(pp))
     tr = epp_trainer(scn, os.path.join(OUT_DIR, tag), pp, eval_set=eval_set, planner=PLAN)
     tr.train()
     rtol = GA_RTOL if scn.grad_accum > 1 else LOSS_RTOL
@@ -69,7 +70,7 @@ def resume_and_save(scn_name: str, pp: int, tag: str) -> None:
     """Save at step 2, resume from it: steps 3-4 equal the uninterrupted run; save_model loads."""
     t0 = time.time()
     scn = SCENARIOS[scn_name]
-    ref, ref_w = load_reference(REF_DIR, scn_name)
+    ref, ref_w = load_reference(REF_DIR, scn_name, dp_of(pp))
     out = os.path.join(OUT_DIR, tag)
     a = epp_trainer(scn, out, pp, planner=PLAN, save_strategy="steps", save_steps=2)
     a.train()
@@ -99,7 +100,7 @@ def lora(pp: int, tag: str) -> None:
     """Only adapters train (base frozen and unchanged); the merged adapter loads with PEFT."""
     t0 = time.time()
     scn = SCENARIOS["lora"]
-    ref, ref_w = load_reference(REF_DIR, "lora")
+    ref, ref_w = load_reference(REF_DIR, "lora", dp_of(pp))
     out = os.path.join(OUT_DIR, tag)
     tr = epp_trainer(scn, out, pp, planner=PLAN)
     initial = dict(make_model(scn).named_parameters())
@@ -146,9 +147,11 @@ SUITES = {
             lambda: train_match("ga2", 2, "pp2_grad_accum"),
             lambda: resume_and_save("tied", 2, "pp2_tied_resume_save"),
             lambda: lora(2, "pp2_lora"),
+            lambda: train_match("long_docs", 1, "pp1dp2_long_docs"),
             lambda: bad_pp(3, "pp3_on_2_processes")],
     "world4": [lambda: train_match("tied", 4, "pp4_tied_eval", eval_set=True),
                lambda: resume_and_save("base", 2, "dp2pp2_resume_save"),
+               lambda: train_match("long_docs", 2, "dp2pp2_long_docs"),
                lambda: lora(4, "pp4_lora"),
                lambda: bad_pp(3, "pp3_on_4_processes")],
     "accel2": [lambda: train_match("base", 2, "accel_pp2_base")],

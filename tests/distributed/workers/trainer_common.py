@@ -23,6 +23,9 @@ from tests.helpers.reference import tiny_model
 
 VOCAB = 97
 LENGTHS = [37, 11, 8, 5, 23, 6, 40, 3, 17, 9, 29, 14, 1, 31, 12, 7, 90]
+LONG_LENGTHS = [150, 130, 70, 66, 100, 20, 9, 45, 12]
+"""Documents mostly longer than ``tokens_per_step`` (64): full-size pieces, each longer than a DP
+replica's share, so every replica of a step gets pieces of its own."""
 EVAL_LENGTHS = [13, 21, 6, 30]
 LOSS_RTOL = 1e-10
 # Gradient accumulation divides every batch's loss by the label count of all accumulated
@@ -44,6 +47,8 @@ class Scenario:
     labels: bool = True
     """Dataset carries a ``labels`` column with a masked prefix (SFT-like)."""
     num_layers: int = 4
+    lengths: tuple[int, ...] = tuple(LENGTHS)
+    """Document lengths of the training set."""
     extra: dict = field(default_factory=dict)
     """Further ``TrainingArguments`` shared by both runs."""
 
@@ -61,6 +66,7 @@ SCENARIOS = {s.name: s for s in [
     # O(lr) weight differences (see GA_RTOL); with SGD a wrong weighting still shows as O(1).
     Scenario("ga2", grad_accum=2, max_steps=3, lr=0.05, extra={"optim": "sgd"}),
     Scenario("lora", lora=True, lr=2e-2),
+    Scenario("long_docs", lengths=tuple(LONG_LENGTHS)),
 ]}
 
 
@@ -124,10 +130,11 @@ def pad_batch(batch: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _padded_loader(scn: Scenario, dataset):
+def _padded_loader(scn: Scenario, dataset, dp_degree: int = 1):
+    """The global batches EPPTrainer forms for ``dp_degree`` replicas, padded for one process."""
     collate = GlobalBatchCollator()
     loader = build_global_batch_loader(dataset, tokens_per_step=scn.tokens_per_step, max_length=4096,
-                                       seed=42, shuffle=True)
+                                       seed=42, shuffle=True, dp_degree=dp_degree)
     loader.collate_fn = lambda items: pad_batch(collate(items))
     return loader
 
@@ -143,17 +150,28 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def reference_run(scn: Scenario, out_dir: str) -> dict:
-    """Train with HF's plain Trainer; write ``<name>.json`` (exact losses) and weights."""
+def reference_name(name: str, dp_degree: int = 1) -> str:
+    """File stem of a scenario's reference for the batches of ``dp_degree`` replicas."""
+    return name if dp_degree == 1 else f"{name}.dp{dp_degree}"
+
+
+def reference_run(scn: Scenario, out_dir: str, dp_degrees=(1,)) -> dict:
+    """HF's plain Trainer on the global batches of each DP degree (the sampler feeds every
+    replica, so the batches depend on it); returns the first degree's result."""
+    return [_reference_run(scn, out_dir, dp) for dp in dp_degrees][0]
+
+
+def _reference_run(scn: Scenario, out_dir: str, dp_degree: int) -> dict:
+    """Train with HF's plain Trainer; write ``<name>[.dpN].json`` (exact losses) and weights."""
     from safetensors.torch import save_file
     from transformers import Trainer, TrainingArguments
 
-    dataset = token_dataset(with_labels=scn.labels)
+    dataset = token_dataset(scn.lengths, with_labels=scn.labels)
     losses: list[float] = []
 
     class RefTrainer(Trainer):
         def get_train_dataloader(self):
-            return _padded_loader(scn, dataset)
+            return _padded_loader(scn, dataset, dp_degree)
 
         def training_step(self, *a, **kw):
             loss = super().training_step(*a, **kw)
@@ -161,17 +179,18 @@ def reference_run(scn: Scenario, out_dir: str) -> dict:
             return loss
 
     model = make_model(scn)
-    args = TrainingArguments(output_dir=os.path.join(out_dir, f"ref_{scn.name}"), save_strategy="no",
+    stem = reference_name(scn.name, dp_degree)
+    args = TrainingArguments(output_dir=os.path.join(out_dir, f"ref_{stem}"), save_strategy="no",
                              **scn.train_kwargs())
     trainer = RefTrainer(model=model, args=args, compute_loss_func=float64_causal_lm_loss)
     trainer.train()
     per_step = [sum(losses[i:i + scn.grad_accum]) for i in range(0, len(losses), scn.grad_accum)]
     eval_loss = _direct_eval_loss(model)
     save_file({k: v.contiguous() for k, v in trainable_state(model).items()},
-              os.path.join(out_dir, f"{scn.name}.safetensors"))
+              os.path.join(out_dir, f"{stem}.safetensors"))
     result = {"losses": per_step, "micro_losses": losses, "eval_loss": eval_loss,
               "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]}
-    with open(os.path.join(out_dir, f"{scn.name}.json"), "w") as fh:
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as fh:
         json.dump(result, fh)
     return result
 
@@ -188,12 +207,20 @@ def _direct_eval_loss(model) -> float:
     return total / count
 
 
-def load_reference(ref_dir: str, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_reference(ref_dir: str, name: str, dp_degree: int = 1) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A scenario's reference for a run of ``dp_degree`` replicas (``reference_run``)."""
     from safetensors.torch import load_file
 
-    with open(os.path.join(ref_dir, f"{name}.json")) as fh:
+    stem = reference_name(name, dp_degree)
+    with open(os.path.join(ref_dir, f"{stem}.json")) as fh:
         result = json.load(fh)
-    return result, load_file(os.path.join(ref_dir, f"{name}.safetensors"))
+    return result, load_file(os.path.join(ref_dir, f"{stem}.safetensors"))
+
+
+def dp_of(pp: int, sp: int = 1) -> int:
+    """The DP degree of a ``pp x sp`` layout over this job's processes (the launcher's world:
+    the trainer starts the process group later)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) // (pp * sp)
 
 
 class RecordingEPPTrainer(EPPTrainer):
@@ -215,7 +242,7 @@ def epp_trainer(scn: Scenario, out_dir: str, pp: int, *, eval_set: bool = False,
                                 **kw)
     evald = token_dataset(EVAL_LENGTHS, seed=9, with_labels=False) if eval_set else None
     return RecordingEPPTrainer(model=make_model(scn), args=args,
-                               train_dataset=token_dataset(with_labels=scn.labels), eval_dataset=evald,
+                               train_dataset=token_dataset(scn.lengths, with_labels=scn.labels), eval_dataset=evald,
                                planner=planner)
 
 
@@ -256,6 +283,6 @@ def assert_weights_match(got: dict, want: dict, what: str, rtol: float = LOSS_RT
     return worst
 
 
-__all__ = ["SCENARIOS", "Scenario", "reference_run", "load_reference", "epp_trainer",
+__all__ = ["SCENARIOS", "Scenario", "reference_run", "load_reference", "dp_of", "epp_trainer",
            "per_step", "assert_close_list", "assert_weights_match", "stage_state", "token_dataset",
            "make_model", "trainable_state", "EVAL_LENGTHS"]

@@ -26,6 +26,7 @@ from trainer_common import (
     RecordingEPPTrainer,
     assert_close_list,
     assert_weights_match,
+    dp_of,
     load_reference,
     make_model,
     per_step,
@@ -81,7 +82,7 @@ def full_state(tr) -> dict[str, torch.Tensor]:
 def train_match(scn_name: str, tag: str, eval_set: bool = False) -> None:
     t0 = time.time()
     scn = SCENARIOS[scn_name]
-    ref, ref_w = load_reference(REF_DIR, scn_name)
+    ref, ref_w = load_reference(REF_DIR, scn_name, dp_of(PP))
     tr = trainer(scn, tag, eval_set=eval_set)
     assert tr.engine.sharding is not None and all(is_dtensor(p) for p in tr.engine.parameters())
     tr.train()
@@ -105,7 +106,7 @@ def train_match(scn_name: str, tag: str, eval_set: bool = False) -> None:
 def resume_and_save(scn_name: str, tag: str) -> None:
     t0 = time.time()
     scn = SCENARIOS[scn_name]
-    ref, ref_w = load_reference(REF_DIR, scn_name)
+    ref, ref_w = load_reference(REF_DIR, scn_name, dp_of(PP))
     a = trainer(scn, tag, save_strategy="steps", save_steps=2)
     a.train()
     assert_close_list(per_step(a, scn), ref["losses"], f"{tag} uninterrupted losses")
@@ -141,7 +142,7 @@ def resume_and_save(scn_name: str, tag: str) -> None:
 def lora(tag: str) -> None:
     t0 = time.time()
     scn = SCENARIOS["lora"]
-    ref, ref_w = load_reference(REF_DIR, "lora")
+    ref, ref_w = load_reference(REF_DIR, "lora", dp_of(PP))
     tr = trainer(scn, tag)
     tr.train()
     assert_close_list(per_step(tr, scn), ref["losses"], f"{tag} losses")

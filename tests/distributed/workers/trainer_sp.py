@@ -19,6 +19,7 @@ from trainer_common import (
     SCENARIOS,
     assert_close_list,
     assert_weights_match,
+    dp_of,
     epp_trainer,
     load_reference,
     per_step,
@@ -39,7 +40,7 @@ def train_match(scn_name: str, *, pp: int, sp: int, tag: str, eval_set: bool = F
                 save: bool = False) -> None:
     t0 = time.time()
     scn = SCENARIOS[scn_name]
-    ref, ref_w = load_reference(REF_DIR, scn_name)
+    ref, ref_w = load_reference(REF_DIR, scn_name, dp_of(pp, sp))
     out = os.path.join(OUT_DIR, tag)
     tr = epp_trainer(scn, out, pp, eval_set=eval_set, planner=PLAN, sp_degree=sp)
     assert tr.engine.layout.sp_degree == sp and tr.engine.sequence_parallel is not None
@@ -70,4 +71,5 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     train_match("base", pp=2, sp=2, tag="pp2sp2_base_eval", eval_set=True)
     train_match("tied", pp=1, sp=2, tag="dp2sp2_tied_save", save=True)
+    train_match("long_docs", pp=1, sp=2, tag="dp2sp2_long_docs")
     print(f"[rank {dist.get_rank()}] planner={PLANNER} ALL OK", flush=True)

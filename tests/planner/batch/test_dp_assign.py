@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.planner.batch.dp_assign import assign_sequences, replica_loads, sequence_cost
+from infinipipe_hf.planner.batch.dp_assign import assign_sequences, idle_replicas, replica_loads, sequence_cost
 from infinipipe_hf.planner.batch.layer_time import LayerTime
 from infinipipe_hf.planner.cost.model import CostModel
 
@@ -18,12 +18,10 @@ LT = LayerTime.of(COST)
 @given(lengths=st.lists(st.one_of(st.integers(1, 5000), st.integers(1, 300_000)), min_size=1, max_size=80),
        dp=st.integers(1, 8))
 def test_coverage_order_and_greedy_balance(lengths, dp):
-    if len(lengths) < dp:
-        with pytest.raises(ValueError, match="cannot feed"):
-            assign_sequences(lengths, dp, COST)
-        return
     reps = assign_sequences(lengths, dp, COST)
     assert len(reps) == dp
+    # every replica has work while there are sequences for it; the rest idle
+    assert sum(1 for r in reps if not r) == idle_replicas(len(lengths), dp) == max(dp - len(lengths), 0)
     assert sorted(s for r in reps for s in r) == list(range(len(lengths)))
     for r in reps:
         assert r == sorted(r, key=lambda s: (-lengths[s], s))
@@ -56,8 +54,11 @@ def test_ties_are_deterministic_by_seq_id():
     assert assign_sequences([100] * 4, 2, COST) == [[0, 2], [1, 3]]
 
 
+def test_fewer_sequences_than_replicas_leave_the_last_replicas_idle():
+    assert assign_sequences([10, 30], 4, COST) == [[1], [0], [], []]
+
+
 @pytest.mark.parametrize("lengths, dp, match", [
-    ([10], 2, "batch of 1 sequences cannot feed dp_degree=2"),
     ([10, 20], 0, "dp_degree"),
     ([10, 0], 1, "at least 1 token"),
 ])

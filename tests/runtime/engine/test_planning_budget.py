@@ -1,0 +1,46 @@
+"""The engine's budget comes from the one rule the planner CLI applies (``InfiniPipeConfig.memory_budget``);
+a budget left at or below zero is refused; the "no feasible plan" error passes the planner's cause on."""
+import types
+
+import pytest
+import torch
+
+from infinipipe_hf import InfiniPipeConfig
+from infinipipe_hf.config import GIB, planning_budget
+from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.runtime.engine import planning
+
+
+def _gpu(monkeypatch, gib: float) -> torch.device:
+    monkeypatch.setattr(planning.torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=int(gib * GIB)))
+    return torch.device("cuda", 0)
+
+
+def test_engine_budget_is_the_shared_rule(monkeypatch):
+    device = _gpu(monkeypatch, 79.1787109375)
+    for config in (InfiniPipeConfig(), InfiniPipeConfig(memory_margin=0.0, memory_reserve_gib=0.5)):
+        want = planning_budget(79.1787109375 * GIB, config.memory_margin, config.memory_reserve_gib).budget_bytes
+        assert planning.memory_budget_bytes(config, device) == want == config.memory_budget(79.1787109375 * GIB).budget_bytes
+
+
+def test_a_budget_left_at_zero_is_refused_with_what_to_change(monkeypatch):
+    with pytest.raises(ValueError, match=r"leaves -0.16 GiB to plan to; give the budget itself \(memory_budget_gib"):
+        planning.memory_budget_bytes(InfiniPipeConfig(), _gpu(monkeypatch, 2.0))
+    assert planning.memory_budget_bytes(InfiniPipeConfig(memory_budget_gib=1.5), torch.device("cuda", 0)) == 1.5 * GIB
+
+
+def test_no_feasible_plan_names_the_planners_cause():
+    from infinipipe_hf.ir.model_spec import ModelSpec
+
+    spec = ModelSpec.from_json_file(config_path("llama3.1-8b"))
+    result = plan_step([16384, 2000], spec, pp_degree=1, memory_budget_bytes=60 * GIB)
+    with pytest.raises(ValueError) as exc:
+        planning.plan_from_result(result, [16384, 2000])
+    message = str(exc.value)
+    assert message.startswith("no feasible plan for a batch of 2 sequences (18384 tokens, longest 16384): ")
+    assert "model states" in message and "pp_degree=3 (3 GPUs" in message and "tokens_per_step" not in message
+    silent = types.SimpleNamespace(feasible=False, plan=None, error=None)
+    with pytest.raises(ValueError, match="the planner gave no reason; raise memory_budget_gib or pp_degree"):
+        planning.plan_from_result(silent, [10])
