@@ -41,7 +41,7 @@ setup(
     extras_require={
         "flash": ["flash-attn"],
         "sft": ["trl>=1.16,<1.17"],  # EPPSFTTrainer / EPPSFTConfig
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "nbmake", "nbformat", "nbclient", "ipykernel"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "nbmake", "nbformat", "nbclient", "ipykernel"],
         "data": ["gguf", "sentencepiece"],
     },
 )

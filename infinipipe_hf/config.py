@@ -2,17 +2,19 @@
 
 One dataclass, one docstring per field, checks in ``__post_init__`` (``ValueError`` for users).
 Checks that need the world size or the model (``pp_degree`` dividing the world, enough layers)
-happen where those are known: ``resolve_dp_degree`` (``layout.py``) and the stage partition.
+happen where those are known: :meth:`InfiniPipeConfig.layout` builds the job's one layout object
+(``ParallelDims``, checked against the world) and the model checks it (``ParallelDims.check_model``).
 
 :func:`planning_budget` is the one rule that turns a device's memory into the budget a plan stays
 under; the engine and the planner CLI both call it, so they plan to the same bytes.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from infinipipe_hf.ir.levels import CHECKPOINTING
-from infinipipe_hf.layout import resolve_dp_degree, shard_mode
+from infinipipe_hf.layout import ParallelDims, shard_mode
 
 CHECKPOINT_LEVELS = ("keep_attn", "mlp", "mlp_act")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash")
@@ -57,8 +59,7 @@ class InfiniPipeConfig:
 
     memory_margin: float = 0.08
     """Share of the CUDA device's memory also held back (with the default budget) for the memory
-    model's error: on an H100 measured peaks were 0.92-1.09x the predicted ones, and a plan
-    predicted at the full budget ran out of memory (docs/gpu.md)."""
+    model's error (docs/gpu.md compares predicted and measured peaks)."""
 
     profile: str | None = None
     """Path of a cost profile JSON (from ``python -m infinipipe_hf.profile``); ``None`` uses the
@@ -149,9 +150,15 @@ class InfiniPipeConfig:
         return planning_budget(device_memory_bytes, self.memory_margin, self.memory_reserve_gib,
                                self.memory_budget_gib)
 
-    def resolve_dp_degree(self, world_size: int) -> int:
-        """Check ``pp_degree``, ``sp_degree`` (and ``dp_degree``) against the world; return ``dp_degree``."""
-        return resolve_dp_degree(world_size, self.pp_degree, self.sp_degree, self.dp_degree)
+    def layout(self, world_size: int, gpus_per_node: int | None = None, model=None) -> ParallelDims:
+        """The job's layout on ``world_size`` processes (``ParallelDims.for_world``): ``dp_degree``
+        derived (or checked) from the world, checked against ``model`` (a ``ModelSpec``) when given.
+        ``gpus_per_node``: ranks per node (default: the launcher's ``LOCAL_WORLD_SIZE``, else 8),
+        which decides which groups the planner prices as crossing nodes."""
+        if gpus_per_node is None:
+            gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
+        return ParallelDims.for_world(world_size, self.pp_degree, self.sp_degree, self.dp_degree, self.shard,
+                                      gpus_per_node, model)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ its full ``--json`` output and every plan file
 it emits (``--schedule all`` writes ``plan.json`` plus ``plan.<schedule>.json``), compared exactly
 (floats too) except:
   planning_time_s (anywhere in ``--json``) -- wall-clock planning time: dropped, never compared.
-  EPP with adaptive checkpointing, unless its method is ``none-needed``: the plan's
+  EPP with adaptive checkpointing, unless its method is ``none-needed``: each EPP plan's
     checkpoint_layers / checkpoint_levels, info.{checkpoint_method, checkpoint_note,
     recompute_time_s}, and the summary's step_time_s, tokens_per_s, bubble_fraction,
     peak_memory_bytes, recompute_time_s, recompute_fraction (+ the same info keys).  The final
@@ -124,7 +124,9 @@ def _pop(d: dict, keys: tuple, info_keys: tuple) -> dict:
 
 
 def split_timed(result: dict) -> None:
-    """Move what the time-bounded MILP decides (EPP, adaptive checkpointing) to ``milp_timed``."""
+    """Move what the time-bounded MILP decides (EPP, adaptive checkpointing) to ``milp_timed``:
+    every EPP plan's and summary's (``--schedule all`` with SP rounds plans EPP twice).  Idempotent,
+    so a snapshot written before every EPP plan was split is split again on compare."""
     flags = result["args"][2:]
     if "--checkpointing" in flags and flags[flags.index("--checkpointing") + 1] != "adaptive":
         return
@@ -132,10 +134,15 @@ def split_timed(result: dict) -> None:
     if not epp or epp[0][1].get("info", {}).get("checkpoint_method") == "none-needed":
         return
     summaries = result["json"] if isinstance(result["json"], list) else [result["json"]]
-    summary = next(s for s in summaries if s.get("schedule") == "epp")
-    name, plan = epp[0]
-    result["milp_timed"] = {"json": _pop(summary, SUMMARY_TIMED, INFO_TIMED),
-                            f"plans/{name}": _pop(plan, PLAN_TIMED, INFO_TIMED)}
+    timed = result.setdefault("milp_timed", {})
+    for i, summary in enumerate(s for s in summaries if s.get("schedule") == "epp"):
+        moved = _pop(summary, SUMMARY_TIMED, INFO_TIMED)
+        if moved:
+            timed["json" if i == 0 else f"json/{i}"] = moved
+    for name, plan in epp:
+        moved = _pop(plan, PLAN_TIMED, INFO_TIMED)
+        if moved:
+            timed[f"plans/{name}"] = moved
 
 
 def run_case(args: list[str], inputs: dict) -> dict:
@@ -193,6 +200,8 @@ def main(argv: list[str]) -> int:
         return 0
     old = json.loads(Path(path).read_text())
     new = json.loads(json.dumps(compute(old["inputs"]["configs"])))  # same float round trip as old
+    for case in old["cases"].values():
+        split_timed(case)
     timed = {n: (c.pop("milp_timed", None), new["cases"].get(n, {}).pop("milp_timed", None))
              for n, c in old["cases"].items()}
     lines = diff(old, new)

@@ -24,15 +24,19 @@ def test_bad_values(kwargs, match):
         InfiniPipeConfig(**kwargs)
 
 
-def test_world_size_check():
-    assert InfiniPipeConfig(pp_degree=2).resolve_dp_degree(4) == 2
-    with pytest.raises(ValueError, match="pp_degree=3 does not divide world size 4; use 1, 2, 4"):
-        InfiniPipeConfig(pp_degree=3).resolve_dp_degree(4)
+def test_the_layout_is_built_once_against_the_world():
+    dims = InfiniPipeConfig(pp_degree=2, shard="dp").layout(4, gpus_per_node=4)
+    assert (dims.pp_degree, dims.sp_degree, dims.dp_degree, dims.shard.name, dims.gpus_per_node) == (2, 1, 2, "dp", 4)
+    with pytest.raises(ValueError, match=r"pp_degree=3 does not divide world size 4 \(the processes launched\); "
+                                         r"use 1, 2, 4"):
+        InfiniPipeConfig(pp_degree=3).layout(4)
     with pytest.raises(ValueError, match="dp_degree=1"):
-        InfiniPipeConfig(pp_degree=2, dp_degree=1).resolve_dp_degree(4)
-    assert InfiniPipeConfig(pp_degree=2, sp_degree=2).resolve_dp_degree(8) == 2
+        InfiniPipeConfig(pp_degree=2, dp_degree=1).layout(4)
+    assert InfiniPipeConfig(pp_degree=2, sp_degree=2).layout(8).dp_degree == 2
     with pytest.raises(ValueError, match="pp_degree=2 x sp_degree=3 = 6 does not divide world size 4"):
-        InfiniPipeConfig(pp_degree=2, sp_degree=3).resolve_dp_degree(4)
+        InfiniPipeConfig(pp_degree=2, sp_degree=3).layout(4)
+    with pytest.raises(ValueError, match="shard='hybrid'.*needs dp_degree >= 2 and sp_degree >= 2"):
+        InfiniPipeConfig(pp_degree=2, sp_degree=2, shard="hybrid").layout(4)  # runnable, not just priceable
 
 
 def test_checkpoint_levels_default_on_and_can_be_turned_off():

@@ -1,8 +1,8 @@
-"""The parallel layout (layout.py): the shard-mode table, and groups that agree with the runtime's
+"""The parallel layout (infinipipe_hf/layout): the shard-mode table, and groups that agree with the runtime's
 rank layout."""
 import pytest
 
-from infinipipe_hf.layout import SHARD_MODES, SHARD_TABLE, LayoutSpec
+from infinipipe_hf.layout import SHARD_MODES, SHARD_TABLE, ParallelDims
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 
 
@@ -18,12 +18,12 @@ def test_shard_mode_table():
 
 @pytest.mark.parametrize("dp, pp, sp", [(1, 4, 8), (2, 2, 4), (3, 2, 1), (2, 1, 3)])
 def test_groups_agree_with_the_runtime_layout(dp, pp, sp):
-    spec = LayoutSpec(pp, sp, dp)
+    spec = ParallelDims(pp, sp, dp)
     world = dp * pp * sp
     sp_groups = {tuple(g) for g in spec.sp_groups()}
     dp_groups = {tuple(g) for g in spec.dp_groups()}
     for rank in range(world):
-        rt = ParallelLayout(world, rank, pp, dp, sp, groups_enabled=False)
+        rt = ParallelLayout(spec, rank, groups_enabled=False)
         assert spec.rank(rt.dp_rank, rt.stage_index, rt.sp_rank) == rank
         assert tuple(rt.sp_ranks_of_stage(rt.dp_rank, rt.stage_index)) in sp_groups
         assert tuple(rt.dp_ranks_of_stage(rt.stage_index)) in dp_groups
@@ -33,26 +33,26 @@ def test_groups_agree_with_the_runtime_layout(dp, pp, sp):
 
 def test_paper_layout_nodes():
     # 4 nodes x 8 GPUs, sp 8 inside a node, pp 4 across nodes.
-    spec = LayoutSpec(pp_degree=4, sp_degree=8, shard="sp")
+    spec = ParallelDims(pp_degree=4, sp_degree=8, shard="sp")
     assert spec.world_size == 32 and spec.shard_degree == 8 and spec.replica_degree == 1
     assert not spec.sp_crosses_nodes and not spec.shard_crosses_nodes
     assert spec.stage_link_crosses_nodes
     # Four stages of 2 GPUs fit in one node: the links stay inside it.
-    assert not LayoutSpec(pp_degree=4, sp_degree=2).stage_link_crosses_nodes
+    assert not ParallelDims(pp_degree=4, sp_degree=2).stage_link_crosses_nodes
 
 
 def test_shard_groups_and_degrees():
-    spec = LayoutSpec(pp_degree=2, sp_degree=4, dp_degree=2, shard="dp")
+    spec = ParallelDims(pp_degree=2, sp_degree=4, dp_degree=2, shard="dp")
     assert spec.shard_degree == 2 and spec.replica_degree == 4
     assert spec.shard_groups()[0] == [0, 8]  # stage 0, SP rank 0 of both replicas: nodes 0 and 1
     assert spec.shard_crosses_nodes and not spec.replica_crosses_nodes
-    hybrid = LayoutSpec(pp_degree=2, sp_degree=4, dp_degree=2, shard="hybrid")
+    hybrid = ParallelDims(pp_degree=2, sp_degree=4, dp_degree=2, shard="hybrid")
     assert hybrid.shard_degree == 4 and hybrid.replica_degree == 2 and hybrid.replica_crosses_nodes
-    both = LayoutSpec(pp_degree=2, sp_degree=4, dp_degree=2, shard="sp+dp")
+    both = ParallelDims(pp_degree=2, sp_degree=4, dp_degree=2, shard="sp+dp")
     assert both.shard_degree == 8 and both.replica_degree == 1
-    assert LayoutSpec(pp_degree=2, sp_degree=4, dp_degree=2).replica_degree == 8  # unsharded: all-reduce
+    assert ParallelDims(pp_degree=2, sp_degree=4, dp_degree=2).replica_degree == 8  # unsharded: all-reduce
     # A group of 3 ranks on 8-GPU nodes straddles a node boundary (ranks 6, 7, 8).
-    odd = LayoutSpec(pp_degree=4, sp_degree=3)
+    odd = ParallelDims(pp_degree=4, sp_degree=3)
     assert odd.sp_crosses_nodes and odd.ranks_per_node(odd.sp_groups()) == 1
 
 
@@ -67,4 +67,4 @@ def test_shard_groups_and_degrees():
 ])
 def test_bad_layouts(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LayoutSpec(**kwargs)
+        ParallelDims(**kwargs)

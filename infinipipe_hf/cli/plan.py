@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from functools import partial
 from pathlib import Path
 
 from infinipipe_hf.cli.inputs import (
@@ -54,12 +53,13 @@ from infinipipe_hf.cli.inputs import (
 from infinipipe_hf.cli.plan_layouts import add_search_arguments, search_main
 from infinipipe_hf.config import InfiniPipeConfig
 from infinipipe_hf.ir.levels import CHECKPOINTING, FINER_LEVELS
-from infinipipe_hf.layout import SHARD_MODES
+from infinipipe_hf.layout import SHARD_MODES, ParallelDims
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.registry import ALTERNATIVES, PIPELINE_SCHEDULES, get_schedule
+from infinipipe_hf.planner.cost.profile import default_profile
+from infinipipe_hf.planner.registry import ALTERNATIVES, PIPELINE_SCHEDULES, REFERENCE, get_schedule
 from infinipipe_hf.planner.schedules.base import ROUNDS
-from infinipipe_hf.planner.search.api import plan_alternative, plan_step, resolve_sp_rounds
+from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step, resolve_sp_rounds
 from infinipipe_hf.planner.search.result import PlanResult
 
 
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="total GPUs of the job: checked against pp x sp (x dp)")
     add_memory_arguments(p)
     p.add_argument("--profile", default=None, help="cost profile JSON (default: shipped H100/bf16)")
-    p.add_argument("--schedule", default="epp", choices=[*PIPELINE_SCHEDULES, *ALTERNATIVES, "all"],
+    p.add_argument("--schedule", default=REFERENCE, choices=[*PIPELINE_SCHEDULES, *ALTERNATIVES, "all"],
                    help="a pipeline schedule, a non-pipeline alternative on the same GPUs, or all of them")
     p.add_argument("--sp-rounds", action=argparse.BooleanOptionalAction, default=None,
                    help="EPP: run short sequences on SP sub-groups in rounds (default: whenever --sp > 1 is a "
@@ -106,12 +106,11 @@ def run(args: argparse.Namespace) -> list[PlanResult]:
     Sets ``args.budget`` (the budget planned to) and ``args.warnings`` (about the lengths)."""
     spec = read_model_spec(args.model)
     lengths = read_lengths(args.lengths)
-    dp = resolve_layout(args)
+    profile = read_profile(args.profile) if args.profile else default_profile()
+    dims = args.dims = resolve_layout(args, profile)
     args.budget = memory_budget(args)
     args.warnings = length_warnings(spec, lengths)
-    profile = read_profile(args.profile) if args.profile else None
-    cost = CostModel(spec, profile, pp_degree=args.pp, memory_budget_bytes=args.budget.budget_bytes,
-                     sp_degree=args.sp, shard=args.shard, dp_degree=dp, gpus_per_node=args.gpus_per_node)
+    cost = CostModel(spec, profile, dims, memory_budget_bytes=args.budget.budget_bytes)
     schedules = (*PIPELINE_SCHEDULES, *ALTERNATIVES) if args.schedule == "all" else (args.schedule,)
     options = plan_options(args)
     results = []
@@ -119,36 +118,36 @@ def run(args: argparse.Namespace) -> list[PlanResult]:
     for s in schedules:
         if get_schedule(s).kind == ROUNDS:
             if flat is None:
-                flat = _flat_cost(args, spec, cost, dp)
+                flat = _flat_cost(args, spec, cost)
             results.append(plan_alternative(lengths, spec, s, world_size=flat.world_size, cost=flat,
                                             checkpointing=args.checkpointing))
             continue
-        results.extend(_plan_pipeline(lengths, spec, args, dp, s, cost, options))
+        results.extend(_plan_pipeline(lengths, spec, args, s, cost, options))
     return results
 
 
-def _plan_pipeline(lengths, spec, args: argparse.Namespace, dp: int, schedule: str, cost: CostModel,
+def _plan_pipeline(lengths, spec, args: argparse.Namespace, schedule: str, cost: CostModel,
                    options: dict) -> list[PlanResult]:
     """One pipeline schedule; with ``--schedule all`` and elastic SP rounds, also the schedule on
     whole SP groups (labelled), for comparison."""
     elastic = getattr(get_schedule(schedule), "elastic_sp_rounds", False)
     if args.schedule == "all" and not elastic:
         options = {**options, "sp_rounds": None}  # --sp-rounds is EPP's
-    plan = partial(plan_step, lengths, spec, pp_degree=args.pp, dp_degree=dp, schedule=schedule, cost=cost,
-                   sp_degree=args.sp, shard=args.shard)
+    def plan(**opts) -> PlanResult:
+        return plan_step(lengths, spec, cost.dims, PlanOptions(schedule=schedule, **opts), cost=cost)
+
     results = [plan(**options)]
-    if args.schedule == "all" and resolve_sp_rounds(options.get("sp_rounds"), args.sp, schedule):
+    if args.schedule == "all" and resolve_sp_rounds(options.get("sp_rounds"), cost.dims.sp_degree, schedule):
         whole = plan(**{**options, "sp_rounds": False})
         whole.label = f"{schedule} (whole-group SP)"
         results.append(whole)
     return results
 
 
-def _flat_cost(args: argparse.Namespace, spec, cost: CostModel, dp: int) -> FlatCost:
+def _flat_cost(args: argparse.Namespace, spec, cost: CostModel) -> FlatCost:
     """The alternatives' cost on the pipeline layout's ``pp x sp x dp`` GPUs (warns that they
     ignore ``--max-tokens-per-unit``)."""
-    flat = FlatCost.of(spec, args.pp * args.sp * dp, args.budget.budget_bytes, cost.profile,
-                       cost.layout.gpus_per_node)
+    flat = FlatCost.of(spec, cost.dims.world_size, args.budget.budget_bytes, cost.profile, cost.dims.gpus_per_node)
     if args.max_tokens_per_unit is not None:
         print(f"warning: --max-tokens-per-unit caps pipeline units; {', '.join(ALTERNATIVES)} "
               f"do not cut sequences and ignore it", file=sys.stderr)
@@ -164,17 +163,23 @@ def pipeline_defaults(args: argparse.Namespace) -> None:
     args.shard = "none" if args.shard is None else args.shard
 
 
-def resolve_layout(args: argparse.Namespace) -> int:
-    """Check the degrees (and ``--world-size``); return ``dp_degree``."""
+def resolve_layout(args: argparse.Namespace, profile) -> ParallelDims:
+    """The layout the flags describe, built once (``--gpus-per-node`` defaults to the profile's);
+    with ``--world-size`` checked against the world as a launched job's is."""
     for flag, value in (("--pp", args.pp), ("--dp", args.dp), ("--sp", args.sp),
                         ("--gpus-per-node", args.gpus_per_node), ("--world-size", args.world_size)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
     if args.world_size is None:
-        return 1 if args.dp is None else args.dp
-    # The runtime's own check, so the CLI and a launched job give the same message.
+        return ParallelDims(args.pp, args.sp, 1 if args.dp is None else args.dp, args.shard, gpn)
     config = InfiniPipeConfig(pp_degree=args.pp, sp_degree=args.sp, dp_degree=args.dp, shard=args.shard)
-    return config.resolve_dp_degree(args.world_size)
+    return config.layout(args.world_size, gpn)
+
+
+def _layout_title(dims: ParallelDims) -> str:
+    return (f"pp={dims.pp_degree}, dp={dims.dp_degree}" + (f", sp={dims.sp_degree}" if dims.sp_degree != 1 else "")
+            + (f", shard={dims.shard.name}" if dims.shard.sharded else ""))
 
 
 def _sibling(path: str, schedule: str, first: bool) -> Path:
@@ -246,9 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             from infinipipe_hf.cli.viz import plot_plan
 
             plot_plan(r.plan, r.simulation, str(_sibling(args.plot, r.file_name, i == 0)),
-                      title=f"{r.name}: {Path(args.model).name}, pp={args.pp}, dp={r.plan.dp_degree}"
-                            + (f", sp={args.sp}" if args.sp != 1 else "")
-                            + (f", shard={args.shard}" if args.shard != "none" else ""))
+                      title=f"{r.name}: {Path(args.model).name}, {_layout_title(args.dims)}")
     report_written(args, results)
     for warning in args.warnings:
         print(f"warning: {warning}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 Plans the batch with EPP on every layout of ``--world-size`` GPUs (``--gpus-per-node`` per node)
 that can run, and each non-pipeline alternative (ulysses-zero3, ring-cp, flexsp) at its best on
-the same GPUs (:mod:`infinipipe_hf.planner.search.layouts`); prints a table, or with ``--json``
+the same GPUs (:mod:`infinipipe_hf.planner.layout_search.search`); prints a table, or with ``--json``
 ``{"recommended": {...}, "layouts": [...], "alternatives": [...], "search_time_s", ...}``, and
 the recommended layout as ``EPPTrainingArguments`` fields and recipe flags that reproduce its plan
 in the trainer (the degrees, ``tokens_per_step``, ``memory_budget_gib``: the exact budget planned
@@ -33,8 +33,9 @@ from infinipipe_hf.cli.inputs import (
     read_model_spec,
     read_profile,
 )
-from infinipipe_hf.planner.search.layout_result import LayoutSearch, NoLayoutFits, format_search
-from infinipipe_hf.planner.search.layouts import search_layouts
+from infinipipe_hf.planner.layout_search.result import LayoutSearch, NoLayoutFits, format_search, plan_flags
+from infinipipe_hf.planner.layout_search.search import search_layouts
+from infinipipe_hf.planner.registry import REFERENCE
 
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,7 +56,7 @@ def check_search_args(args: argparse.Namespace) -> None:
                          f"(or drop --search-layout to plan that layout)")
     if args.world_size is None:
         raise ValueError("--search-layout needs --world-size: the number of GPUs of the job")
-    if args.schedule != "epp":
+    if args.schedule != REFERENCE:
         raise ValueError(f"--search-layout plans EPP on every layout and compares the non-pipeline alternatives "
                          f"itself; drop --schedule {args.schedule}")
     if args.search_workers < 1:
@@ -86,7 +87,7 @@ def run_search(args: argparse.Namespace) -> LayoutSearch:
     best = search.recommended.layout
     options = plan_option_flags(args)
     search.extra["plan_command"] = (f"python -m infinipipe_hf.plan --model {args.model} --lengths {args.lengths} "
-                                    f"{best.plan_flags()} --world-size {search.world_size} --gpus-per-node "
+                                    f"{plan_flags(best)} --world-size {search.world_size} --gpus-per-node "
                                     f"{search.gpus_per_node} {memory_flags(args)} {options + ' ' if options else ''}"
                                     f"--schedule epp")
     return search

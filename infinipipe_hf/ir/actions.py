@@ -7,43 +7,61 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 from typing import Iterable
 
 _ACTION_RE = re.compile(r"^\s*([FB])(\d+)\s*$")
 
 
+class ActionKind(str, Enum):
+    """What an action runs on its stage: a unit's forward or its backward (its string is the
+    letter of the action's text form)."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Action:
-    """``kind`` is ``"F"`` (forward) or ``"B"`` (backward) of unit ``unit`` on a stage."""
+    """The forward or backward (``kind``) of unit ``unit`` on a stage."""
 
-    kind: str
+    kind: ActionKind
+    """An :class:`ActionKind` (its letter ``"F"`` / ``"B"`` is accepted)."""
     unit: int
 
     def __post_init__(self) -> None:
-        assert self.kind in ("F", "B"), f"action kind must be F or B, got {self.kind!r}"
-        assert self.unit >= 0, f"unit id must be >= 0, got {self.unit}"
+        if self.kind.__class__ is not ActionKind:  # the letter given: typed here, once
+            try:
+                object.__setattr__(self, "kind", ActionKind(self.kind))
+            except ValueError:
+                raise ValueError(f"action kind must be F or B, got {self.kind!r}") from None
+        if self.unit < 0:
+            raise ValueError(f"unit id must be >= 0, got {self.unit!r}")
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.unit}"
+        return f"{self.kind.value}{self.unit}"
 
     @property
     def is_forward(self) -> bool:
-        return self.kind == "F"
+        return self.kind is ActionKind.FORWARD
 
     @staticmethod
     def parse(text: str) -> "Action":
         m = _ACTION_RE.match(text)
         if not m:
             raise ValueError(f"cannot parse action {text!r}; expected 'F<unit>' or 'B<unit>', e.g. 'F3'")
-        return Action(m.group(1), int(m.group(2)))
+        return Action(ActionKind(m.group(1)), int(m.group(2)))
 
 
 def F(unit: int) -> Action:
-    return Action("F", unit)
+    return Action(ActionKind.FORWARD, unit)
 
 
 def B(unit: int) -> Action:
-    return Action("B", unit)
+    return Action(ActionKind.BACKWARD, unit)
 
 
 def format_actions(actions: Iterable[Action]) -> str:

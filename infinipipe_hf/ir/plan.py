@@ -21,8 +21,9 @@ from typing import Any
 
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import CheckpointMix
-from infinipipe_hf.ir.rounds import SubGroup, whole_group
+from infinipipe_hf.ir.sp_rounds import SubGroup, whole_group
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.layout import shard_mode
 
 
 @dataclass
@@ -106,7 +107,7 @@ class Plan:
         }
         if self.sp_degree != 1:
             d["sp_degree"] = self.sp_degree
-        if self.shard != "none":
+        if shard_mode(self.shard).sharded:
             d["shard"] = self.shard
         d.update({
             "sequences": list(self.sequences),
@@ -189,7 +190,7 @@ class Plan:
         lines = [
             f"Plan[{self.schedule}] pp={self.pp_degree} dp={self.dp_degree} "
             + (f"sp={self.sp_degree} " if self.sp_degree != 1 else "")
-            + (f"shard={self.shard} " if self.shard != "none" else "")
+            + (f"shard={self.shard} " if shard_mode(self.shard).sharded else "")
             + f"sequences={len(self.sequences)} tokens={self.num_tokens} units={len(self.units)} "
             f"pipelines={self.num_pipelines}"
         ]

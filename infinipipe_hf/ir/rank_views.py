@@ -1,4 +1,4 @@
-"""A plan with SP rounds as its ranks and its rounds see it (:mod:`infinipipe_hf.ir.rounds`).
+"""A plan with SP rounds as its ranks and its rounds see it (:mod:`infinipipe_hf.ir.sp_rounds`).
 
 With sub-groups, the SP ranks of a stage no longer all run every unit: SP rank ``i`` runs, in each
 round, the one unit whose sub-group holds ``i``.  Its memory therefore follows its own units only,

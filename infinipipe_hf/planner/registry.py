@@ -31,6 +31,8 @@ PIPELINE_SCHEDULES = tuple(name for name, s in SCHEDULES.items() if s.kind == PI
 """Schedules the runtime runs: a ``Plan`` of per-stage action lists."""
 ALTERNATIVES = tuple(name for name, s in SCHEDULES.items() if s.kind == ROUNDS)
 """Non-pipeline schedules (a ``RoundPlan``), planned to be compared with."""
+REFERENCE = next(name for name, s in SCHEDULES.items() if s.reference)
+"""The schedule the others are compared with (elastic pipeline parallelism)."""
 
 
 def get_schedule(name: str, kind: str | None = None) -> Schedule:

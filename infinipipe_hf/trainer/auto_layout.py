@@ -63,7 +63,7 @@ def check_auto_fields(args) -> None:
 def search_restrictions(args) -> tuple[tuple[int, ...] | None, tuple[str, ...] | None]:
     """``(sp_degrees, shards)`` the search may use: None (every one) for "auto" or the default."""
     sp = None if args.sp_degree in (AUTO, 1) else (int(args.sp_degree),)
-    shards = None if args.shard in (AUTO, "none") else (args.shard,)
+    shards = None if args.shard == AUTO or not shard_mode(args.shard).sharded else (args.shard,)
     return sp, shards
 
 
@@ -85,8 +85,8 @@ def choose(batches, spec, args, world_size: int, gpus_per_node: int | None, memo
     must fit every batch of its DP degree; the pick has the most tokens per second over them.
     ``ValueError`` (the search's message) when no layout can run or none fits."""
     from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
-    from infinipipe_hf.planner.search.layout_result import NoLayoutFits, format_search
-    from infinipipe_hf.planner.search.layouts import enumerate_layouts, rank_key, search_layouts
+    from infinipipe_hf.planner.layout_search.result import NoLayoutFits, format_search
+    from infinipipe_hf.planner.layout_search.search import enumerate_layouts, rank_key, search_layouts
 
     batches_for = batches if callable(batches) else (lambda dp: batches)
     profile = HardwareProfile.load(args.profile) if args.profile is not None else default_profile()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers.trainer_utils import EvalLoopOutput
 
-from infinipipe_hf.trainer.data.loader import label_token_count
+from infinipipe_hf.trainer.batches.loader import label_token_count
 
 PREDICT_REFUSAL = (
     "EPPTrainer.predict() cannot return predictions: the logits of a pipelined model exist only "

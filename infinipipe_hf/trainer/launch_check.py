@@ -46,8 +46,8 @@ def single_process_accelerate_launch(env: dict[str, str] | None = None,
     return True, requested_processes(read_parent())
 
 
-def launch_hint(requested: int | None, pp_degree: int) -> str:
-    n = requested if requested is not None else max(pp_degree, 2)
+def launch_hint(requested: int | None, stage_ranks: int) -> str:
+    n = requested if requested is not None else max(stage_ranks, 2)
     return (f"`accelerate launch --cpu` (and a MULTI_CPU config) starts ONE process"
             f"{f', although --num_processes {requested} was asked for' if requested else ''}; "
             f"launch with `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes {n} "
@@ -55,18 +55,19 @@ def launch_hint(requested: int | None, pp_degree: int) -> str:
             f"cpu_4proc.yaml is a working accelerate config)")
 
 
-def check_launch(pp_degree: int, world_size: int, *, env: dict[str, str] | None = None,
-                 read_parent: Callable[[], list[str]] = parent_command_line) -> str | None:
-    """Raise when accelerate started one process for a run that needs more; return a warning
-    text when it started one although more were asked for (``pp_degree=1`` still runs)."""
+def check_single_process_launch(stage_ranks: int, world_size: int, *, env: dict[str, str] | None = None,
+                                read_parent: Callable[[], list[str]] = parent_command_line) -> str | None:
+    """Raise when accelerate started one process for a run whose replica needs ``stage_ranks``
+    (``pp_degree x sp_degree``) more; return a warning text when it started one although more
+    were asked for (a one-rank replica still runs)."""
     if world_size != 1:
         return None
     single, requested = single_process_accelerate_launch(env, read_parent)
     if not single:
         return None
-    if pp_degree > 1:
-        raise ValueError(f"pp_degree={pp_degree} needs a multiple of {pp_degree} processes but this "
-                         f"run has 1: {launch_hint(requested, pp_degree)}")
+    if stage_ranks > 1:
+        raise ValueError(f"pp_degree x sp_degree = {stage_ranks} needs a multiple of {stage_ranks} processes but "
+                         f"this run has 1: {launch_hint(requested, stage_ranks)}")
     if requested is not None and requested > 1:
-        return f"this run has 1 process (no data parallelism): {launch_hint(requested, pp_degree)}"
+        return f"this run has 1 process (no data parallelism): {launch_hint(requested, stage_ranks)}"
     return None

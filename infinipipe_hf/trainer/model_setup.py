@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from infinipipe_hf.layout import check_launch, shard_mode
+from infinipipe_hf.layout import NO_SHARDING, ParallelDims, ShardMode
 from infinipipe_hf.runtime.engine.engine import PipelineEngine
 from infinipipe_hf.trainer import notices
 from infinipipe_hf.trainer.auto_layout import is_auto
@@ -47,7 +47,7 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in hf_model_of(model).parameters())
 
 
-def apply_precision(model, args, shard: str = "none") -> torch.dtype | None:
+def apply_precision(model, args, shard: ShardMode = NO_SHARDING) -> torch.dtype | None:
     """Cast for ``bf16=True``; with sharding return the compute dtype for FSDP2 instead."""
     if not args.bf16:
         return None
@@ -55,29 +55,29 @@ def apply_precision(model, args, shard: str = "none") -> torch.dtype | None:
         notices.warn("bf16=True on CPU: the stage weights, activations and transfers are cast to "
                      "bfloat16 and run slowly on most CPUs; drop bf16=True to train in the model's "
                      "dtype")
-    if shard_mode(shard).sharded:
+    if shard.sharded:
         return torch.bfloat16  # shards keep the model's dtype; FSDP2 computes in bf16
     model.to(torch.bfloat16)
     return None
 
 
-def check_world(args) -> tuple[int, int]:
-    """``(world_size, dp_degree)``; a clear error when pp_degree x sp_degree does not divide the
-    world (before any process group is built, so every rank fails alike instead of hanging)."""
+def launched_world_size() -> int:
+    """Processes of this job: the process group's size, else the launcher's ``WORLD_SIZE``."""
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
-        int(os.environ.get("WORLD_SIZE", "1"))
-    return world, check_launch(world, args.pp_degree, getattr(args, "sp_degree", 1) or 1)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def preflight(model, args) -> None:
+def preflight(model, args) -> ParallelDims | None:
     """Every layout, model and argument error that does not need the data, before any of it is
-    tokenized (hours on a real corpus): a supported HF model, ``pp_degree`` against its layers,
-    ``pp_degree x sp_degree`` against the launched processes, ``sp_degree`` against its heads, the
-    shard mode against this torch."""
+    tokenized (hours on a real corpus): a supported HF model, and the job's layout built once
+    (``pp_degree x sp_degree`` against the launched processes, against the model's layers and
+    heads, the shard mode against this torch).  ``None`` with ``pp_degree="auto"``: the layout
+    search builds it once it has chosen."""
     from infinipipe_hf.ir.model_spec import ModelSpec
-    from infinipipe_hf.runtime.engine.build import check_degrees
+    from infinipipe_hf.runtime.engine.build import build_dims
 
     _ = args.device  # starts the process group the launcher asked for (as Trainer does)
     base = hf_model_of(model)
@@ -85,27 +85,20 @@ def preflight(model, args) -> None:
         raise ValueError(f"{type(base).__name__} has no HF `config`; pass a transformers "
                          f"AutoModelForCausalLM model (Llama, Mistral, Qwen2, Qwen3) or a PeftModel of one")
     if is_auto(args):
-        return  # the layout is checked once the search has chosen it (auto_layout.py, build_engine)
-    n_layers = getattr(base.config, "num_hidden_layers", None)
-    if n_layers is not None and args.pp_degree > n_layers:
-        raise ValueError(f"pp_degree={args.pp_degree} cannot split a model with {n_layers} decoder "
-                         f"layers (each stage needs at least one); use pp_degree <= {n_layers}")
-    spec = ModelSpec.from_hf_config(base.config)
-    world, _ = check_world(args)
-    config = args.to_infinipipe_config()
-    sharded = shard_mode(config.shard).sharded
-    check_degrees(config, spec, world, torch.bfloat16 if args.bf16 and sharded else None)
+        return None
+    return build_dims(args.to_infinipipe_config(), ModelSpec.from_hf_config(base.config), launched_world_size(), None)
 
 
-def build_engine(model, args, planner=None) -> PipelineEngine:
-    """Cut this rank's stage out of ``model`` (in place) and wrap it in a ``PipelineEngine``."""
-    preflight(model, args)
+def build_engine(model, args, planner=None, dims: ParallelDims | None = None) -> PipelineEngine:
+    """Cut this rank's stage out of ``model`` (in place) and wrap it in a ``PipelineEngine`` on
+    ``dims`` (the layout :func:`preflight` built; built here when not given)."""
+    dims = preflight(model, args) if dims is None else dims
     base = hf_model_of(model)
     config = args.to_infinipipe_config()
-    compute_dtype = apply_precision(model, args, config.shard)
+    compute_dtype = apply_precision(model, args, dims.shard)
     # Trainer users set the deadline of every wait with ddp_timeout: timeout errors name it.
     return PipelineEngine(base, config, planner=planner, compute_dtype=compute_dtype,
-                          timeout_setting="ddp_timeout (EPPTrainingArguments)")
+                          timeout_setting="ddp_timeout (EPPTrainingArguments)", dims=dims)
 
 
 def peak_flops_per_device(args, device: torch.device) -> float | None:

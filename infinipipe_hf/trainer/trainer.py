@@ -32,6 +32,9 @@ from infinipipe_hf.runtime.parallel.failures import reporting_failures
 from infinipipe_hf.trainer import notices
 from infinipipe_hf.trainer.arguments import EPPTrainingArguments
 from infinipipe_hf.trainer.auto_layout import is_auto, resolve_auto_layout
+from infinipipe_hf.trainer.batches.loader import GlobalBatchCollator, build_global_batch_loader, label_token_count
+from infinipipe_hf.trainer.batches.prepare import prepare_once
+from infinipipe_hf.trainer.batches.tokens import dataset_lengths, prepare_token_dataset
 from infinipipe_hf.trainer.checkpoints.adapters import load_adapter_weights, save_adapter
 from infinipipe_hf.trainer.checkpoints.layout_file import check_layout
 from infinipipe_hf.trainer.checkpoints.optimizer import load_optimizer_state, save_optimizer_state
@@ -39,16 +42,14 @@ from infinipipe_hf.trainer.checkpoints.publish import save_checkpoint
 from infinipipe_hf.trainer.checkpoints.resume import resolve_resume
 from infinipipe_hf.trainer.checkpoints.weights import load_stage_weights, save_full_model
 from infinipipe_hf.trainer.compat import check_transformers
-from infinipipe_hf.trainer.data.loader import GlobalBatchCollator, build_global_batch_loader, label_token_count
-from infinipipe_hf.trainer.data.prepare import prepare_once
-from infinipipe_hf.trainer.data.tokens import dataset_lengths, prepare_token_dataset
 from infinipipe_hf.trainer.evaluation import PREDICT_REFUSAL, evaluate_loop
-from infinipipe_hf.trainer.launch_check import check_launch
+from infinipipe_hf.trainer.launch_check import check_single_process_launch
 from infinipipe_hf.trainer.model_setup import (
     build_engine,
     count_parameters,
     hf_model_of,
     is_peft_model,
+    launched_world_size,
     peak_flops_per_device,
     preflight,
 )
@@ -60,14 +61,6 @@ from infinipipe_hf.trainer.step_metrics import StepMetrics, TrainingCounts
 check_transformers(transformers.__version__, Trainer)
 
 TRAINING_ARGS_NAME = "training_args.bin"
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _check_trainable(dataset, what: str) -> None:
@@ -111,7 +104,8 @@ def check_trainer_inputs(args, model, model_init, data_collator, kwargs: dict) -
         kwargs["compute_metrics"] = None
     if args.neftune_noise_alpha is not None:
         raise ValueError("neftune_noise_alpha is not supported by EPPTrainer; remove it")
-    note = None if is_auto(args) else check_launch(args.pp_degree * args.sp_degree, _world_size())
+    note = None if is_auto(args) else check_single_process_launch(args.pp_degree * args.sp_degree,
+                                                                    launched_world_size())
     if note:
         notices.warn(note)
     return args
@@ -131,10 +125,11 @@ class EPPTrainer(Trainer):
 
     def __init__(self, model=None, args: EPPTrainingArguments | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, model_init=None, *,
-                 planner=None, **kwargs):
+                 planner=None, dims=None, **kwargs):
         args = check_trainer_inputs(args, model, model_init, data_collator, kwargs)
-        preflight(model, args)  # layout and model errors before any tokenization
-        with reporting_failures(global_rank(), list(range(_world_size()))):
+        if dims is None:  # a subclass that checked earlier passes the layout it built
+            dims = preflight(model, args)  # layout and model errors before any tokenization
+        with reporting_failures(global_rank(), list(range(launched_world_size()))):
             train_dataset = token_dataset_once(train_dataset, processing_class, "train_dataset", args.output_dir)
             _check_trainable(train_dataset, "train_dataset")
             eval_dataset = token_dataset_once(eval_dataset, processing_class, "eval_dataset", args.output_dir)
@@ -146,8 +141,8 @@ class EPPTrainer(Trainer):
                          processing_class=processing_class, **kwargs)
         self._max_length = int(getattr(base_config, "max_position_embeddings", None) or args.tokens_per_step)
         if is_auto(args):
-            resolve_auto_layout(self, base_config, _world_size())
-        self.engine = build_engine(self.model, args, planner)
+            resolve_auto_layout(self, base_config, launched_world_size())
+        self.engine = build_engine(self.model, args, planner, dims)
         self.is_peft = is_peft_model(self.model)
         self._step_metrics = StepMetrics(num_params, self.engine.layout.world_size,
                                          peak_flops_per_device(args, self.engine.device))

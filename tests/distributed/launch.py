@@ -4,10 +4,13 @@
 returns the combined output and exit code.  ``run_ranks`` starts the N ranks itself (the same
 environment variables torchrun sets) and returns each rank's own exit code and output; the
 failure tests need that, because torchrun kills the surviving ranks as soon as one dies, which
-would hide whether they would have reported the failure themselves.
+would hide whether they would have reported the failure themselves.  ``merged_launch`` runs
+several workers of one world size in one torchrun launch (``workers/suites.py``) and
+``split_suites`` gives each its own part of the output, judged as a launch of its own would be.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -108,6 +111,68 @@ def _agent_store(port: int):
 
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=300))
+
+
+# Worker runs that share one launch per world size (``workers/suites.py``): name -> (world size,
+# worker script, its arguments, its own launch's time limit in seconds).  In the arguments,
+# ``{refs}`` stands for the trainer references' folder and ``{out}`` for a fresh folder of its own
+# (``conftest.py`` fills them in).
+SUITES = {
+    "exact_pp2": (2, "exact_grads.py", ["pp2"], 400),
+    "sp2_exact": (2, "sp_exact.py", ["sp2"], 400),
+    "sp2_memory": (2, "sp_memory.py", [], 400),
+    "sp2_memory_model": (2, "sp_memory_model.py", [], 400),
+    "rounds_memory": (2, "sp_rounds_memory.py", [], 400),
+    "invalid_plans": (2, "invalid_plans.py", [], 240),
+    "trainer_pp2": (2, "trainer_cases.py", ["pp2", "{refs}", "{out}", "default"], 200),
+    "trainer_auto": (2, "trainer_auto.py", ["{refs}", "{out}"], 360),
+    "exact_world4": (4, "exact_grads.py", ["world4"], 600),
+    "sp_exact_world4": (4, "sp_exact.py", ["world4"], 600),
+    "rounds_world4": (4, "sp_rounds.py", [], 600),
+    "sharded_grads": (4, "sharded_grads.py", [], 480),
+    "sharded_sp_groups": (4, "sharded_sp_groups.py", [], 280),
+    "trainer_world4": (4, "trainer_cases.py", ["world4", "{refs}", "{out}", "default"], 260),
+    "trainer_sharded": (4, "trainer_sharded.py", ["{refs}", "{out}", "default"], 360),
+    "trainer_sp": (4, "trainer_sp.py", ["{refs}", "{out}", "default"], 360),
+}
+MERGED_LIMIT_S = 840.0
+"""A merged launch's time limit: its suites' own limits added up, at most this (tests that read a
+merged launch allow 900 s: the first of them waits for the whole launch)."""
+
+
+def merged_launch(args: dict[str, list[str]]) -> dict[str, LaunchResult]:
+    """Run the suites named by ``args`` (one world size; each with its filled-in arguments) in one
+    launch; return each one's part of it."""
+    names = list(args)
+    sizes = {SUITES[n][0] for n in names}
+    assert len(sizes) == 1, f"suites of several world sizes in one launch: {names}"
+    spec = [[n, SUITES[n][1], args[n]] for n in names]
+    limit = min(sum(SUITES[n][3] for n in names), MERGED_LIMIT_S)
+    result = run_torchrun("suites.py", SUITES[names[0]][0], [json.dumps(spec)], timeout_s=limit)
+    return split_suites(result, names, SUITES[names[0]][0])
+
+
+def split_suites(result: LaunchResult, names: list[str], nproc: int) -> dict[str, LaunchResult]:
+    """Each suite's output: from its first ``SUITE <name> START`` to the next suite's (every rank
+    waits for the others between suites).  A suite's return code is 0 when all ``nproc`` ranks
+    printed its ``END`` and the launch ended well or failed in another suite; otherwise the
+    launch's.  A suite that never started gets the end of the launch's output, saying so."""
+    starts = [result.output.find(f"] SUITE {n} START") for n in names]
+    done = {n: len(re.findall(rf"\[rank \d+\] SUITE {re.escape(n)} END", result.output)) == nproc
+            for n in names}
+    parts = {}
+    for i, name in enumerate(names):
+        if starts[i] < 0:
+            text = (f"suite {name} did not start: the launch stopped before it (exit code "
+                    f"{result.returncode}); the end of its output:\n{result.output[-6000:]}")
+            parts[name] = LaunchResult(result.returncode or 1, text, result.elapsed_s, result.timed_out)
+            continue
+        later = [s for s in starts[i + 1:] if s >= 0]
+        text = result.output[result.output.rfind("\n", 0, starts[i]) + 1:later[0] if later else None]
+        ok = done[name] and (result.returncode == 0 or not all(done.values()))
+        code = 0 if ok else (result.returncode or 1)
+        parts[name] = LaunchResult(code, text, result.elapsed_s, result.timed_out and not done[name])
+    return parts
 
 
 def check_cases(result: LaunchResult, nproc: int, cases, all_ok: str = "ALL OK") -> None:

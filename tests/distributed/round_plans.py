@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.ir.rounds import SubGroup
+from infinipipe_hf.ir.sp_rounds import SubGroup
 from infinipipe_hf.ir.units import Segment, Unit
 from tests.distributed.plans import one_f_one_b
 

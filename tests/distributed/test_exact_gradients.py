@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.launch import check_cases, run_torchrun
+from tests.distributed.launch import check_cases
+
+pytestmark = pytest.mark.distributed
 
 PP2_CASES = ["pp2_llama_untied_ckpt_none", "pp2_mistral_tied_ckpt_all", "pp2_qwen2_untied_ckpt_mixed",
              "pp2_llama_tied_split13", "pp2_mistral_untied_ckpt_levels", "pp2_accumulation", "eval_and_clip", "plan_on_rank0",
@@ -20,11 +22,13 @@ WORLD4_CASES = ["pp4_llama_untied_ckpt_mixed", "pp4_qwen2_tied_ckpt_all", "pp4_m
                 "pp4_timeline"]
 
 
-@pytest.mark.timeout(420)
-def test_pp2_exact_gradients_accumulation_eval_clip_and_errors():
-    check_cases(run_torchrun("exact_grads.py", 2, ["pp2"], timeout_s=400), 2, PP2_CASES)
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("exact_pp2")
+def test_pp2_exact_gradients_accumulation_eval_clip_and_errors(suite_run):
+    check_cases(suite_run, 2, PP2_CASES)
 
 
-@pytest.mark.timeout(620)
-def test_pp4_and_dp2_pp2_exact_gradients():
-    check_cases(run_torchrun("exact_grads.py", 4, ["world4"], timeout_s=600), 4, WORLD4_CASES)
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("exact_world4")
+def test_pp4_and_dp2_pp2_exact_gradients(suite_run):
+    check_cases(suite_run, 4, WORLD4_CASES)

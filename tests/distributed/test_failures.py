@@ -9,13 +9,16 @@ import pytest
 
 from tests.distributed.launch import run_ranks
 
+pytestmark = pytest.mark.distributed
+
 TIMEOUT_S = 5.0
 ERROR = re.compile(r"FAILED_AS_EXPECTED after ([\d.]+)s: rank (\d) \(stage \d, dp 0\): step 2, action ([FB]\d+|end of step.*?): (.*)")
 
 
 @pytest.mark.parametrize("mode", ["die", "stuck"])
-def test_other_ranks_fail_with_named_peer(mode):
-    results = run_ranks("dead_rank.py", 3, [mode, str(TIMEOUT_S)], timeout_s=300)
+def test_other_ranks_fail_with_named_peer(mode, tmp_path):
+    # A stuck rank stays until both others reported into tmp_path (past their deadlines).
+    results = run_ranks("dead_rank.py", 3, [mode, str(TIMEOUT_S), str(tmp_path)], timeout_s=300)
     culprit = results[1]
     assert "sabotage" in culprit.output, culprit.output[-3000:]
     if mode == "die":
@@ -48,6 +51,7 @@ def test_a_stopped_rank_is_named_within_a_minute_at_the_default_deadline(tmp_pat
 
     results = run_ranks("dead_rank.py", 3, ["stopped", "0", str(tmp_path)], timeout_s=300, agent_store=True)
     assert "sabotage: stopped" in results[1].output, results[1].output[-3000:]
+    took = []
     for r in (0, 2):
         res = results[r]
         assert not res.timed_out and res.returncode == 3, f"rank {r} exit {res.returncode}:\n{res.output[-3000:]}"
@@ -56,7 +60,11 @@ def test_a_stopped_rank_is_named_within_a_minute_at_the_default_deadline(tmp_pat
         elapsed, me, _action, text = m.groups()
         assert int(me) == r
         assert f"rank 1 (stage 1, dp 0) has stopped: its heartbeat stood still for {STALE_AFTER_S:g} s" in text, text
-        assert STALE_AFTER_S <= float(elapsed) < STOPPED_WITHIN_S, f"rank {r} took {elapsed}s"
+        assert float(elapsed) < STOPPED_WITHIN_S, f"rank {r} took {elapsed}s"
+        took.append(float(elapsed))
+    # The first rank to judge waited the whole window; the other may read its published verdict
+    # (and may have started its own wait later), so only the longer wait is bound below.
+    assert max(took) >= STALE_AFTER_S, took
     assert results[1].returncode == -9  # still stopped when both had reported
 
 
@@ -70,11 +78,11 @@ def test_a_slow_rank_that_keeps_beating_is_not_called_stopped():
             f"rank {r} exit {res.returncode}:\n{res.output[-3000:]}"
 
 
-def test_mesh_groups_fsdp2_runs_on_take_the_layout_timeout():
+def test_mesh_groups_fsdp2_runs_on_take_the_layout_timeout(tmp_path):
     """FSDP2's collectives run on the DeviceMesh's groups: a missing peer ends them within the
     layout's timeout, not the default group's 30 minutes."""
     timeout = 3.0
-    results = run_ranks("mesh_timeout.py", 4, [str(timeout)], timeout_s=240)
+    results = run_ranks("mesh_timeout.py", 4, [str(timeout), str(tmp_path)], timeout_s=240)
     res = results[0]
     assert not res.timed_out, f"rank 0 hung:\n{res.output[-3000:]}"
     assert res.returncode == 3, f"rank 0 exit {res.returncode}:\n{res.output[-3000:]}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.launch import check_cases, run_torchrun
+from tests.distributed.launch import check_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -12,6 +12,7 @@ CASES = ["reversed_actions", "dropped_B0", "segment_past_end", "unknown_unit", "
          "valid_step_after"]
 
 
-@pytest.mark.timeout(300)
-def test_invalid_plans_are_refused_on_every_rank_before_any_communication():
-    check_cases(run_torchrun("invalid_plans.py", 2, timeout_s=240), 2, CASES)
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("invalid_plans")
+def test_invalid_plans_are_refused_on_every_rank_before_any_communication(suite_run):
+    check_cases(suite_run, 2, CASES)

@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-from tests.distributed.launch import check_cases, run_ranks, run_torchrun
+from tests.distributed.launch import check_cases, run_ranks
 
 SP2_CASES = ["sp2_llama_untied_mixed", "sp2_qwen3_tied_all", "sp2_mistral_odd_units",
              "sp2_gqa6_3_expanded", "sp2_llama_levels", "sp2_accumulation_clip", "sp_not_dividing_world",
@@ -38,19 +38,22 @@ WORLD4_CASES = ["pp2sp2_llama_untied_mixed", "pp2sp2_mistral_tied_all", "pp2sp2_
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.timeout(420)
-def test_sp2_exact_gradients_and_errors():
-    check_cases(run_torchrun("sp_exact.py", 2, ["sp2"], timeout_s=400), 2, SP2_CASES)
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("sp2_exact")
+def test_sp2_exact_gradients_and_errors(suite_run):
+    check_cases(suite_run, 2, SP2_CASES)
 
 
-@pytest.mark.timeout(620)
-def test_pp2_sp2_sp4_dp2_sp2_exact_gradients_every_schedule():
-    check_cases(run_torchrun("sp_exact.py", 4, ["world4"], timeout_s=600), 4, WORLD4_CASES)
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("sp_exact_world4")
+def test_pp2_sp2_sp4_dp2_sp2_exact_gradients_every_schedule(suite_run):
+    check_cases(suite_run, 4, WORLD4_CASES)
 
 
-@pytest.mark.timeout(420)
-def test_sp2_halves_saved_activations_and_kv_store_per_rank():
-    result = run_torchrun("sp_memory.py", 2, timeout_s=400)
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("sp2_memory")
+def test_sp2_halves_saved_activations_and_kv_store_per_rank(suite_run):
+    result = suite_run
     check_cases(result, 2, [])
     # Ranks print to one pipe, so two ranks' lines may run together: decode each object alone.
     decoder = json.JSONDecoder()
@@ -80,8 +83,8 @@ ERROR = re.compile(r"FAILED_AS_EXPECTED after ([\d.]+)s: (.*)")
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["die", "stuck"])
-def test_dead_or_stuck_sp_peer_is_a_named_error(mode):
-    results = run_ranks("sp_dead_rank.py", 2, [mode, str(TIMEOUT_S)], timeout_s=240)
+def test_dead_or_stuck_sp_peer_is_a_named_error(mode, tmp_path):
+    results = run_ranks("sp_dead_rank.py", 2, [mode, str(TIMEOUT_S), str(tmp_path)], timeout_s=240)
     culprit, survivor = results[1], results[0]
     assert "sabotage" in culprit.output, culprit.output[-3000:]
     assert not survivor.timed_out, f"rank 0 hung:\n{survivor.output[-3000:]}"

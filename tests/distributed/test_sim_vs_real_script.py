@@ -1,4 +1,4 @@
-"""The script ``benchmarks/sim_vs_real.py --quick``: the simulator replays the plans the pp=2 gloo runtime
+"""The script ``benchmarks/cpu/sim_vs_real.py --quick``: the simulator replays the plans the pp=2 gloo runtime
 executes.
 
 The quick mode fits the CPU profile with fewer repeats, sizes a tight memory budget per schedule,
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(600)
 def test_simulated_order_time_and_memory_match_real_pp2_runs(tmp_path):
     out = tmp_path / "sim_vs_real.json"
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sim_vs_real.py"), "--quick", "--max-load", "100",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.cpu.sim_vs_real", "--quick", "--max-load", "100",
                         "--out", str(out), "--timeout", "400"], cwd=REPO, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=590)
     assert p.returncode == 0, p.stdout[-4000:]

@@ -15,12 +15,13 @@ import re
 
 import pytest
 
-from tests.distributed.launch import run_torchrun
+pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.timeout(420)
-def test_memory_model_matches_sp2_ranks():
-    result = run_torchrun("sp_memory_model.py", 2, timeout_s=400)
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("sp2_memory_model")
+def test_memory_model_matches_sp2_ranks(suite_run):
+    result = suite_run
     assert result.returncode == 0 and result.output.count("ALL OK") == 2, result.output[-4000:]
     decoder = json.JSONDecoder()
     rows = [decoder.raw_decode(result.output, m.end())[0] for m in re.finditer(r"MODEL ", result.output)]

@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-from tests.distributed.launch import check_cases, run_ranks, run_torchrun
+from tests.distributed.launch import check_cases, run_ranks
 
 CASES = ["pp2sp2_llama_mixed", "pp2sp2_qwen2_tied_levels", "pp2sp2_shard_sp_mixed", "pp2sp2_shard_sp_levels",
          "pp2sp2_mistral_odd", "sp4_gqa2_mixed", "sp4_mqa_tied_levels", "sp4_shard_sp_levels", "sp4_odd_tiny_all",
@@ -32,17 +32,19 @@ CASES = ["pp2sp2_llama_mixed", "pp2sp2_qwen2_tied_levels", "pp2sp2_shard_sp_mixe
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.timeout(620)
-def test_rounds_exact_gradients_on_sub_groups():
-    result = run_torchrun("sp_rounds.py", 4, timeout_s=600)
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("rounds_world4")
+def test_rounds_exact_gradients_on_sub_groups(suite_run):
+    result = suite_run
     check_cases(result, 4, CASES)
     sizes = set(re.findall(r"CASE sp4_gqa2_mixed OK .*group_sizes=\[([\d, ]+)\]", result.output))
     assert sizes == {"1, 2, 4"}, sizes  # every rank of the sp-4 stage ran 4-, 2- and 1-rank units
 
 
-@pytest.mark.timeout(420)
-def test_single_rank_units_keep_their_activations_on_their_rank():
-    result = run_torchrun("sp_rounds_memory.py", 2, timeout_s=400)
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("rounds_memory")
+def test_single_rank_units_keep_their_activations_on_their_rank(suite_run):
+    result = suite_run
     check_cases(result, 2, [])
     decoder = json.JSONDecoder()
     rows = [decoder.raw_decode(result.output, m.end())[0] for m in re.finditer(r"ROUNDMEM ", result.output)]
@@ -66,8 +68,8 @@ ERROR = re.compile(r"FAILED_AS_EXPECTED after ([\d.]+)s: (.*)")
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout, mode", [("sub2", "stuck"), ("single", "die")])
-def test_dead_or_stuck_rank_in_a_sub_group_is_a_named_error(layout, mode):
-    results = run_ranks("sp_rounds_dead_rank.py", 4, [layout, mode, str(TIMEOUT_S)], timeout_s=240)
+def test_dead_or_stuck_rank_in_a_sub_group_is_a_named_error(layout, mode, tmp_path):
+    results = run_ranks("sp_rounds_dead_rank.py", 4, [layout, mode, str(TIMEOUT_S), str(tmp_path)], timeout_s=240)
     culprit = results[1]
     assert "sabotage" in culprit.output, culprit.output[-3000:]
     texts = {}

@@ -7,6 +7,7 @@ pieces of its own) losses/grad norms/weights equal to float64 precision, gradien
 resume from a step-2 checkpoint, ``save_model`` loading with ``from_pretrained``, LoRA training
 only adapters and saving a ``PeftModel``-loadable adapter, and the pp-not-dividing-world error.
 The expected case names are listed here so a case that silently stops running fails the test.
+The torchrun runs are parts of the merged launch of their world size (``conftest.py``).
 """
 from __future__ import annotations
 
@@ -15,15 +16,14 @@ import re
 import subprocess
 import sys
 import time
-import warnings
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("datasets")
 
-from tests.distributed.launch import REPO, WORKERS, _env, _free_port, run_torchrun  # noqa: E402
-from tests.distributed.workers.trainer_common import SCENARIOS, reference_run  # noqa: E402
+from tests.distributed.launch import REPO, WORKERS, _env, _free_port  # noqa: E402
+from tests.distributed.workers.trainer_common import SCENARIOS  # noqa: E402
 
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 CPU_CONFIG = REPO / "recipes" / "accelerate" / "cpu_4proc.yaml"
@@ -39,14 +39,9 @@ pytestmark = pytest.mark.distributed
 PLANNER = "default"  # the engine's own planner (workers also take "slicing": a fixed sliced plan)
 
 
-@pytest.fixture(scope="module")
-def ref_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("trainer_refs_dist")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for scn in SCENARIOS.values():
-            reference_run(scn, str(d), dp_degrees=(1, 2))
-    return str(d)
+@pytest.fixture
+def ref_dir(trainer_refs):
+    return trainer_refs.dir(SCENARIOS)  # every scenario at dp 1 and 2, shared by the session
 
 
 def _check(returncode: int, output: str, timed_out: bool, suite: str, nproc: int) -> None:
@@ -72,16 +67,16 @@ def _accelerate(suite: str, nproc: int, args: list[str], timeout_s: float = 200)
         return -9, out + f"\n(after {time.time() - t0:.0f}s)", True
 
 
-@pytest.mark.timeout(240)
-def test_torchrun_pp2_matches_trainer_resume_save_lora(ref_dir, tmp_path):
-    r = run_torchrun("trainer_cases.py", 2, ["pp2", ref_dir, str(tmp_path), PLANNER], timeout_s=200)
-    _check(r.returncode, r.output, r.timed_out, "pp2", 2)
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("trainer_pp2")  # trainer_cases.py pp2 REFS OUT default
+def test_torchrun_pp2_matches_trainer_resume_save_lora(suite_run):
+    _check(suite_run.returncode, suite_run.output, suite_run.timed_out, "pp2", 2)
 
 
-@pytest.mark.timeout(300)
-def test_torchrun_pp4_and_dp2_pp2_match_trainer_resume_save_lora(ref_dir, tmp_path):
-    r = run_torchrun("trainer_cases.py", 4, ["world4", ref_dir, str(tmp_path), PLANNER], timeout_s=260)
-    _check(r.returncode, r.output, r.timed_out, "world4", 4)
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("trainer_world4")  # trainer_cases.py world4 REFS OUT default
+def test_torchrun_pp4_and_dp2_pp2_match_trainer_resume_save_lora(suite_run):
+    _check(suite_run.returncode, suite_run.output, suite_run.timed_out, "world4", 4)
 
 
 @pytest.mark.timeout(240)

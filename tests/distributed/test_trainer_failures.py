@@ -58,4 +58,7 @@ def test_a_stopped_rank_is_named_on_every_other_rank_within_a_minute(tmp_path):
         assert code == 3
         assert f"rank 3 (stage 1, dp 1) has stopped: its heartbeat stood still for {STALE_AFTER_S:g} s" in text, (r, text)
         assert "did not complete within" not in text, (r, text)
-        assert STALE_AFTER_S <= elapsed < 60, (r, elapsed)
+        assert elapsed < 60, (r, elapsed)
+    # The first rank to judge waited the whole window; the others may read its published verdict
+    # (and may have started their own waits later), so only the longest wait is bound below.
+    assert max(e for e, _, _ in outcomes.values()) >= STALE_AFTER_S, outcomes

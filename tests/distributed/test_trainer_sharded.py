@@ -6,14 +6,11 @@ loading with ``from_pretrained``, a resume with another shard mode refused, LoRA
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 pytest.importorskip("datasets")
 
-from tests.distributed.launch import check_cases, run_torchrun  # noqa: E402
-from tests.distributed.workers.trainer_common import SCENARIOS, reference_run  # noqa: E402
+from tests.distributed.launch import check_cases  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 CASES = ["dp2pp2_tied_sharded", "dp2pp2_grad_accum_sharded", "dp2pp2_resume_save_sharded",
@@ -21,14 +18,7 @@ CASES = ["dp2pp2_tied_sharded", "dp2pp2_grad_accum_sharded", "dp2pp2_resume_save
 PLANNER = "default"  # the engine's own planner (workers also take "slicing": a fixed sliced plan)
 
 
-@pytest.mark.timeout(400)
-def test_trainer_sharded_dp2_pp2(tmp_path):
-    refs = tmp_path / "refs"
-    refs.mkdir()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name in ("tied", "ga2", "base", "lora"):
-            reference_run(SCENARIOS[name], str(refs), dp_degrees=(1, 2))
-    out = tmp_path / "out"
-    r = run_torchrun("trainer_sharded.py", 4, [str(refs), str(out), PLANNER], timeout_s=360)
-    check_cases(r, 4, CASES, all_ok=f"planner={PLANNER} ALL OK")
+@pytest.mark.timeout(900)  # the first test of a merged launch waits for all of it
+@pytest.mark.merged_launch("trainer_sharded")  # trainer_sharded.py REFS OUT default
+def test_trainer_sharded_dp2_pp2(suite_run):
+    check_cases(suite_run, 4, CASES, all_ok=f"planner={PLANNER} ALL OK")

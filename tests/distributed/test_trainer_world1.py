@@ -113,17 +113,17 @@ def _model(num_layers=4):
 
 
 def test_pp_degree_larger_than_layers_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"pp_degree=5 cannot split a model with 4 decoder layers.*<= 4"):
+    with pytest.raises(ValueError, match=r"pp_degree=5 is larger than the model's 4 decoder layers.*<= 4"):
         EPPTrainer(model=_model(), args=_args(tmp_path, pp_degree=5), train_dataset=token_dataset())
 
 
 def test_pp_degree_not_dividing_processes_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"pp_degree=2 does not divide the 1 processes"):
+    with pytest.raises(ValueError, match=r"pp_degree=2 does not divide world size 1 \(the processes launched\)"):
         EPPTrainer(model=_model(), args=_args(tmp_path, pp_degree=2), train_dataset=token_dataset())
 
 
 def test_sp_degree_not_dividing_processes_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"pp_degree=1 x sp_degree=2 = 2 does not divide the 1 processes.*"
+    with pytest.raises(ValueError, match=r"pp_degree=1 x sp_degree=2 = 2 does not divide world size 1 .*"
                                          r"sp_degree in \[1\]"):
         EPPTrainer(model=_model(), args=_args(tmp_path, pp_degree=1, sp_degree=2), train_dataset=token_dataset())
 

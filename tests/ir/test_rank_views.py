@@ -2,7 +2,7 @@
 from infinipipe_hf.ir.actions import Action, parse_actions
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import collapse_rounds, has_sub_groups, rank_classes, rank_view, round_of
-from infinipipe_hf.ir.rounds import SubGroup
+from infinipipe_hf.ir.sp_rounds import SubGroup
 from infinipipe_hf.ir.units import Segment, Unit
 
 

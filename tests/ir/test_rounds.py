@@ -3,7 +3,7 @@ import pytest
 
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.ir.rounds import SubGroup, check_rounds
+from infinipipe_hf.ir.sp_rounds import SubGroup, check_rounds
 from infinipipe_hf.ir.units import Segment, Unit
 
 

@@ -1,15 +1,23 @@
 """Cost models with fixed action times, for planner tests whose expected figures are worked out by hand.
 
 ``FakeCost`` answers what the simulator asks; ``UniformCost`` adds what the pipeline estimate reads.
+A fake is its own parts (``compute``, ``acts``, ``coefficients`` are the fake itself).
 """
+from infinipipe_hf.layout import ParallelDims
 
 
 class FakeCost:
     """Fixed times per action (independent of the unit), optional transfer and per-layer recompute."""
 
     def __init__(self, pp, tf=1.0, tb=2.0, transfer=0.0, recompute_per_layer=0.25, layers=4):
-        self.pp_degree, self.tf, self.tb, self.transfer = pp, tf, tb, transfer
+        self.dims, self.tf, self.tb, self.transfer = ParallelDims(pp_degree=pp), tf, tb, transfer
         self.rc, self.layers_per_stage, self.memory_budget_bytes = recompute_per_layer, [layers] * pp, 100.0
+
+    @property
+    def compute(self):
+        return self
+
+    acts = coefficients = compute
 
     def forward_time(self, stage, shape):
         return self.tf

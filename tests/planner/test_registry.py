@@ -49,3 +49,39 @@ def test_knob_records_keep_their_key_order():
     assert PackKnobs(4096).record() == {"pack_tokens": 4096}
     assert list(PackKnobs(4096, 2).record()) == ["pack_tokens", "num_slices"]
     assert list(PackKnobs(4096, 2, "compute").record()) == ["pack_tokens", "num_slices", "slice_balance"]
+
+
+def test_a_new_schedule_is_one_module_and_one_registry_entry(tmp_path, monkeypatch):
+    """The recipe of docs/architecture.md: a module with the schedule's class (here a 1F1B whose
+    warm-up is GPipe's less one forward) and its entry in ``SCHEDULES``; nothing else changes, and
+    ``schedules/`` has room for it under the architecture test's floor."""
+    import importlib.util
+    import sys
+
+    from infinipipe_hf.ir.model_spec import ModelSpec
+    from infinipipe_hf.layout import ParallelDims
+    from infinipipe_hf.planner import registry
+    from infinipipe_hf.planner.search import api
+    from tests.test_architecture import MAX_MODULES_PER_FOLDER, PKG
+
+    module = tmp_path / "toy.py"
+    module.write_text(
+        "from infinipipe_hf.planner.pipeline.actions import gpipe_warmup\n"
+        "from infinipipe_hf.planner.schedules.baseline import BaselineSchedule\n\n\n"
+        "class ToySchedule(BaselineSchedule):\n"
+        "    name = 'toy'\n\n"
+        "    def warmup(self, pp_degree, units, num_slices=1):\n"
+        "        return [max(1, w - 1) for w in gpipe_warmup(pp_degree, len(units))]\n")
+    spec = importlib.util.spec_from_file_location("toy_schedule", module)
+    toy = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "toy_schedule", toy)
+    spec.loader.exec_module(toy)
+    monkeypatch.setitem(registry.SCHEDULES, "toy", toy.ToySchedule())  # the registry entry
+    monkeypatch.setattr(api, "PIPELINE_SCHEDULES", (*PIPELINE_SCHEDULES, "toy"))  # derived at import
+    model = ModelSpec.from_config_dict(dict(model_type="llama", num_hidden_layers=4, hidden_size=256,
+                                            intermediate_size=688, num_attention_heads=4, num_key_value_heads=2,
+                                            vocab_size=1024))
+    res = api.plan_step([3000, 900, 400, 200], model, ParallelDims(pp_degree=2), api.PlanOptions(schedule="toy"))
+    assert res.feasible and res.plan.schedule == "toy"
+    schedules = [p for p in (PKG / "planner" / "schedules").glob("*.py") if p.name != "__init__.py"]
+    assert len(schedules) + 1 <= MAX_MODULES_PER_FOLDER

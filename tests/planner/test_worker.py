@@ -5,15 +5,17 @@ import warnings
 import pytest
 
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.model import GIB
-from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.search.api import PlanOptions, plan_step
 from infinipipe_hf.planner.worker import PlannerProcess, reraise_warnings
 
 SPEC = ModelSpec.from_config_dict(dict(model_type="llama", num_hidden_layers=8, hidden_size=1024,
                                        intermediate_size=2816, num_attention_heads=16,
                                        num_key_value_heads=4, vocab_size=32000))
 LENGTHS = [20000, 6000, 3000, 900, 700, 300, 120, 64] * 2
-REQUEST = dict(spec=SPEC, pp_degree=2, memory_budget_bytes=8 * GIB, checkpoint_levels=())
+REQUEST = dict(spec=SPEC, dims=ParallelDims(pp_degree=2), options=PlanOptions(memory_budget_bytes=8 * GIB,
+                                                                           checkpoint_levels=()))
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,8 @@ def test_plans_equal_in_process_plans(process):
 
 
 def test_errors_come_back_as_exceptions(process):
-    with pytest.raises(ValueError, match="pp_degree"):
-        process.submit(LENGTHS, {**REQUEST, "pp_degree": 0}).result(timeout=120)
+    with pytest.raises(ValueError, match="checkpointing='sometimes' is not known"):
+        process.submit(LENGTHS, {**REQUEST, "options": PlanOptions(checkpointing="sometimes")}).result(timeout=120)
     assert process.submit([64], REQUEST).result(timeout=120)[0].feasible  # still serving
 
 

@@ -9,7 +9,7 @@ tensors saved inside a checkpointed layer behind its own hooks and keeps the lay
 alive in its frame, so the checkpoint call is wrapped to count those inputs too: that is what a
 checkpointed layer really keeps.
 
-Prediction: ``CostModel.activation_bytes`` with a float32 profile whose per-token figure is what
+Prediction: ``StageActivations.activation_bytes`` with a float32 profile whose per-token figure is what
 the cost model's formula gives in float32 (``_act_elements(reference, 4) * 4``,
 ``bytes_per_element=4``), so the check is of the *formula* against the runtime, not of one measured
 number against itself.  (The formula's bf16 form, ``10 * hidden`` for the attention side, counts
@@ -19,7 +19,7 @@ Slices with context: the attention concatenates the context K/V with the slice's
 SDPA backend turns the boolean lower-right mask into a float mask; autograd keeps both:
 ``bpe * (2 * C * kv_dim) + mask_bpe * s * (C + s)`` extra bytes per non-checkpointed layer
 (segment of ``s`` tokens with ``C`` of context; GQA heads are not repeated, ``enable_gqa``).
-``CostModel.context_bytes_per_layer`` is that term; the test checks the model with it, and that
+``StageActivations.context_bytes_per_layer`` is that term; the test checks the model with it, and that
 without it a slice behind context is under-predicted.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ from infinipipe_hf.ir.levels import CheckpointMix  # noqa: E402
 from infinipipe_hf.ir.model_spec import ModelSpec  # noqa: E402
 from infinipipe_hf.ir.plan import Plan  # noqa: E402
 from infinipipe_hf.ir.units import Segment, Unit  # noqa: E402
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.activations import _act_elements  # noqa: E402
 from infinipipe_hf.planner.cost.model import CostModel  # noqa: E402
 from infinipipe_hf.planner.cost.profile import default_profile, reference_spec  # noqa: E402
@@ -62,7 +63,7 @@ def _cost(spec: ModelSpec) -> CostModel:
     ref = reference_spec(default_profile())
     fp32 = dataclasses.replace(default_profile(), name="fp32-formula", bytes_per_element=4,
                                activation_bytes_per_token_per_layer=_act_elements(ref, 4) * 4.0)
-    return CostModel(spec, fp32, pp_degree=2, layers_per_stage=SPLIT)
+    return CostModel(spec, fp32, ParallelDims(pp_degree=2), layers_per_stage=SPLIT)
 
 
 def _key(t: torch.Tensor):
@@ -157,7 +158,7 @@ def _ratio(measured, predicted):
 def test_first_stage_units_match_the_model(checkpointed, monkeypatch):
     units = [Unit(0, (Segment(0, 0, T),))]
     got, cost, _ = _measure(0, [T], units, {0: {0: checkpointed}}, 0, monkeypatch)
-    want = cost.activation_bytes(0, T, checkpointed)
+    want = cost.acts.activation_bytes(0, T, checkpointed)
     print(f"stage 0, {checkpointed}/3 checkpointed: measured {got} B, model {want:.0f} B, "
           f"ratio {_ratio(got, want):.3f}")
     assert abs(_ratio(got, want) - 1) <= 0.10, (got, want)
@@ -166,7 +167,7 @@ def test_first_stage_units_match_the_model(checkpointed, monkeypatch):
 def test_last_stage_with_chunked_loss_matches_the_model(monkeypatch):
     units = [Unit(0, (Segment(0, 0, T),))]
     got, cost, _ = _measure(1, [T], units, {}, 0, monkeypatch)
-    want = cost.activation_bytes(1, T, 0)
+    want = cost.acts.activation_bytes(1, T, 0)
     print(f"last stage: measured {got} B, model {want:.0f} B, ratio {_ratio(got, want):.3f}")
     assert abs(_ratio(got, want) - 1) <= 0.10, (got, want)
 
@@ -176,7 +177,7 @@ def test_packed_unit_matches_the_model(monkeypatch):
     lengths = [200, 180, 132]
     units = [Unit(0, tuple(Segment(i, 0, n) for i, n in enumerate(lengths)))]
     got, cost, _ = _measure(0, lengths, units, {}, 0, monkeypatch)
-    want = cost.activation_bytes(0, T, 0)
+    want = cost.acts.activation_bytes(0, T, 0)
     print(f"packed unit: measured {got} B, model {want:.0f} B, ratio {_ratio(got, want):.3f}")
     assert abs(_ratio(got, want) - 1) <= 0.10, (got, want)
 
@@ -188,10 +189,9 @@ def test_slice_with_context_matches_the_model(checkpointed, monkeypatch):
     c, s = T, T
     units = [Unit(0, (Segment(0, 0, c),)), Unit(1, (Segment(0, c, c + s),))]
     got, cost, spec = _measure(0, [c + s], units, {0: {0: 0, 1: checkpointed}}, 1, monkeypatch)
-    cost = CostModel(spec, dataclasses.replace(cost.profile, attention_mask_bytes_per_element=4.0),
-                     pp_degree=2, layers_per_stage=SPLIT)
-    want = cost.unit_activation_bytes(0, units[1].segments, checkpointed)
-    plain = cost.activation_bytes(0, s, checkpointed)
+    cost = CostModel(spec, dataclasses.replace(cost.profile, attention_mask_bytes_per_element=4.0), ParallelDims(pp_degree=2), layers_per_stage=SPLIT)
+    want = cost.acts.unit_activation_bytes(0, units[1].segments, checkpointed)
+    plain = cost.acts.activation_bytes(0, s, checkpointed)
     print(f"slice with context, {checkpointed}/3 checkpointed: measured {got} B, model {want:.0f} B "
           f"(ratio {_ratio(got, want):.3f}); without the context term {plain:.0f} B")
     assert abs(_ratio(got, want) - 1) <= 0.10, (got, want)
@@ -216,7 +216,7 @@ def test_checkpoint_levels_match_the_model(mix, monkeypatch):
     units = [Unit(0, (Segment(0, 0, T),))]
     got, cost, _ = _measure(0, [T], units, {0: {0: m.full}}, 0, monkeypatch, levels={0: {0: m.finer}})
     want = cost.levels.unit_activation_bytes(0, units[0].segments, m)
-    whole_only = cost.activation_bytes(0, T, m.full)
+    whole_only = cost.acts.activation_bytes(0, T, m.full)
     print(f"levels {m}: measured {got} B, model {want:.0f} B, ratio {_ratio(got, want):.3f}; "
           f"whole layers alone {whole_only:.0f} B")
     assert abs(_ratio(got, want) - 1) <= 0.10, (got, want)
@@ -224,7 +224,7 @@ def test_checkpoint_levels_match_the_model(mix, monkeypatch):
     assert whole_only - want > 0.10 * want
     if m.keep_attn == m.total:
         # ... and keep_attn really keeps more than whole layers would.
-        as_full = cost.activation_bytes(0, T, m.full + m.keep_attn) - cost.levels.finer_saved_bytes(
+        as_full = cost.acts.activation_bytes(0, T, m.full + m.keep_attn) - cost.levels.finer_saved_bytes(
             0, units[0].segments, CheckpointMix(0, m.mlp, m.mlp_act))
         assert want - as_full > 0.10 * want and abs(_ratio(got, as_full) - 1) > 0.10
 
@@ -238,8 +238,7 @@ def test_checkpoint_levels_on_a_slice_with_context(mix, monkeypatch):
     units = [Unit(0, (Segment(0, 0, c),)), Unit(1, (Segment(0, c, c + s),))]
     got, cost, spec = _measure(0, [c + s], units, {0: {0: 0, 1: m.full}}, 1, monkeypatch,
                                levels={0: {1: m.finer}})
-    cost = CostModel(spec, dataclasses.replace(cost.profile, attention_mask_bytes_per_element=4.0),
-                     pp_degree=2, layers_per_stage=SPLIT)
+    cost = CostModel(spec, dataclasses.replace(cost.profile, attention_mask_bytes_per_element=4.0), ParallelDims(pp_degree=2), layers_per_stage=SPLIT)
     want = cost.levels.unit_activation_bytes(0, units[1].segments, m)
     print(f"slice with context, levels {m}: measured {got} B, model {want:.0f} B, ratio {_ratio(got, want):.3f}")
     assert abs(_ratio(got, want) - 1) <= 0.10, (got, want)
@@ -248,5 +247,5 @@ def test_checkpoint_levels_on_a_slice_with_context(mix, monkeypatch):
 def test_default_profile_still_gives_the_h100_figure():
     """The shipped bf16 profile on the Llama-3-8B shape: ~196 KiB per token per layer."""
     spec = ModelSpec("llama", 32, 4096, 14336, 32, 8, 128, 128256, False)
-    cost = CostModel(spec, pp_degree=1)
-    assert 190 * 1024 <= cost.act_bytes_per_token <= 200 * 1024, cost.act_bytes_per_token
+    cost = CostModel(spec, dims=ParallelDims(pp_degree=1))
+    assert 190 * 1024 <= cost.acts.act_bytes_per_token <= 200 * 1024, cost.acts.act_bytes_per_token

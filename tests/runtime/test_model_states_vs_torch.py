@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.cost.states import FP32_ADAM, stage_state_bytes_per_rank
 
@@ -53,9 +54,8 @@ def test_shard_over_replicas_holds_whole_weights_during_the_step(model):
     units, so per-unit gathers would not line up): the whole stage's weights, in the compute
     dtype, are alive during the step, and the gathers are paid once, not per action."""
     spec = ModelSpec.from_config_dict({**CONFIG, "model_type": "llama"})
-    kw = dict(pp_degree=2, state_precision=FP32_ADAM)
-    per_unit = CostModel(spec, sp_degree=2, shard="sp", **kw)
-    per_step = CostModel(spec, dp_degree=2, shard="dp", **kw)
+    per_unit = CostModel(spec, dims=ParallelDims(pp_degree=2, sp_degree=2, shard="sp"), state_precision=FP32_ADAM)
+    per_step = CostModel(spec, dims=ParallelDims(pp_degree=2, dp_degree=2, shard="dp"), state_precision=FP32_ADAM)
     assert not per_unit.states.gathers_per_step and per_step.states.gathers_per_step
     for s in range(2):
         params = _stage_params(model, s == 0, s == 1, range(*(

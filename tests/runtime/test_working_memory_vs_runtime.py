@@ -1,6 +1,6 @@
 """The phase model of working memory against the runtime's allocator peaks (CPU, float32).
 
-Design: the profile's working-memory figures are measured the way ``benchmarks/cpu_profile.py``
+Design: the profile's working-memory figures are measured the way ``benchmarks/cpu/cpu_profile.py``
 measures them, on a *one-layer* stage running one whole sequence at each checkpoint level
 (``measure_memory_rows``, decomposed by ``fit_working_memory``).  The model is then checked on
 what it never saw: a 3-layer first stage and a last stage with the chunked loss, whole units,
@@ -11,7 +11,7 @@ the forward kept plus the backward's peak above that (weight gradients allocated
 are model states, counted with the weights; the KV store's gradients of a slice's context, which
 the model counts in its KV store term, are added to the prediction).  Predicted: what the unit keeps
 (``LevelCosts.unit_activation_bytes``) plus ``WorkingMemory.excess``.  The linear bound the model
-used before (``CostModel.working_bytes``) is checked to be off by more than the tolerance on the
+used before (``StageActivations.working_bytes``) is checked to be off by more than the tolerance on the
 units checkpointed whole, so the test can tell the two apart.
 """
 from __future__ import annotations
@@ -25,17 +25,18 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from benchmarks.lib.runtime_fit import fit_working_memory, reference_of  # noqa: E402
+from benchmarks.lib.runtime_rows import _allocate_grads, measure_memory_rows  # noqa: E402
 from infinipipe_hf.ir.actions import Action  # noqa: E402
 from infinipipe_hf.ir.levels import CheckpointMix  # noqa: E402
 from infinipipe_hf.ir.model_spec import ModelSpec  # noqa: E402
 from infinipipe_hf.ir.plan import Plan  # noqa: E402
 from infinipipe_hf.ir.units import Segment, Unit  # noqa: E402
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.activations import act_elements  # noqa: E402
 from infinipipe_hf.planner.cost.model import CostModel  # noqa: E402
 from infinipipe_hf.planner.cost.profile import default_profile  # noqa: E402
 from infinipipe_hf.profiling.memory_events import MemoryProbe  # noqa: E402
-from infinipipe_hf.profiling.runtime_fit import fit_working_memory, reference_of  # noqa: E402
-from infinipipe_hf.profiling.runtime_rows import _allocate_grads, measure_memory_rows  # noqa: E402
 from infinipipe_hf.runtime.stage.module import build_stage  # noqa: E402
 from infinipipe_hf.runtime.stage.runner import StageRunner  # noqa: E402
 
@@ -65,9 +66,8 @@ def fitted():
         default_profile(), name="fp32-working", reference=reference_of(spec), bytes_per_element=4,
         activation_bytes_per_token_per_layer=act_elements(HIDDEN, 688, spec.kv_dim, 4) * 4.0,
         attention_mask_bytes_per_element=4.0, layer_working_bytes_per_token=lw, working_bytes_per_token=working)
-    cost = CostModel(spec, profile, pp_degree=2, layers_per_stage=SPLIT, loss_chunk_tokens=CHUNK)
-    linear = CostModel(spec, dataclasses.replace(profile, working_bytes_per_token={}), pp_degree=2,
-                       layers_per_stage=SPLIT, loss_chunk_tokens=CHUNK)
+    cost = CostModel(spec, profile, ParallelDims(pp_degree=2), layers_per_stage=SPLIT, loss_chunk_tokens=CHUNK)
+    linear = CostModel(spec, dataclasses.replace(profile, working_bytes_per_token={}), ParallelDims(pp_degree=2), layers_per_stage=SPLIT, loss_chunk_tokens=CHUNK)
     return model, cost, linear
 
 
@@ -142,17 +142,17 @@ def test_unit_peaks_match_the_phase_model(fitted, what, stage, case, mix):
     if context:
         # The backward also fills the KV store's gradients of the context; the model counts them
         # (with the K/V themselves) in the stage's KV store term, not in the unit's working memory.
-        want_b += cost.kv_bytes(stage, context) / 2
+        want_b += cost.acts.kv_bytes(stage, context) / 2
     print(f"{what} stage {stage} {m}: forward measured {fwd / 2**20:.2f} MiB, model {want_f / 2**20:.2f} "
           f"({fwd / want_f:.3f}); backward measured {bwd / 2**20:.2f} MiB, model {want_b / 2**20:.2f} ({bwd / want_b:.3f})")
     assert abs(fwd / want_f - 1) <= 0.10, (fwd, want_f)
     assert abs(bwd / want_b - 1) <= 0.10, (bwd, want_b)
     # The bound the solver uses is never below the exact phases.
     tokens = sum(s.end - s.start for s in segs)
-    ctx = cost.context_bytes_per_layer(segs)
+    ctx = cost.acts.context_bytes_per_layer(segs)
     for backward in (False, True):
         assert cost.working.excess(stage, segs, m, backward) <= cost.working.bound(stage, tokens, ctx, backward) + 1e-6
     if stage == 0 and m.full == SPLIT[0]:
         # Units checkpointed whole: the linear bound charges two layers' activations in backward.
-        old = kept + linear.working_bytes(stage, tokens, m.full, backward=True)
+        old = kept + linear.acts.working_bytes(stage, tokens, m.full, backward=True)
         assert old > 1.10 * bwd, (old, bwd)

@@ -2,7 +2,7 @@
 
 In one process the only layout is pp 1 x sp 1 x dp 1: the trainer must choose it, log the
 search's table, and train exactly as the plain HF ``Trainer`` (float64).  The choice itself on
-several processes is the search's (tests/planner/search/test_layouts.py); here ``choose`` is
+several processes is the search's (tests/planner/layout_search/test_search.py); here ``choose`` is
 checked against ``search_layouts`` on a 4-GPU world, and the errors are checked.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytest.importorskip("datasets")
 
 from infinipipe_hf import EPPTrainingArguments  # noqa: E402
 from infinipipe_hf.ir.model_spec import ModelSpec  # noqa: E402
-from infinipipe_hf.planner.search.layouts import search_layouts  # noqa: E402
+from infinipipe_hf.planner.layout_search.search import search_layouts  # noqa: E402
 from infinipipe_hf.trainer.auto_layout import choose, search_restrictions  # noqa: E402
 from tests.distributed.workers.trainer_common import (  # noqa: E402
     LOSS_RTOL,
@@ -59,7 +59,7 @@ def test_choose_is_the_search_pick_and_respects_restrictions(tmp_path):
     restricted = _args(tmp_path, pp_degree="auto", sp_degree=2, shard="sp")
     assert search_restrictions(restricted) == ((2,), ("sp",))
     layout, _ = choose([batch, batch[:5]], SPEC, restricted, 4, 4, 2**30)
-    assert (layout.sp_degree, layout.shard) == (2, "sp")
+    assert (layout.sp_degree, layout.shard.name) == (2, "sp")
 
 
 def test_no_valid_layout_for_the_world_is_a_clear_error(tmp_path):

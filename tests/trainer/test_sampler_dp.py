@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infinipipe_hf.trainer.data.sampler import TokenBudgetBatchSampler, group_replica_batches
+from infinipipe_hf.trainer.batches.sampler import TokenBudgetBatchSampler, group_replica_batches
 
 
 def _check_epochs(sampler: TokenBudgetBatchSampler, lengths: list[int], epochs=(0, 1, 2)) -> None:

@@ -10,10 +10,10 @@ datasets = pytest.importorskip("datasets")
 torch = pytest.importorskip("torch")
 
 from infinipipe_hf.planner.batch.packing import best_fit_decreasing
-from infinipipe_hf.trainer.data.loader import GlobalBatchCollator, build_global_batch_loader, label_token_count
-from infinipipe_hf.trainer.data.pieces import Piece, split_documents
-from infinipipe_hf.trainer.data.sampler import TokenBudgetBatchSampler
-from infinipipe_hf.trainer.data.tokens import prepare_token_dataset
+from infinipipe_hf.trainer.batches.loader import GlobalBatchCollator, build_global_batch_loader, label_token_count
+from infinipipe_hf.trainer.batches.pieces import Piece, split_documents
+from infinipipe_hf.trainer.batches.sampler import TokenBudgetBatchSampler
+from infinipipe_hf.trainer.batches.tokens import prepare_token_dataset
 from tests.helpers.char_tokenizer import char_tokenizer
 
 

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import NO_SHARDING, ParallelDims, sharding_over
 from infinipipe_hf.planner.cost.calibration import overlapped, ring_extra_s
 from infinipipe_hf.planner.cost.collectives import all_gather_time, reduce_scatter_time
 from infinipipe_hf.planner.cost.compute import UnitShape
@@ -156,9 +157,9 @@ class UlyssesGroup(_Group):
                  gpus_per_node: int, loss_chunk_tokens: int):
         check_sp_degree(spec, size)
         super().__init__(size, spec.num_layers)
-        shard = "sp+dp" if world_size > 1 else "none"
-        self.cost = CostModel(spec, profile, pp_degree=1, sp_degree=size, dp_degree=world_size // size,
-                              shard=shard, gpus_per_node=gpus_per_node, loss_chunk_tokens=loss_chunk_tokens)
+        zero3 = sharding_over(("dp", "sp")) if world_size > 1 else NO_SHARDING  # every GPU holds a shard
+        dims = ParallelDims(1, size, world_size // size, zero3, gpus_per_node)
+        self.cost = CostModel(spec, profile, dims, loss_chunk_tokens=loss_chunk_tokens)
 
     def padded_tokens(self, tokens: int) -> int:
         return -(-int(tokens) // self.size) * self.size
@@ -168,7 +169,7 @@ class UlyssesGroup(_Group):
         shape = UnitShape(float(pairs), int(padded_tokens))
         # With shard 'sp+dp' the cost model leaves gathers to gradient_sync_time: its action times
         # are pure compute, and Zero3States adds the per-round collectives.
-        fwd = self.cost.forward_time(0, shape)
+        fwd = self.cost.compute.forward_time(0, shape)
         bwd = self.cost.backward_time(0, shape, checkpointed_layers)
         return fwd, bwd, self.cost.recompute_time(0, shape, checkpointed_layers)
 
@@ -180,7 +181,7 @@ class UlyssesGroup(_Group):
         # The cost model splits the micro-batch over the SP group itself (ceil(T / sp) tokens per
         # GPU, head-sharded bytes for uneven heads, the all-to-all buffers in the working set).
         t, c = int(padded_tokens), int(checkpointed_layers)
-        return self.cost.activation_bytes(0, t, c) + self.cost.working_bytes(0, t, c, backward=True)
+        return self.cost.acts.activation_bytes(0, t, c) + self.cost.acts.working_bytes(0, t, c, backward=True)
 
 
 class RingGroup(_Group):
@@ -203,14 +204,14 @@ class RingGroup(_Group):
     def __init__(self, spec: ModelSpec, profile: HardwareProfile, size: int, world_size: int,
                  gpus_per_node: int, loss_chunk_tokens: int):
         super().__init__(size, spec.num_layers)
-        shard = "dp" if world_size > 1 else "none"
-        self.cost = CostModel(spec, profile, pp_degree=1, sp_degree=1, dp_degree=world_size, shard=shard,
-                              gpus_per_node=gpus_per_node, loss_chunk_tokens=loss_chunk_tokens)
+        zero3 = sharding_over(("dp",)) if world_size > 1 else NO_SHARDING  # one rank per group: shards over DP
+        dims = ParallelDims(1, 1, world_size, zero3, gpus_per_node)
+        self.cost = CostModel(spec, profile, dims, loss_chunk_tokens=loss_chunk_tokens)
         crosses = size > gpus_per_node
         self.bandwidth = (profile.inter_node_bandwidth_bytes_per_s if crosses
                           else profile.intra_node_bandwidth_bytes_per_s)
         self.latency = profile.collective_latency_s
-        self.kv_bytes_per_token = self.cost.kv_bytes_per_token_per_layer
+        self.kv_bytes_per_token = self.cost.acts.kv_bytes_per_token_per_layer
         self.elementwise, self.calibration = profile.elementwise_bytes_per_s, profile.calibration
 
     def padded_tokens(self, tokens: int) -> int:
@@ -227,18 +228,18 @@ class RingGroup(_Group):
         return (cp - 1) * max(0.0, transfer - compute)
 
     def times(self, pairs: float, padded_tokens: int, checkpointed_layers: int) -> tuple[float, float, float]:
-        cm, cp, n = self.cost, self.size, self.layers
+        k, cp, n = self.cost.coefficients, self.size, self.layers
         t = padded_tokens / cp
         p = pairs / cp
-        f = cm.layer_fwd(p, t) + self._ring_exposed(pairs, padded_tokens, cm.layer_fwd.attn_pair_s, False)
-        b = cm.layer_bwd(p, t) + self._ring_exposed(pairs, padded_tokens, cm.layer_bwd.attn_pair_s, True)
-        f += ring_extra_s(cm.layer_fwd.attn_pair_s * p, t, cp, self.elementwise, self.calibration)
-        b += ring_extra_s(cm.layer_bwd.attn_pair_s * p, t, cp, self.elementwise, self.calibration)
-        emb = cm.embedding_token_s * t
-        head_f = cm.head_fwd(0, t)
+        f = k.layer_fwd(p, t) + self._ring_exposed(pairs, padded_tokens, k.layer_fwd.attn_pair_s, False)
+        b = k.layer_bwd(p, t) + self._ring_exposed(pairs, padded_tokens, k.layer_bwd.attn_pair_s, True)
+        f += ring_extra_s(k.layer_fwd.attn_pair_s * p, t, cp, self.elementwise, self.calibration)
+        b += ring_extra_s(k.layer_bwd.attn_pair_s * p, t, cp, self.elementwise, self.calibration)
+        emb = k.embedding_token_s * t
+        head_f = k.head_fwd(0, t)
         fwd = n * f + emb + head_f
         recompute = checkpointed_layers * f
-        bwd = n * b + recompute + emb + cm.head_bwd(0, t) + head_f  # the chunked loss recomputes logits
+        bwd = n * b + recompute + emb + k.head_bwd(0, t) + head_f  # the chunked loss recomputes logits
         return fwd, bwd, recompute
 
     def micro_batch_pairs(self, lengths: list[int], padded_tokens: int) -> float:
@@ -248,7 +249,7 @@ class RingGroup(_Group):
     def activation_peak_bytes(self, padded_tokens: int, checkpointed_layers: int) -> float:
         n, c = self.gpu_tokens(padded_tokens), int(checkpointed_layers)
         ring = 4 * n * self.kv_bytes_per_token if self.size > 1 else 0.0
-        return self.cost.activation_bytes(0, n, c) + self.cost.working_bytes(0, n, c, backward=True) + ring
+        return self.cost.acts.activation_bytes(0, n, c) + self.cost.acts.working_bytes(0, n, c, backward=True) + ring
 
 
 class PackedRingGroup(RingGroup):

@@ -12,8 +12,9 @@ from typing import Sequence
 import numpy as np
 
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
-from infinipipe_hf.planner.alternatives.flexsp_solver import RoundProblem, greedy_groups, milp_groups
+from infinipipe_hf.planner.alternatives.flexsp_solver import milp_groups
 from infinipipe_hf.planner.alternatives.round_plan import GroupRun, RoundPlan
+from infinipipe_hf.planner.batch.group_packing import RoundProblem, greedy_groups
 from infinipipe_hf.planner.batch.rounds import blast
 
 NAME = "flexsp"

@@ -26,8 +26,8 @@ from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.alternatives.round_plan import RoundPlan
 from infinipipe_hf.planner.alternatives.round_schedule import resolve_checkpointing
 from infinipipe_hf.planner.batch.uniform import pack_sequences
+from infinipipe_hf.planner.pipeline.grids import packing_candidates, run_pack_exponents, run_pack_knob
 from infinipipe_hf.planner.schedules.base import Knobs
-from infinipipe_hf.planner.schedules.grids import packing_candidates, run_pack_exponents, run_pack_knob
 
 NAME = "ring-cp-packed"
 ATTENTION = "ring-packed"

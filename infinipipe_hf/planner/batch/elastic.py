@@ -3,7 +3,7 @@
 Every decision uses the per-layer forward+backward time ``t = a1 * sum(s^2 + 2 C s) + a2 * sum(s) + b``
 (:class:`~infinipipe_hf.planner.batch.layer_time.LayerTime`):
 
-1. The longest sequence is cut into ``K`` slices of equal time (:mod:`~infinipipe_hf.planner.batch.mesh`).
+1. The longest sequence is cut into ``K`` slices of equal time (:mod:`~infinipipe_hf.planner.batch.slice_cuts`).
    The rounded cuts are the *mesh*; the slowest slice is the *time budget*; the largest slice
    is the *token budget*.  A ``max_tokens_per_unit`` cap smaller than that raises ``K``.
 2. Every sequence longer than the token budget is *long* and is cut at the same absolute mesh
@@ -29,8 +29,8 @@ import numpy as np
 
 from infinipipe_hf.ir.units import Segment, Unit
 from infinipipe_hf.planner.batch.layer_time import LayerTime
-from infinipipe_hf.planner.batch.mesh import largest_slice, mesh_for
 from infinipipe_hf.planner.batch.select import select_sequences
+from infinipipe_hf.planner.batch.slice_cuts import largest_slice, mesh_for
 from infinipipe_hf.planner.cost.model import CostModel
 
 # Relative slack on budget comparisons: times are sums of floats, budgets come from the same sums.

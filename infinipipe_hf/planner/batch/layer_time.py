@@ -21,7 +21,7 @@ class LayerTime:
 
     @staticmethod
     def of(cost: CostModel) -> "LayerTime":
-        f, w = cost.layer_fwd, cost.layer_bwd
+        f, w = cost.coefficients.layer_fwd, cost.coefficients.layer_bwd
         return LayerTime(f.attn_pair_s + w.attn_pair_s, f.token_s + w.token_s, f.fixed_s + w.fixed_s)
 
     def segment(self, start: int, end: int) -> float:

@@ -1,7 +1,7 @@
 """Elastic SP rounds: EPP's units regrouped so short sequences run on small SP sub-groups.
 
 A stage of ``sp`` GPUs can run several units side by side, each on an aligned sub-group of a
-power-of-two size (:mod:`infinipipe_hf.ir.rounds`).  A short sequence on one GPU pays no
+power-of-two size (:mod:`infinipipe_hf.ir.sp_rounds`).  A short sequence on one GPU pays no
 all-to-all and no head rounding, while a long one keeps the whole group.  From the elastic units
 of one slice count (:func:`~.elastic.make_elastic_units`, priced on the whole group):
 
@@ -31,10 +31,10 @@ from typing import Sequence
 
 import numpy as np
 
-from infinipipe_hf.ir.rounds import SubGroup
+from infinipipe_hf.ir.sp_rounds import SubGroup
 from infinipipe_hf.ir.units import Segment, Unit
-from infinipipe_hf.planner.alternatives.flexsp_solver import RoundProblem, greedy_groups
 from infinipipe_hf.planner.batch.elastic import SlicingResult
+from infinipipe_hf.planner.batch.group_packing import RoundProblem, greedy_groups
 from infinipipe_hf.planner.batch.layer_time import LayerTime
 from infinipipe_hf.planner.batch.rounds import blast
 from infinipipe_hf.planner.cost.model import CostModel
@@ -83,9 +83,9 @@ def group_sizes(sp_degree: int) -> list[int]:
 
 def elastic_rounds(res: SlicingResult, lengths: Sequence[int], cost: CostModel,
                    first_unit_id: int = 0) -> RoundedUnits | None:
-    """Rounds of ``res``'s units on ``cost.sp_degree`` GPUs per stage; None when no unit would run
+    """Rounds of ``res``'s units on ``cost.dims.sp_degree`` GPUs per stage; None when no unit would run
     on a sub-group (then the plan is plain whole-group EPP)."""
-    sp = cost.sp_degree
+    sp = cost.dims.sp_degree
     sizes = group_sizes(sp)
     chains = [u for u in res.units if any(s.start > 0 or s.end < lengths[s.seq] for s in u.segments)]
     chained = {u.id for u in chains}

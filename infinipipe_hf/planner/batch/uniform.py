@@ -13,7 +13,7 @@
 ``cost`` is accepted by the makers for a uniform signature across schedules.  The baselines'
 decisions are cost-blind, as in the systems they model, except where the system itself prices
 its cuts: the computation-wise split balances the cost model's layer time (Seq1F1B balances its
-own FLOP count).  Their knob grids are in :mod:`~infinipipe_hf.planner.schedules.grids`.
+own FLOP count).  Their knob grids are in :mod:`~infinipipe_hf.planner.pipeline.grids`.
 """
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def equal_compute_slices(members: Sequence[tuple[int, int]], num_slices: int, pa
 def layer_pair_weight(cost: CostModel) -> float:
     """Seconds of a causal attention pair over seconds of a token, in one layer's forward and
     backward per GPU: the ``pair_weight`` of :func:`equal_compute_slices` under ``cost``."""
-    fwd, bwd = cost.layer_fwd, cost.layer_bwd
+    fwd, bwd = cost.coefficients.layer_fwd, cost.coefficients.layer_bwd
     token_s = fwd.token_s + bwd.token_s
     pair_s = fwd.attn_pair_s + bwd.attn_pair_s
     return pair_s / token_s if token_s > 0 else 0.0

@@ -14,7 +14,7 @@ from typing import Mapping
 
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import has_sub_groups, rank_classes, rank_view
-from infinipipe_hf.planner.checkpointing.timeline import (
+from infinipipe_hf.planner.checkpointing.memory_walk import (
     LevelCounts,
     StageTimeline,
     finer_bytes,
@@ -82,7 +82,7 @@ def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
     for uid in point.live_units:
         segs = by_id[uid].segments
         c = groups.get(uid, cost)
-        total += (c.unit_activation_bytes(stage, segs, checkpoint_layers.get(uid, 0))
+        total += (c.acts.unit_activation_bytes(stage, segs, checkpoint_layers.get(uid, 0))
                   - finer_bytes(c, stage, segs, levels.get(uid)))
     return total
 
@@ -117,7 +117,7 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
         assert timeline.actions is plan.stage_actions(dp_rank, stage), "timeline is not this stage's"
         return timeline.peak(cost, stage, checkpoint_layers, levels)
     if not points:
-        return cost.static_bytes(stage)
+        return cost.acts.static_bytes(stage)
     actions = plan.stage_actions(dp_rank, stage)
     assert len(points) == len(actions), "points are not this stage's"
     by_id = plan.unit_by_id
@@ -130,7 +130,7 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
         c = groups.get(a.unit, cost)
         if a.unit not in act:
             segs = by_id[a.unit].segments
-            act[a.unit] = (c.unit_activation_bytes(stage, segs, checkpoint_layers.get(a.unit, 0))
+            act[a.unit] = (c.acts.unit_activation_bytes(stage, segs, checkpoint_layers.get(a.unit, 0))
                            - finer_bytes(c, stage, segs, levels.get(a.unit)))
             live_sum += act[a.unit]
         base = p.base_bytes

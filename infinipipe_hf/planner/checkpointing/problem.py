@@ -18,14 +18,14 @@ to back across stages, so recompute on one shows up as the same bubble on the ot
 hold different layer counts: the shared count would be ``min(x_d, layers_p)``, which is not
 linear, so a diagonal gets one variable *per distinct layer count* among its stages (every cell
 can still reach full checkpointing; the adaptive policy is feasible exactly when full
-checkpointing is).  Trade-off (benchmarks/solver_study.py): sharing makes the problem O(n + pp)
+checkpointing is).  Trade-off (docs/algorithms.md): sharing makes the problem O(n + pp)
 instead of O(n * pp) but forces recompute on stages with memory to spare; per-cell counts need
 less recompute and their memory rows separate by stage (:meth:`ReplicaProblem.stage_blocks`),
 which keeps them fast to solve.
 
-SP rounds (:mod:`infinipipe_hf.ir.rounds`): checkpointing is chosen per (stage, round) -- the
+SP rounds (:mod:`infinipipe_hf.ir.sp_rounds`): checkpointing is chosen per (stage, round) -- the
 units of a round share their variables -- and every distinct SP rank gets the rows of its own
-units (:mod:`.round_cells`).
+units (:mod:`.sp_round_cells`).
 
 Only points that can bind are kept: a point whose live set is contained in another's and whose
 base bytes are not larger is dominated for every choice of counts (:mod:`.dominance`).
@@ -45,7 +45,7 @@ from infinipipe_hf.ir.rank_views import rank_classes, rank_view
 from infinipipe_hf.planner.checkpointing.dominance import undominated
 from infinipipe_hf.planner.checkpointing.live_windows import live_windows
 from infinipipe_hf.planner.checkpointing.points import MemoryPoint, memory_points
-from infinipipe_hf.planner.checkpointing.round_cells import RoundCells, slowest_member_pays
+from infinipipe_hf.planner.checkpointing.sp_round_cells import RoundCells, slowest_member_pays
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import CostModel
 
@@ -111,10 +111,6 @@ class ReplicaProblem:
 
     def recompute_s(self, columns: np.ndarray) -> float:
         return float(np.dot(columns, self.col_cost_s))
-
-    def full_columns(self, counts: np.ndarray) -> np.ndarray:
-        """Columns giving every cell ``counts`` whole layers (and no finer level beyond them)."""
-        return np.asarray(counts)[self.col_cell]
 
     def stage_blocks(self) -> list[tuple["ReplicaProblem", np.ndarray]]:
         """Independent sub-problems, one per stage, with each one's variables' indices here.
@@ -227,9 +223,9 @@ def _add_cells(plan: Plan, base_cost: CostModel, dp_rank: int, p: int, finer: tu
         else:
             # A unit with no backward here (invalid plan) gets a variable of its own.
             cells.key.append(("d", k + (pp - 1 - p), layers) if k is not None else ("orphan", p, uid))
-        a0 = cost.unit_activation_bytes(p, segments, 0)
+        a0 = cost.acts.unit_activation_bytes(p, segments, 0)
         cells.zero_act.append(a0)
-        cells.saves.append([a0 - cost.unit_activation_bytes(p, segments, 1)]
+        cells.saves.append([a0 - cost.acts.unit_activation_bytes(p, segments, 1)]
                            + [lc.layer_saved_bytes(lv, p, segments) for lv in finer])
         cells.redos.append([layer_s] + [lc.layer_recompute_s(lv, shape) for lv in finer])
     return cell_here

@@ -19,7 +19,7 @@ recompute seconds, per independent block (a stage, with per-cell counts):
 grouping, where speed matters more than the last percent.  ``none``, ``full`` and ``uniform``
 are the static whole-layer settings baselines use.
 
-Trade-off (benchmarks/solver_study.py): the rounded LP lands within a few percent of the LP
+Trade-off (docs/algorithms.md): the rounded LP lands within a few percent of the LP
 bound, so the LP always runs (up to ``lp.LP_TIME_LIMIT_S``) and ``time_limit_s`` bounds only the
 branch and bound: a short limit trades a little recompute for planning speed.  The formulation
 matters more: diagonal-shared counts force recompute on stages with memory to spare.  Every
@@ -40,7 +40,7 @@ from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
 from infinipipe_hf.planner.checkpointing.lp import LP_TIME_LIMIT_S, lp_rounding, milp_counts
 from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
 from infinipipe_hf.planner.checkpointing.problem import SHARING, ReplicaProblem, build_problem
-from infinipipe_hf.planner.checkpointing.round_cells import round_recompute_seconds
+from infinipipe_hf.planner.checkpointing.sp_round_cells import round_recompute_seconds
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 
@@ -204,8 +204,8 @@ def _check_arguments(plan: Plan, cost: CostModel, policy: str, levels, sharing: 
     levels = check_levels(levels)
     if sharing not in SHARING:
         raise ValueError(f"sharing={sharing!r} is not known; use one of {', '.join(SHARING)}")
-    if cost.pp_degree != plan.pp_degree:
-        raise ValueError(f"cost model is for pp_degree={cost.pp_degree} but the plan has pp_degree="
+    if cost.dims.pp_degree != plan.pp_degree:
+        raise ValueError(f"cost model is for pp_degree={cost.dims.pp_degree} but the plan has pp_degree="
                          f"{plan.pp_degree}; build the CostModel with the plan's pp_degree")
     if plan.layers_per_stage and list(plan.layers_per_stage) != list(cost.layers_per_stage):
         raise ValueError(f"plan has layers_per_stage={plan.layers_per_stage} but the cost model "

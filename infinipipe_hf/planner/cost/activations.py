@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.units import Segment
-from infinipipe_hf.layout import LayoutSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.profile import HardwareProfile, reference_spec
 from infinipipe_hf.planner.cost.states import ShardedStates
 from infinipipe_hf.planner.cost.ulysses import UlyssesCost, tokens_per_gpu
@@ -45,14 +45,14 @@ def _act_elements(spec: ModelSpec, bytes_per_element: float = 2) -> float:
 class StageActivations:
     """Bytes of the actions of one stage, per GPU (module docstring)."""
 
-    def __init__(self, spec: ModelSpec, profile: HardwareProfile, layout: LayoutSpec,
+    def __init__(self, spec: ModelSpec, profile: HardwareProfile, dims: ParallelDims,
                  layers_per_stage: list[int], states: ShardedStates, *, loss_chunk_tokens: int = 4096,
                  ulysses: UlyssesCost | None = None, group_size: int | None = None):
         p = profile
         self.spec = spec
         self.profile = profile
-        self.pp_degree = layout.pp_degree
-        self.sp_degree = layout.sp_degree if group_size is None else group_size
+        self.pp_degree = dims.pp_degree
+        self.sp_degree = dims.sp_degree if group_size is None else group_size
         """Ranks a unit's tokens are split over: the stage's SP group, or a sub-group of it."""
         self.layers_per_stage = layers_per_stage
         self.states = states
@@ -69,6 +69,13 @@ class StageActivations:
             self.kv_bytes_per_token_per_layer = ulysses.kv_bytes_per_token_per_layer()
             # While an all-to-all runs, q, k, v exist in both layouts: the received copy is extra.
             self.layer_working_bytes_per_token += sum(ulysses.all_to_all_bytes_per_token()[:3])
+
+    @staticmethod
+    def from_stage(ctx, cost) -> "StageActivations":
+        """The stage's part (:mod:`.model`)."""
+        return StageActivations(ctx.spec, ctx.profile, ctx.dims, list(ctx.layers_per_stage), cost.states,
+                                loss_chunk_tokens=ctx.loss_chunk_tokens, ulysses=cost.ulysses,
+                                group_size=ctx.group_size)
 
     def gpu_tokens(self, tokens: int) -> int:
         """Tokens of a unit of ``tokens`` on the busiest GPU of a stage (``ceil(tokens / sp)``)."""

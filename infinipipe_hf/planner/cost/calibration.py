@@ -4,8 +4,7 @@ A layer profile prices a decoder layer run alone on an idle GPU.  A real trainin
 kernels outside the profiled layer (optimizer step, embedding, framework launches), for collectives
 that are not hidden perfectly behind compute, for each SP/CP group it runs per round, and for ring
 attention's blockwise steps.  :class:`Calibration` holds those mechanisms; its defaults are the ideal
-machine (no effect), and ``benchmarks/calibration.py`` fits values on published measurements
-(docs/calibration.md).  Every schedule -- EPP, the pipeline baselines and the alternatives -- reads the
+machine (no effect); docs/calibration.md says how values are fitted on published measurements.  Every schedule -- EPP, the pipeline baselines and the alternatives -- reads the
 same values from its profile, so calibration never favours one system.
 """
 from __future__ import annotations

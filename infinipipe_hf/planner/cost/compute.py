@@ -21,7 +21,7 @@ from typing import Iterable
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.units import Segment
-from infinipipe_hf.layout import LayoutSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.profile import HardwareProfile, TimeCoefficients, reference_spec
 from infinipipe_hf.planner.cost.states import ShardedStates
 from infinipipe_hf.planner.cost.ulysses import UlyssesCost, tokens_per_gpu
@@ -45,10 +45,6 @@ class UnitShape:
         return UnitShape(float(pairs), tokens)
 
 
-def unit_shape(segments: Iterable[Segment]) -> UnitShape:
-    return UnitShape.of(segments)
-
-
 @dataclass(frozen=True)
 class ComputeCoefficients:
     """Per-GPU time coefficients of one model's decoder layer, LM head and embedding."""
@@ -63,6 +59,11 @@ class ComputeCoefficients:
     head_fwd: TimeCoefficients
     head_bwd: TimeCoefficients
     embedding_token_s: float
+
+    @staticmethod
+    def from_stage(ctx, cost) -> "ComputeCoefficients":
+        """The stage's part (:mod:`.model`): the fits of ``ctx``'s model at its SP (sub-)group."""
+        return ComputeCoefficients.of(ctx.spec, ctx.profile, cost.ulysses)
 
     @staticmethod
     def of(spec: ModelSpec, profile: HardwareProfile, ulysses: UlyssesCost | None = None) -> "ComputeCoefficients":
@@ -99,7 +100,7 @@ class ComputeCoefficients:
 class StageCompute:
     """Seconds of the actions of one stage, per GPU, for one model on one profile and layout."""
 
-    def __init__(self, coefficients: ComputeCoefficients, profile: HardwareProfile, layout: LayoutSpec,
+    def __init__(self, coefficients: ComputeCoefficients, profile: HardwareProfile, dims: ParallelDims,
                  layers_per_stage: list[int], states: ShardedStates, hidden_bytes_per_token: float,
                  group_size: int | None = None):
         c = self.coefficients = coefficients
@@ -107,14 +108,20 @@ class StageCompute:
         self.head_fwd, self.head_bwd = c.head_fwd, c.head_bwd
         self.embedding_token_s = c.embedding_token_s
         self.profile = profile
-        self.layout = layout
-        self.pp_degree = layout.pp_degree
-        self.sp_degree = layout.sp_degree if group_size is None else group_size
+        self.dims = dims
+        self.pp_degree = dims.pp_degree
+        self.sp_degree = dims.sp_degree if group_size is None else group_size
         """Ranks a unit's tokens are split over: the stage's SP group, or a sub-group of it."""
         self.layers_per_stage = layers_per_stage
         self.states = states
         self.hidden_bytes_per_token = hidden_bytes_per_token
         """Bytes per token of the hidden states a stage sends to the next."""
+
+    @staticmethod
+    def from_stage(ctx, cost) -> "StageCompute":
+        """The stage's part (:mod:`.model`)."""
+        return StageCompute(cost.coefficients, ctx.profile, ctx.dims, list(ctx.layers_per_stage), cost.states,
+                            cost.acts.hidden_bytes_per_token, group_size=ctx.group_size)
 
     def gpu_tokens(self, tokens: int) -> int:
         """Tokens of a unit of ``tokens`` on the busiest GPU of a stage (``ceil(tokens / sp)``)."""
@@ -179,7 +186,7 @@ class StageCompute:
             return 0.0
         p = self.profile
         bandwidth = p.p2p_bandwidth_bytes_per_s
-        if self.layout.stage_link_crosses_nodes:
+        if self.dims.stage_link_crosses_nodes:
             bandwidth = min(bandwidth, p.inter_node_bandwidth_bytes_per_s)
         return p.p2p_latency_s + self.gpu_tokens(num_tokens) * self.hidden_bytes_per_token / bandwidth
 
@@ -192,6 +199,6 @@ class StageCompute:
     def gradient_sync_time(self, stage_index: int, last_backward_s: float) -> float:
         """Exposed seconds of the step's gradient reduction on the stage after its last backward
         of ``last_backward_s`` seconds (0 when the stage has one rank per replica, unsharded)."""
-        if not self.states.sharded and self.layout.replica_degree == 1:
+        if not self.states.sharded and self.dims.replica_degree == 1:
             return 0.0
         return self.states.gradient_sync_time(stage_index, last_backward_s)

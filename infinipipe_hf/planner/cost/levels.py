@@ -32,6 +32,11 @@ from infinipipe_hf.planner.cost.compute import StageCompute, UnitShape
 class LevelCosts:
     """Per-layer bytes saved and recompute seconds of each level, for one stage's time and bytes."""
 
+    @staticmethod
+    def from_stage(ctx, cost) -> "LevelCosts":
+        """The stage's part (:mod:`.model`)."""
+        return LevelCosts(cost.compute, cost.acts)
+
     def __init__(self, compute: StageCompute, acts: StageActivations):
         spec, p = acts.spec, acts.profile
         self.compute = compute

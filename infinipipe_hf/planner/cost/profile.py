@@ -16,7 +16,7 @@ accurate times.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -95,10 +95,10 @@ class HardwareProfile:
     p2p_latency_s: float = 20e-6
     p2p_cpu_s: float = 0.0
     """CPU seconds one point-to-point message costs its two ends together, whatever its size
-    (runs whose transport copies on the cores the stages compute on: gloo on CPU, measured by
-    ``benchmarks/p2p_worker.py``).  With ``shared_cores`` the simulator charges half of it to the
-    sending action and half to the receiving one.  0 (default): the transfer takes no compute
-    from the stages, as with NCCL between GPUs."""
+    (runs whose transport copies on the cores the stages compute on: gloo on CPU).  A replica
+    replay on shared cores charges half of it to the sending action and half to the receiving one
+    (``ActionCosts.shared_work``).  0 (default): the transfer takes no compute from the stages, as
+    with NCCL between GPUs."""
     p2p_cpu_s_per_byte: float = 0.0
     """CPU seconds per byte of a point-to-point message, both ends together (see ``p2p_cpu_s``)."""
     intra_node_bandwidth_bytes_per_s: float = 360e9
@@ -126,16 +126,6 @@ class HardwareProfile:
     ``forward_mlp_act`` (what a layer at that checkpoint level holds while it runs beyond what it
     keeps).  Set: the memory model takes a running action's peak phase by phase
     (``planner/cost/working.py``); empty (default): the linear bound of ``StageActivations.working_bytes``."""
-    shared_cores: float = 0.0
-    """Cores that all ranks of a run share (CPU runs of several single-threaded ranks on one
-    machine); the simulator then runs at most this many ranks at full speed and shares the cores
-    equally among the busy ones (``planner/simulate/shared_replay.py``).  0 (default): every rank has a
-    device of its own, as on GPUs."""
-    pinned_ranks: bool = False
-    """With ``shared_cores``: every rank is pinned to one core, global rank ``r`` on core
-    ``r % shared_cores`` (as ``benchmarks/runtime_worker.py`` pins them with ``pin_cores``); the
-    simulator then shares each core among its own busy ranks only.  False: the operating system
-    moves ranks between cores, modelled as all cores shared among all busy ranks."""
     device: str = ""
     calibration: Calibration = field(default_factory=Calibration)
     """Whole-step mechanisms beyond the layer fit (collective overlap, per-group costs, ring steps;
@@ -151,12 +141,6 @@ class HardwareProfile:
             raise ValueError(f"profile field collective_latency_s must be >= 0, got {self.collective_latency_s!r}")
         check_working_fields(self.working_bytes_per_token)
         object.__setattr__(self, "calibration", Calibration.from_dict(self.calibration))
-        if not self.shared_cores >= 0:
-            raise ValueError(f"profile field shared_cores must be >= 0 (0: a device per rank), got "
-                             f"{self.shared_cores!r}")
-        if self.pinned_ranks and (not self.shared_cores or int(self.shared_cores) != self.shared_cores):
-            raise ValueError(f"profile field pinned_ranks needs shared_cores to be a whole number of cores "
-                             f"(ranks are pinned to cores), got shared_cores={self.shared_cores!r}")
         if int(self.gpus_per_node) != self.gpus_per_node or self.gpus_per_node < 1:
             raise ValueError(f"profile field gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
 
@@ -181,6 +165,11 @@ class HardwareProfile:
                              f"{PROFILE_FORMAT_VERSION}); re-run python -m infinipipe_hf.profile")
         kw = dict(d)
         kw.pop("format_version", None)
+        unknown = sorted(set(kw) - {f.name for f in fields(HardwareProfile)})
+        if unknown:
+            raise ValueError(f"profile fields {unknown} are not known; the profile was written by another "
+                             f"version, or for the project's CPU benchmarks (whose shared_cores and pinned_ranks "
+                             f"are their own settings); drop them or re-run python -m infinipipe_hf.profile")
         kw["calibration"] = Calibration.from_dict(kw.get("calibration"))
         for key in ("layer_forward", "layer_backward", "head_forward", "head_backward"):
             kw[key] = TimeCoefficients(**kw[key])
@@ -271,7 +260,7 @@ def default_profile() -> HardwareProfile:
 @lru_cache(maxsize=1)
 def calibrated_profile() -> HardwareProfile:
     """The shipped H100 profile with the calibration fitted on published measurements
-    (``profiles/h100_bf16_calibrated.json``, written by ``benchmarks/calibration.py``)."""
+    (``profiles/h100_bf16_calibrated.json``; docs/calibration.md says how it is fitted)."""
     text = resources.files("infinipipe_hf.profiles").joinpath("h100_bf16_calibrated.json").read_text()
     return HardwareProfile.from_dict(json.loads(text))
 

@@ -53,7 +53,7 @@ from functools import cached_property
 from typing import Sequence
 
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.layout import LayoutSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.calibration import overlapped
 from infinipipe_hf.planner.cost.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
 from infinipipe_hf.planner.cost.profile import HardwareProfile
@@ -144,7 +144,7 @@ def stage_state_bytes_per_rank(spec: ModelSpec, num_layers: int, *, embedding: b
 class ShardedStates:
     """Memory and collective times of one stage layout's sharded states (module docstring)."""
 
-    def __init__(self, spec: ModelSpec, profile: HardwareProfile, layout: LayoutSpec,
+    def __init__(self, spec: ModelSpec, profile: HardwareProfile, dims: ParallelDims,
                  layers_per_stage: Sequence[int], precision: StatePrecision | None = None,
                  grad_reduce: str = "step"):
         if grad_reduce not in GRAD_REDUCE_MODES:
@@ -152,19 +152,19 @@ class ShardedStates:
                              f"per step, what the runtime does) or 'unit' (after every backward; a what-if)")
         self.grad_reduce = grad_reduce
         self._peak: dict[int, float] = {}
-        self.layout = layout
+        self.dims = dims
         self.precision = precision or StatePrecision.from_profile(profile)
         self.calibration = profile.calibration
-        pp = layout.pp_degree
+        pp = dims.pp_degree
         head_is_embedding = spec.tie_word_embeddings and pp == 1
         self.units = [stage_param_shapes(spec, n, embedding=s == 0, head=s == pp - 1,
                                          head_is_embedding=head_is_embedding)
                       for s, n in enumerate(layers_per_stage)]
         self.unit_numel = [[sharded_numel(u, 1) for u in units] for units in self.units]
-        g = layout.shard_degree
-        bw = (profile.inter_node_bandwidth_bytes_per_s if layout.shard_crosses_nodes
+        g = dims.shard_degree
+        bw = (profile.inter_node_bandwidth_bytes_per_s if dims.shard_crosses_nodes
               else profile.intra_node_bandwidth_bytes_per_s)
-        rep_bw = (profile.inter_node_bandwidth_bytes_per_s if layout.replica_crosses_nodes
+        rep_bw = (profile.inter_node_bandwidth_bytes_per_s if dims.replica_crosses_nodes
                   else profile.intra_node_bandwidth_bytes_per_s)
         lat = profile.collective_latency_s
         p = self.precision
@@ -172,24 +172,31 @@ class ShardedStates:
                          for numel in self.unit_numel]
         # Reduce-scatter of each unit's fp32 gradient, then all-reduce of the shard over the replicas.
         self.reduce_s = [[reduce_scatter_time(n * p.reduce_bytes_per_param, g, bw, lat)
-                          + all_reduce_time(n * p.reduce_bytes_per_param / g, layout.replica_degree, rep_bw, lat)
+                          + all_reduce_time(n * p.reduce_bytes_per_param / g, dims.replica_degree, rep_bw, lat)
                           for n in numel] for numel in self.unit_numel]
         # Unsharded: one all-reduce of the stage's gradient over its SP x DP ranks.
-        self.allreduce_s = [all_reduce_time(sum(numel) * p.reduce_bytes_per_param, layout.replica_degree,
+        self.allreduce_s = [all_reduce_time(sum(numel) * p.reduce_bytes_per_param, dims.replica_degree,
                                             rep_bw, lat) for numel in self.unit_numel]
+
+    @staticmethod
+    def from_stage(ctx, cost) -> "ShardedStates":
+        """The stage's part (:mod:`.model`): states live on the whole SP group, whichever
+        sub-group a unit runs on."""
+        return ShardedStates(ctx.spec, ctx.profile, ctx.dims, ctx.layers_per_stage, ctx.state_precision,
+                             ctx.grad_reduce)
 
     @cached_property
     def sharded(self) -> bool:
-        return self.layout.shard_degree > 1
+        return self.dims.shard_degree > 1
 
     @cached_property
     def gathers_per_step(self) -> bool:
         """The shard group spans DP replicas: parameters are gathered once per step, not per unit."""
-        return self.sharded and self.layout.mode.per_step_gather
+        return self.sharded and self.dims.shard.per_step_gather
 
     def state_bytes_per_rank(self, stage_index: int) -> float:
         """:func:`stage_state_bytes_per_rank` of the stage (between steps)."""
-        g = self.layout.shard_degree
+        g = self.dims.shard_degree
         return sum(sharded_numel(u, g) for u in self.units[stage_index]) * self.precision.state_bytes_per_param
 
     def peak_static_bytes(self, stage_index: int) -> float:
@@ -203,7 +210,7 @@ class ShardedStates:
         numel = self.unit_numel[stage_index]
         if not self.sharded:
             return sum(numel) * p.state_bytes_per_param
-        g = self.layout.shard_degree
+        g = self.dims.shard_degree
         shard = sum(sharded_numel(u, g) for u in self.units[stage_index])
         working = (sum(numel) if self.gathers_per_step else 3 * max(numel)) * p.compute_bytes_per_param
         if self.grad_reduce == "unit":

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.layout import LayoutSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.collectives import all_to_all_time_two_level
 from infinipipe_hf.planner.cost.profile import HardwareProfile, TimeCoefficients
 
@@ -84,9 +84,14 @@ class UlyssesCost:
         check_sp_degree(self.spec, self.sp_degree)
 
     @staticmethod
-    def of(spec: ModelSpec, profile: HardwareProfile, layout: LayoutSpec, group_size: int | None = None) -> "UlyssesCost":
+    def from_stage(ctx, cost) -> "UlyssesCost | None":
+        """The stage's part (:mod:`.model`): ``None`` when a unit runs on one rank."""
+        return UlyssesCost.of(ctx.spec, ctx.profile, ctx.dims, ctx.group_size) if ctx.group_size > 1 else None
+
+    @staticmethod
+    def of(spec: ModelSpec, profile: HardwareProfile, layout: ParallelDims, group_size: int | None = None) -> "UlyssesCost":
         """Ulysses over a stage's whole SP group, or over its aligned sub-groups of ``group_size``
-        ranks (:mod:`infinipipe_hf.ir.rounds`; a sub-group of ``g`` ranks starts at a multiple of ``g``)."""
+        ranks (:mod:`infinipipe_hf.ir.sp_rounds`; a sub-group of ``g`` ranks starts at a multiple of ``g``)."""
         g = layout.sp_degree if group_size is None else int(group_size)
         if g == layout.sp_degree:
             groups = layout.sp_groups()

@@ -6,8 +6,8 @@ bounded linearly (:meth:`StageActivations.working_bytes`: one layer's peak beyon
 the unit's input and output, in backward twice a layer's activations, a chunk of logits), which
 is what the checkpoint solver needs and what every profile without the figures below keeps using.
 
-A running action's peak is not a sum of those terms but the *largest of its phases* (measured on
-CPU by ``benchmarks/cpu_profile.py`` with the allocator's events).  With
+A running action's peak is not a sum of those terms but the *largest of its phases* (the phases
+are measured with the allocator's events).  With
 ``HardwareProfile.working_bytes_per_token`` set, the peak of a unit whose stage has layers at
 levels ``l_0..l_{L-1}`` (heaviest first, as the runtime runs them) is, per GPU token ``T``:
 
@@ -59,6 +59,12 @@ RECEIVE_LOOKAHEAD = 2
 
 class WorkingMemory:
     """Phase model of one stage's bytes (module docstring); only for profiles that measured it."""
+
+    @staticmethod
+    def from_stage(ctx, cost) -> "WorkingMemory | None":
+        """The stage's part (:mod:`.model`): ``None`` unless the profile measured the phases (then
+        ``acts.working_bytes`` is the model)."""
+        return WorkingMemory(cost.acts, cost.levels) if ctx.profile.working_bytes_per_token else None
 
     def __init__(self, acts: StageActivations, levels: LevelCosts):
         p = acts.profile

@@ -17,9 +17,9 @@ from infinipipe_hf.ir.units import Unit
 from infinipipe_hf.planner.batch.uniform import SliceBalance, make_packed_units
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
 from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.pipeline.actions import replica_actions
+from infinipipe_hf.planner.pipeline.grids import packing_candidates
 from infinipipe_hf.planner.schedules.base import Candidate, Knobs, SearchState
-from infinipipe_hf.planner.schedules.grids import packing_candidates
-from infinipipe_hf.planner.schedules.pipeline import replica_actions
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext, PipelineSchedule
 
 
@@ -62,7 +62,7 @@ class BaselineSchedule(PipelineSchedule):
         return make_packed_units(lengths, cost, knobs.pack_tokens, seqs=seqs, first_unit_id=first_unit_id)
 
     def candidates(self, ctx: PipelineContext, state: SearchState) -> Iterator[Candidate]:
-        packs = packing_candidates(ctx.lengths, ctx.cost.sp_degree)
+        packs = packing_candidates(ctx.lengths, ctx.cost.dims.sp_degree)
         if ctx.max_tokens_per_unit is not None:
             # The cap itself (or the longest sequence, which packing never cuts) as the tightest pack.
             packs = sorted(set(packs) | {max(max(ctx.lengths), int(ctx.max_tokens_per_unit))})
@@ -81,16 +81,16 @@ class BaselineSchedule(PipelineSchedule):
         actions = {}
         for dp_rank, seqs in enumerate(replicas):
             if not seqs:
-                actions[dp_rank] = [[] for _ in range(cost.pp_degree)]
+                actions[dp_rank] = [[] for _ in range(cost.dims.pp_degree)]
                 continue
             made = self.make_units(lengths, cost, knobs, seqs, len(units))
             part_units, actions[dp_rank] = replica_actions(lengths, cost, [made], dp_rank,
-                                                           partial(self.warmup, cost.pp_degree,
+                                                           partial(self.warmup, cost.dims.pp_degree,
                                                                    num_slices=knobs.num_slices or 1))
             units.extend(part_units)
         info = knobs.record()
-        plan = Plan(self.name, cost.pp_degree, len(replicas), list(lengths), units, actions, {},
-                    list(cost.layers_per_stage), info, cost.sp_degree, cost.shard)
+        plan = Plan(self.name, cost.dims.pp_degree, len(replicas), list(lengths), units, actions, {},
+                    list(cost.layers_per_stage), info, cost.dims.sp_degree, cost.dims.shard.name)
         sol = solve_checkpointing(plan, cost, policy=policy)
         if not sol.feasible:
             raise ValueError(sol.message or "no checkpointing fits the memory budget")

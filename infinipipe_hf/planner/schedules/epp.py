@@ -25,10 +25,10 @@ from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Unit
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
 from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.pipeline.actions import epp_warmup, replica_actions
+from infinipipe_hf.planner.pipeline.grids import MIN_SLICE_TOKENS, slice_count_candidates, token_floor_candidates
 from infinipipe_hf.planner.schedules.base import Candidate, Knobs, SearchState
 from infinipipe_hf.planner.schedules.epp_units import epp_units
-from infinipipe_hf.planner.schedules.grids import MIN_SLICE_TOKENS, slice_count_candidates, token_floor_candidates
-from infinipipe_hf.planner.schedules.pipeline import epp_warmup, replica_actions
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext, PipelineSchedule
 
 EXACT_CANDIDATES = 3
@@ -40,7 +40,7 @@ ROUND_CANDIDATES = 4
 ROUND_TOKEN_FLOORS = (6144, 10240, 12288)
 """Unit token floors per GPU also tried with SP rounds (next to the grid's 4K, 8K and 16K): a
 round's tokens per rank trade FSDP gathers and kernel overheads against recompute, and the
-optimum falls between the grid's points (docs/results.md)."""
+optimum falls between the grid's points."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class EPPSchedule(PipelineSchedule):
                                            ctx.policy, ctx.time_limit_s))
 
     def leanest_plan(self, cost: CostModel, n: int, max_slices: int) -> Plan:
-        k = min(max_slices, max(1, n // (MIN_SLICE_TOKENS * cost.sp_degree)))
+        k = min(max_slices, max(1, n // (MIN_SLICE_TOKENS * cost.dims.sp_degree)))
         staged = epp_units([n], [[0]], cost, k, None, None)
         return self.plan([n], [[0]], cost, k, None, staged, "full", 1.0)
 
@@ -109,11 +109,11 @@ class EPPSchedule(PipelineSchedule):
         sp_groups, rounds = {}, []
         for dp_rank, st in enumerate(staged):
             if st.res is None:
-                actions[dp_rank] = [[] for _ in range(cost.pp_degree)]
+                actions[dp_rank] = [[] for _ in range(cost.dims.pp_degree)]
                 continue
             info["token_budget"].append(st.res.token_budget)
             info["balance"].append(round(st.res.balance(), 4))
-            warm = partial(self.warmup, cost.pp_degree)
+            warm = partial(self.warmup, cost.dims.pp_degree)
             if st.items is None:
                 part_units, actions[dp_rank] = replica_actions(lengths, cost, st.pipelines, dp_rank, warm)
                 rounds.extend([u.id] for u in part_units)  # each unit its own round, on the whole group
@@ -122,8 +122,8 @@ class EPPSchedule(PipelineSchedule):
                 sp_groups.update(st.items.rounded.sp_groups)
                 rounds.extend(st.items.rounded.rounds)
             units.extend(part_units)
-        plan = Plan(self.name, cost.pp_degree, len(replicas), list(lengths), units, actions, {},
-                    list(cost.layers_per_stage), info, cost.sp_degree, cost.shard)
+        plan = Plan(self.name, cost.dims.pp_degree, len(replicas), list(lengths), units, actions, {},
+                    list(cost.layers_per_stage), info, cost.dims.sp_degree, cost.dims.shard.name)
         if sp_groups:
             _add_rounds(plan, sp_groups, rounds)
         # Candidates are compared with the greedy on whole layers and diagonal-shared counts: the
@@ -144,8 +144,8 @@ def _ranked(ctx: PipelineContext) -> tuple[list, bool]:
     the unsliced candidate was moved up to be planned."""
     lengths, cost = ctx.lengths, ctx.cost
     ranked = []
-    floors = token_floor_candidates(lengths, cost.sp_degree) if ctx.max_tokens_per_unit is None else [None]
-    for k in slice_count_candidates(lengths, ctx.num_slices, cost.sp_degree):
+    floors = token_floor_candidates(lengths, cost.dims.sp_degree) if ctx.max_tokens_per_unit is None else [None]
+    for k in slice_count_candidates(lengths, ctx.num_slices, cost.dims.sp_degree):
         for floor in (floors if k == 1 else [None]):
             try:
                 staged = epp_units(lengths, ctx.replicas, cost, k, ctx.max_tokens_per_unit, floor)
@@ -163,9 +163,9 @@ def _ranked_with_rounds(ctx: PipelineContext, whole: list) -> tuple[list, bool]:
     settings = [(k, floor, staged) for est, k, floor, staged in whole if not math.isinf(est)][:ROUND_CANDIDATES]
     settings += [(k, f, st) for _, k, f, st in whole if (k, f) == (1, None) and (k, f, st) not in settings]
     seen = {(k, f) for _, k, f, _ in whole}
-    if ctx.max_tokens_per_unit is None and 1 in slice_count_candidates(lengths, ctx.num_slices, cost.sp_degree):
-        settings += [(1, p * cost.sp_degree, None) for p in ROUND_TOKEN_FLOORS
-                     if max(lengths) < p * cost.sp_degree < sum(lengths) and (1, p * cost.sp_degree) not in seen]
+    if ctx.max_tokens_per_unit is None and 1 in slice_count_candidates(lengths, ctx.num_slices, cost.dims.sp_degree):
+        settings += [(1, p * cost.dims.sp_degree, None) for p in ROUND_TOKEN_FLOORS
+                     if max(lengths) < p * cost.dims.sp_degree < sum(lengths) and (1, p * cost.dims.sp_degree) not in seen]
     ranked = []
     for k, floor, staged in settings:
         try:

@@ -23,14 +23,14 @@ from infinipipe_hf.ir.units import Unit
 from infinipipe_hf.planner.batch.elastic import SlicingResult, make_elastic_units
 from infinipipe_hf.planner.batch.sub_groups import RoundedUnits, elastic_rounds
 from infinipipe_hf.planner.cost.model import CostModel
-from infinipipe_hf.planner.schedules.estimate import PipelineEstimator
-from infinipipe_hf.planner.schedules.grouping import (
+from infinipipe_hf.planner.pipeline.actions import replica_actions
+from infinipipe_hf.planner.pipeline.estimate import PipelineEstimator
+from infinipipe_hf.planner.pipeline.grouping import (
     MAX_GROUPING_BLOCKS,
     blocks_by_slice_count,
     group_pipelines,
     merge_blocks,
 )
-from infinipipe_hf.planner.schedules.pipeline import replica_actions
 
 
 class RoundItems:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from infinipipe_hf.ir.units import Unit
+from infinipipe_hf.planner.pipeline.actions import gpipe_warmup
 from infinipipe_hf.planner.schedules.baseline import BaselineSchedule
-from infinipipe_hf.planner.schedules.pipeline import gpipe_warmup
 
 
 class GPipeSchedule(BaselineSchedule):

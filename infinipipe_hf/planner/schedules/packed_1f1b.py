@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from infinipipe_hf.ir.units import Unit
+from infinipipe_hf.planner.pipeline.actions import one_f_one_b_warmup
 from infinipipe_hf.planner.schedules.baseline import BaselineSchedule
-from infinipipe_hf.planner.schedules.pipeline import one_f_one_b_warmup
 
 
 class Packed1F1BSchedule(BaselineSchedule):

@@ -17,9 +17,9 @@ from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Unit
 from infinipipe_hf.planner.batch.uniform import SLICE_BALANCES, SliceBalance, make_uniform_slices
 from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.pipeline.actions import epp_warmup
+from infinipipe_hf.planner.pipeline.grids import MIN_SLICE_TOKENS, SLICE_COUNTS, slicing_candidates
 from infinipipe_hf.planner.schedules.baseline import BaselineSchedule, PackKnobs
-from infinipipe_hf.planner.schedules.grids import MIN_SLICE_TOKENS, SLICE_COUNTS, slicing_candidates
-from infinipipe_hf.planner.schedules.pipeline import epp_warmup
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
 from infinipipe_hf.planner.simulate.simulator import simulate
 
@@ -36,13 +36,13 @@ class Seq1F1BSchedule(BaselineSchedule):
         if ctx.num_slices:
             counts = sorted(set(int(k) for k in ctx.num_slices))
         else:
-            counts = slicing_candidates(ctx.lengths, sp_degree=ctx.cost.sp_degree)
+            counts = slicing_candidates(ctx.lengths, sp_degree=ctx.cost.dims.sp_degree)
         return [(k, b) for k in counts for b in balances(k)]
 
     def leanest_plan(self, cost: CostModel, n: int, max_slices: int) -> Plan:
         """Every layer checkpointed, the most slices of ``MIN_SLICE_TOKENS`` per GPU, and the balance
         with the lower simulated peak memory."""
-        min_tokens = MIN_SLICE_TOKENS * cost.sp_degree
+        min_tokens = MIN_SLICE_TOKENS * cost.dims.sp_degree
         k = max(k for k in SLICE_COUNTS if k <= max_slices and (k == 1 or n // k >= min_tokens))
         plans, error = [], None
         for balance in balances(k):
@@ -58,7 +58,7 @@ class Seq1F1BSchedule(BaselineSchedule):
                    first_unit_id: int) -> list[Unit]:
         return make_uniform_slices(lengths, cost, knobs.pack_tokens, knobs.num_slices or 1, seqs=seqs,
                                    first_unit_id=first_unit_id, balance=knobs.slice_balance or "tokens",
-                                   min_tokens=MIN_SLICE_TOKENS * cost.sp_degree)
+                                   min_tokens=MIN_SLICE_TOKENS * cost.dims.sp_degree)
 
     def warmup(self, pp_degree: int, units: Sequence[Unit], num_slices: int = 1) -> list[int]:
         return epp_warmup(pp_degree, num_slices)

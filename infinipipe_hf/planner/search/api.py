@@ -17,10 +17,12 @@ robustness against a cost model that is only approximately right about where the
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 from infinipipe_hf.ir.levels import CHECKPOINTING, FINER_LEVELS, check_levels
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.batch.dp_assign import assign_sequences, idle_replicas
 from infinipipe_hf.planner.batch.select import check_batch
@@ -35,51 +37,74 @@ from infinipipe_hf.planner.search.loop import run_search
 from infinipipe_hf.planner.search.result import PlanResult
 
 
-def plan_step(lengths: Sequence[int], spec: ModelSpec, *, pp_degree: int, dp_degree: int = 1,
-              schedule: str = "epp", memory_budget_bytes: float | None = None,
-              profile: HardwareProfile | None = None, layers_per_stage: Sequence[int] | None = None,
-              max_tokens_per_unit: int | None = None, num_slices: Sequence[int] | None = None,
-              checkpointing: str = "adaptive", loss_chunk_tokens: int = 4096,
-              solver_time_limit_s: float = 0.25, cost: CostModel | None = None, sp_degree: int = 1,
-              shard: str = "none", gpus_per_node: int | None = None,
-              checkpoint_levels: Sequence[str] = FINER_LEVELS, checkpoint_sharing: str = "cell",
-              sp_rounds: bool | None = None) -> PlanResult:
-    """Plan one training step of ``lengths`` (one global batch) with the pipeline ``schedule``.
+@dataclass(frozen=True)
+class PlanOptions:
+    """What :func:`plan_step` takes beside the batch, the model and the layout."""
 
-    ``sp_degree``, ``shard`` and ``gpus_per_node`` describe the layout (see ``CostModel``); a
-    ``cost`` passed in must have been built for the same degrees and sharding.  ``num_slices``
-    restricts the slice counts searched: of the longest sequence for EPP, the one per micro-batch
-    for seq1f1b (a static setting; its packing length, slice balance and checkpointing are still tuned).
-    ``solver_time_limit_s`` bounds the adaptive-checkpointing MILP run on the winning candidate.
-    ``checkpoint_levels``: the levels inside a decoder layer adaptive checkpointing may use beside
-    whole layers (``()`` for whole layers only); ``checkpoint_sharing``: ``cell`` (a count per
-    stage and unit) or ``diagonal`` (shared along backward diagonals, the paper's formulation);
-    see docs/checkpoint_levels.md.  Baselines keep their static whole-layer setting.
-    ``sp_rounds``: elastic SP rounds (short sequences on SP sub-groups, docs/algorithms.md);
-    ``None`` uses them whenever the schedule has them and ``sp_degree > 1`` (:func:`resolve_sp_rounds`).
-    A batch of fewer sequences than ``dp_degree`` leaves replicas idle (``plan.info["idle_replicas"]``).
+    schedule: str = "epp"
+    """A pipeline schedule of :data:`~infinipipe_hf.planner.registry.PIPELINE_SCHEDULES`."""
+    memory_budget_bytes: float | None = None
+    """Memory per GPU a plan stays under (``None``: the profile's memory)."""
+    profile: HardwareProfile | None = None
+    """The cost profile (``None``: the shipped one)."""
+    layers_per_stage: Sequence[int] | None = None
+    """Decoder layers per stage (``None``: balanced by cost)."""
+    max_tokens_per_unit: int | None = None
+    """Cap on a unit's tokens (``None``: chosen per batch)."""
+    num_slices: Sequence[int] | None = None
+    """Slice counts searched: of the longest sequence for EPP, per micro-batch for seq1f1b (a
+    static setting; its packing length, slice balance and checkpointing are still tuned)."""
+    checkpointing: str = "adaptive"
+    """``adaptive`` (the solver picks per stage and unit), ``none`` or ``full``."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per LM-head + loss chunk on the last stage."""
+    solver_time_limit_s: float = 0.25
+    """Wall-clock bound of the adaptive-checkpointing MILP run on the winning candidate."""
+    checkpoint_levels: Sequence[str] = FINER_LEVELS
+    """Levels inside a decoder layer adaptive checkpointing may use beside whole layers (``()``:
+    whole layers only); see docs/checkpoint_levels.md.  Baselines keep their static setting."""
+    checkpoint_sharing: str = "cell"
+    """``cell`` (a count per stage and unit) or ``diagonal`` (shared along backward diagonals, the
+    paper's formulation)."""
+    sp_rounds: bool | None = None
+    """Elastic SP rounds (short sequences on SP sub-groups, docs/algorithms.md); ``None`` uses them
+    whenever the schedule has them and ``sp_degree > 1`` (:func:`resolve_sp_rounds`)."""
+
+    def cost(self, spec: ModelSpec, dims: ParallelDims) -> CostModel:
+        """The cost model these options plan with on ``dims``."""
+        return CostModel(spec, self.profile, dims, layers_per_stage=self.layers_per_stage,
+                         memory_budget_bytes=self.memory_budget_bytes, loss_chunk_tokens=self.loss_chunk_tokens)
+
+
+def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None = None,
+              options: PlanOptions | None = None, *, cost: CostModel | None = None) -> PlanResult:
+    """Plan one training step of ``lengths`` (one global batch) on the layout ``dims`` with
+    ``options`` (:class:`PlanOptions`); a ``cost`` passed in is used instead of building one (its
+    own ``dims`` when ``dims`` is not given).  A batch of fewer sequences than ``dp_degree`` leaves
+    replicas idle (``plan.info["idle_replicas"]``).
     """
     t0 = time.perf_counter()
-    if schedule not in PIPELINE_SCHEDULES:
-        what = "is not a pipeline schedule" if schedule in ALTERNATIVES else "is not known"
-        raise ValueError(f"schedule={schedule!r} {what}; use one of {', '.join(PIPELINE_SCHEDULES)} (non-pipeline "
+    o = PlanOptions() if options is None else options
+    if o.schedule not in PIPELINE_SCHEDULES:
+        what = "is not a pipeline schedule" if o.schedule in ALTERNATIVES else "is not known"
+        raise ValueError(f"schedule={o.schedule!r} {what}; use one of {', '.join(PIPELINE_SCHEDULES)} (non-pipeline "
                          f"{', '.join(ALTERNATIVES)}: infinipipe_hf.planner.search.api.plan_alternative)")
-    levels = _check_checkpointing(checkpointing, checkpoint_levels, checkpoint_sharing)
+    levels = _check_checkpointing(o.checkpointing, o.checkpoint_levels, o.checkpoint_sharing)
     check_batch(lengths)
     lengths = [int(n) for n in lengths]
     if cost is None:
-        cost = CostModel(spec, profile, pp_degree=pp_degree, layers_per_stage=layers_per_stage,
-                         memory_budget_bytes=memory_budget_bytes, loss_chunk_tokens=loss_chunk_tokens,
-                         sp_degree=sp_degree, shard=shard, dp_degree=dp_degree, gpus_per_node=gpus_per_node)
-    else:
-        _check_cost_layout(cost, pp_degree, dp_degree, sp_degree, shard)
-    replicas = assign_sequences(lengths, dp_degree, cost)
-    sched = SCHEDULES[schedule]
-    rounds = resolve_sp_rounds(sp_rounds, cost.sp_degree, schedule)
-    ctx = PipelineContext(lengths, replicas, cost, sched.checkpoint_policy(checkpointing), max_tokens_per_unit,
-                          num_slices, solver_time_limit_s, rounds)
-    result = finish_pipeline(sched, ctx, run_search(sched, ctx), t0, levels, checkpoint_sharing)
-    idle = idle_replicas(len(lengths), dp_degree)
+        cost = o.cost(spec, ParallelDims() if dims is None else dims)
+    elif dims is not None and cost.dims != dims:
+        raise ValueError(f"the cost model passed to plan_step was built for {cost.dims}, not {dims}; build the "
+                         f"CostModel with the layout you plan")
+    dims = cost.dims
+    replicas = assign_sequences(lengths, dims.dp_degree, cost)
+    sched = SCHEDULES[o.schedule]
+    rounds = resolve_sp_rounds(o.sp_rounds, dims.sp_degree, o.schedule)
+    ctx = PipelineContext(lengths, replicas, cost, sched.checkpoint_policy(o.checkpointing), o.max_tokens_per_unit,
+                          o.num_slices, o.solver_time_limit_s, rounds)
+    result = finish_pipeline(sched, ctx, run_search(sched, ctx), t0, levels, o.checkpoint_sharing)
+    idle = idle_replicas(len(lengths), dims.dp_degree)
     if idle and result.plan is not None:
         result.plan.info["idle_replicas"] = idle  # the batch has fewer sequences than replicas
     return result
@@ -164,12 +189,3 @@ def _check_checkpointing(checkpointing: str, checkpoint_levels: Sequence[str], s
     if sharing not in SHARING:
         raise ValueError(f"checkpoint_sharing={sharing!r} is not known; use {' or '.join(SHARING)}")
     return levels
-
-
-def _check_cost_layout(cost: CostModel, pp_degree: int, dp_degree: int, sp_degree: int, shard: str) -> None:
-    want = {"pp_degree": pp_degree, "dp_degree": dp_degree, "sp_degree": sp_degree, "shard": shard}
-    got = {k: getattr(cost, k) for k in want}
-    if got != want:
-        diff = ", ".join(f"{k}={got[k]!r} (asked {want[k]!r})" for k in want if got[k] != want[k])
-        raise ValueError(f"the cost model passed to plan_step was built for {diff}; build the "
-                         f"CostModel with the same pp_degree, dp_degree, sp_degree and shard")

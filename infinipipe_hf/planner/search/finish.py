@@ -12,14 +12,15 @@ import time
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
 from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.pipeline.grids import DEFAULT_SLICE_COUNTS
+from infinipipe_hf.planner.registry import REFERENCE
 from infinipipe_hf.planner.schedules.base import SearchState
-from infinipipe_hf.planner.schedules.grids import DEFAULT_SLICE_COUNTS
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext, PipelineSchedule
 from infinipipe_hf.planner.search.limits import largest_trainable_length, states_advice, states_per_gpu
 from infinipipe_hf.planner.search.result import PlanResult
-from infinipipe_hf.planner.search.validator import validate
 from infinipipe_hf.planner.simulate.result import SimulationResult
 from infinipipe_hf.planner.simulate.simulator import simulate
+from infinipipe_hf.planner.validate.validator import validate
 
 
 def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: SearchState, t0: float,
@@ -29,14 +30,14 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
     elapsed = time.perf_counter() - t0
     if state.best is None:
         error = infeasible_message(ctx.lengths, cost, schedule.name, state.last_error, ctx.policy)
-        return PlanResult(schedule.name, None, None, False, error, elapsed, state.tried, cost.sp_degree, cost.shard)
+        return PlanResult(schedule.name, None, None, False, error, elapsed, state.tried, cost.dims.sp_degree, cost.dims.shard.name)
     plan, sim = state.best
     if ctx.policy == "adaptive":
         sim = final_solve(plan, sim, cost, ctx.time_limit_s, levels, sharing)
     validate(plan, cost, max_tokens_per_unit=ctx.max_tokens_per_unit)
     plan.info["candidates_tried"] = len(state.tried)
     return PlanResult(schedule.name, plan, sim, True, None, time.perf_counter() - t0, state.tried,
-                      cost.sp_degree, cost.shard)
+                      cost.dims.sp_degree, cost.dims.shard.name)
 
 
 def final_solve(plan: Plan, sim: SimulationResult, cost: CostModel, time_limit_s: float,
@@ -72,10 +73,11 @@ def infeasible_message(lengths: list[int], cost: CostModel, schedule: str, last_
         return f"no {schedule} plan fits: {states_advice(cost)}"
     room = (f"model states take {states / 2**30:.3g} GiB of the {budget:.3g} GiB budget per GPU, leaving "
             f"{budget - states / 2**30:.3g} GiB for activations")
-    more = "sp_degree, " if cost.sp_degree < cost.spec.num_attention_heads else ""
-    other = "" if schedule == "epp" else ", or schedule='epp'"
+    more = "sp_degree, " if cost.dims.sp_degree < cost.spec.num_attention_heads else ""
+    reference = REFERENCE
+    other = "" if schedule == reference else f", or schedule={reference!r}"
     if longest > limit:
-        how = (f"and cut into {max(DEFAULT_SLICE_COUNTS)} slices" if schedule == "epp"
+        how = (f"and cut into {max(DEFAULT_SLICE_COUNTS)} slices" if schedule == reference
                else f"in {schedule}'s leanest plan of it")
         return (f"sequence {lengths.index(longest)} of {longest} tokens cannot fit in {budget:.3g} GiB per GPU even "
                 f"fully checkpointed {how} ({room}); the largest that fits is {limit} tokens: split or truncate "

@@ -14,10 +14,11 @@ sequence is the best case (a real batch shares the stage with other units), whic
 """
 from __future__ import annotations
 
+from infinipipe_hf.layout import ParallelDims, sharding_over
 from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.pipeline.grids import DEFAULT_SLICE_COUNTS
 from infinipipe_hf.planner.registry import get_schedule
 from infinipipe_hf.planner.schedules.base import PIPELINE
-from infinipipe_hf.planner.schedules.grids import DEFAULT_SLICE_COUNTS
 from infinipipe_hf.planner.simulate.simulator import simulate
 
 SEARCH_CAP = 1 << 24
@@ -49,20 +50,21 @@ def largest_trainable_length(cost: CostModel, max_slices: int | None = None, sch
 
 def states_per_gpu(cost: CostModel) -> float:
     """Model states (weights, gradients, optimizer states) per GPU on the fullest stage."""
-    return max(cost.static_bytes(s) for s in range(cost.pp_degree))
+    return max(cost.acts.static_bytes(s) for s in range(cost.dims.pp_degree))
 
 
-def _first_fit(cost: CostModel, layouts) -> tuple[dict, float] | None:
-    """The first of ``layouts`` (``CostModel`` keyword dicts) whose states fit ``cost``'s budget."""
+def _first_fit(cost: CostModel, layouts) -> tuple[ParallelDims, float] | None:
+    """The first of ``layouts`` (keyword dicts of :class:`ParallelDims`) whose states fit ``cost``'s budget."""
     for kw in layouts:
         try:
-            other = CostModel(cost.spec, cost.profile, memory_budget_bytes=cost.memory_budget_bytes,
-                              gpus_per_node=cost.layout.gpus_per_node, state_precision=cost.states.precision, **kw)
+            dims = ParallelDims(**kw, gpus_per_node=cost.dims.gpus_per_node)
+            other = CostModel(cost.spec, cost.profile, dims, memory_budget_bytes=cost.memory_budget_bytes,
+                              state_precision=cost.states.precision)
         except ValueError:
             continue  # a layout the checks refuse (heads, shard groups)
         states = states_per_gpu(other)
         if states < cost.memory_budget_bytes:
-            return kw, states
+            return dims, states
     return None
 
 
@@ -70,28 +72,28 @@ def states_fit_options(cost: CostModel, max_gpus: int = 4096) -> list[str]:
     """The fewest GPUs that bring the model states per GPU under ``cost``'s budget, one option per
     direction from ``cost``'s layout: more stages, states sharded over a larger SP group, states
     sharded over DP replicas (FSDP2).  Activations still need room beside the states."""
-    pp, sp, dp, shard = cost.pp_degree, cost.sp_degree, cost.dp_degree, cost.shard
+    now = cost.dims
+    pp, sp, dp, shard = now.pp_degree, now.sp_degree, now.dp_degree, now.shard
     powers = [2**k for k in range(1, max_gpus.bit_length())]
-    sp_mode = "sp+dp" if shard in ("dp", "sp+dp") else "sp"
-    dp_mode = "sp+dp" if shard in ("sp", "sp+dp", "hybrid") else "dp"
+    sp_mode = sharding_over({*shard.shard_dims, "sp"})  # keeps any sharding over DP
+    dp_mode = sharding_over({*shard.shard_dims, "dp"})
     directions = (
         ("pp_degree={pp}", [dict(pp_degree=p, sp_degree=sp, dp_degree=dp, shard=shard)
                             for p in range(pp + 1, cost.spec.num_layers + 1) if p * sp * dp <= max_gpus]),
         ("shard='{shard}' with sp_degree={sp}", [
             dict(pp_degree=pp, sp_degree=s, dp_degree=dp, shard=sp_mode) for s in powers
-            if s > sp and s <= min(cost.spec.num_attention_heads, cost.layout.gpus_per_node) and pp * s * dp <= max_gpus]),
+            if s > sp and s <= min(cost.spec.num_attention_heads, now.gpus_per_node) and pp * s * dp <= max_gpus]),
         ("shard='{shard}' over dp_degree={dp} replicas", [
             dict(pp_degree=pp, sp_degree=sp, dp_degree=d, shard=dp_mode) for d in powers
-            if d > (dp if "dp" in shard else 1) and pp * sp * d <= max_gpus]),
+            if d > (dp if "dp" in shard.shard_dims else 1) and pp * sp * d <= max_gpus]),
     )
     out = []
     for text, layouts in directions:
         found = _first_fit(cost, layouts)
         if found is not None:
-            kw, states = found
-            out.append(f"{text.format(pp=kw['pp_degree'], sp=kw['sp_degree'], dp=kw['dp_degree'], shard=kw['shard'])} "
-                       f"({kw['pp_degree'] * kw['sp_degree'] * kw['dp_degree']} GPUs, {states / 2**30:.3g} GiB of "
-                       f"states per GPU)")
+            fit, states = found
+            out.append(f"{text.format(pp=fit.pp_degree, sp=fit.sp_degree, dp=fit.dp_degree, shard=fit.shard.name)} "
+                       f"({fit.world_size} GPUs, {states / 2**30:.3g} GiB of states per GPU)")
     return out
 
 
@@ -112,6 +114,6 @@ def states_advice(cost: CostModel) -> str:
     states, budget = states_per_gpu(cost), cost.memory_budget_bytes
     over = "exceed" if states >= budget else "leave too little room for any activations in"
     return (f"the model states (weights, gradients, optimizer states) take {states / 2**30:.3g} GiB per GPU at "
-            f"pp_degree={cost.pp_degree}, sp_degree={cost.sp_degree}, dp_degree={cost.dp_degree}, "
-            f"shard={cost.shard!r}, and {over} the {budget / 2**30:.3g} GiB budget per GPU, so no sequence fits "
+            f"pp_degree={cost.dims.pp_degree}, sp_degree={cost.dims.sp_degree}, dp_degree={cost.dims.dp_degree}, "
+            f"shard={cost.dims.shard.name!r}, and {over} the {budget / 2**30:.3g} GiB budget per GPU, so no sequence fits "
             f"at any length; {states_remedies(cost)}")

@@ -1,4 +1,4 @@
-"""What the replay charges each action of a plan: compute, input delay, and CPU on shared cores."""
+"""What the replay charges each action of a plan: compute, input delay, and the CPU its messages cost."""
 from __future__ import annotations
 
 from infinipipe_hf.ir.actions import Action
@@ -11,10 +11,11 @@ from infinipipe_hf.planner.cost.model import CostModel, unit_cost_map
 class ActionCosts:
     """What the replay charges each action of ``plan``: its compute (``duration``: the cost
     model's forward or backward with the plan's checkpointing), the delay of its input
-    (``transfer``), and on shared cores its work there (``shared_work``: the compute plus its share
-    of the CPU its point-to-point messages cost, half of each message it sends or receives).
+    (``transfer``), and its work on a core that also runs the transport (``shared_work``: the
+    compute plus its share of the CPU its point-to-point messages cost, half of each message it
+    sends or receives; what a replica replay on shared hardware charges, see :mod:`.simulator`).
 
-    With SP rounds (``steps``, :mod:`.round_steps`) a replayed action is a whole round on the
+    With SP rounds (``steps``, :mod:`.sp_round_steps`) a replayed action is a whole round on the
     stage: its slowest unit's compute and its largest transfer, each unit priced on its own
     sub-group (``unit_duration``, ``unit_transfer``).
 
@@ -35,7 +36,7 @@ class ActionCosts:
     def _shape(self, uid: int) -> UnitShape:
         if uid not in self.shapes:
             raise ValueError(f"an action names unit {uid}, which is not among the plan's units; "
-                             f"validate the plan (infinipipe_hf.planner.search.validator.validate)")
+                             f"validate the plan (infinipipe_hf.planner.validate.validator.validate)")
         return self.shapes[uid]
 
     def duration(self, stage: int, a: Action) -> float:
@@ -48,7 +49,7 @@ class ActionCosts:
         cost = self.groups.get(a.unit, self.cost)
         fixed = self.group_fixed_s if self.group_fixed_s and self.plan.sub_group(a.unit).size > 1 else 0.0
         if a.is_forward:
-            return cost.forward_time(stage, shape) + fixed
+            return cost.compute.forward_time(stage, shape) + fixed
         t = cost.backward_time(stage, shape, self.plan.checkpointed(stage, a.unit))
         return t + self.finer_recompute(stage, a.unit) + fixed
 
@@ -70,7 +71,7 @@ class ActionCosts:
 
     def unit_transfer(self, a: Action) -> float:
         self._shape(a.unit)
-        return self.groups.get(a.unit, self.cost).transfer_time(self.tokens[a.unit])
+        return self.groups.get(a.unit, self.cost).compute.transfer_time(self.tokens[a.unit])
 
     def message_cpu(self, stage: int, a: Action) -> float:
         """This action's half of the CPU of the messages it receives and sends (a forward receives
@@ -78,9 +79,10 @@ class ActionCosts:
         its largest unit's, every rank sending its own)."""
         messages = (stage > 0) + (stage < self.plan.pp_degree - 1)
         if self.steps is None:
-            return 0.5 * messages * self.cost.message_cpu_time(self.tokens[a.unit])
-        return max(0.5 * messages * self.groups.get(u, self.cost).message_cpu_time(self.tokens[u])
+            return 0.5 * messages * self.cost.compute.message_cpu_time(self.tokens[a.unit])
+        return max(0.5 * messages * self.groups.get(u, self.cost).compute.message_cpu_time(self.tokens[u])
                    for u in self.steps.units(a.unit))
 
     def shared_work(self, stage: int, a: Action) -> float:
+        """Work at full speed of the action plus its half of its messages' CPU (``message_cpu``)."""
         return self.duration(stage, a) + self.message_cpu(stage, a)

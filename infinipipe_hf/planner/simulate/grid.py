@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Collection, Mapping, Sequence
 
 from infinipipe_hf.ir.actions import Action
-from infinipipe_hf.ir.rounds import SubGroup
+from infinipipe_hf.ir.sp_rounds import SubGroup
 from infinipipe_hf.planner.simulate.replay import ReplayResult, replay
 
 

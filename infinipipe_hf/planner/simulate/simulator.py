@@ -3,28 +3,30 @@
 Design: each DP replica is replayed on its own (:func:`.replay.replay`): a stage runs its action
 list in order, a forward waits for the previous stage's forward of the unit plus the transfer, a
 backward for the next stage's backward (on the last stage its own forward); durations are
-``cost.forward_time`` / ``cost.backward_time`` with the plan's checkpointed-layer counts (the
+``cost.compute.forward_time`` / ``cost.backward_time`` with the plan's checkpointed-layer counts (the
 backward includes the recompute, of whole layers and of the finer levels inside layers).  Replicas
 run in parallel, so the step ends with the slowest.  A stage's step ends after its last
-action plus the exposed part of the step's gradient reduction (``cost.gradient_sync_time``: the
+action plus the exposed part of the step's gradient reduction (``cost.compute.gradient_sync_time``: the
 all-reduce over SP x DP ranks, or FSDP2's reduce-scatters behind the last backward; zero for a
 stage of one GPU in one replica).  All times are per GPU: with sequence parallelism a stage is
 a group of GPUs working on each unit in lockstep.
 Memory per action comes from the stage's memory timeline
-(:mod:`infinipipe_hf.planner.checkpointing.timeline`, the same points the checkpoint solver
+(:mod:`infinipipe_hf.planner.checkpointing.memory_walk`, the same points the checkpoint solver
 constrains), so simulator, solver and validator agree on what "fits" means.
 
-When the profile says the ranks share a few cores (``HardwareProfile.shared_cores``, CPU runs)
-the replicas are replayed together with processor sharing (:mod:`.shared_replay`): durations are
-then work at full speed, stretched while more ranks compute than there are cores (or, with
-``pinned_ranks``, than the ranks pinned to the same core).
+Extension point: a cost model with a ``replica_replay(plan, costs, lists)`` method (``costs``:
+the :class:`.action_costs.ActionCosts`, ``lists``: replica -> stage action lists; it returns
+replica -> :class:`.replay.ReplayResult`) replays all replicas together instead, for runs whose
+ranks share hardware, such as several CPU ranks on a few cores, where actions running at once
+slow each other down.
 
 Trade-off: the memory timeline records each action's *peak* from its start until the next
 action starts; idle gaps therefore show the previous peak rather than the lower resident level.
 That is conservative and is what decides feasibility; the exact shape between peaks is not
-modelled.  SP rounds (:mod:`.round_steps`): a stage's round is replayed as one step lasting as
-long as its slowest unit, and memory is the busiest SP rank's.  Communication is a pure delay (no contention, sends never block compute); only on
-shared cores does a message also cost CPU there (``p2p_cpu_s``: gloo's threads copy the bytes).
+modelled.  SP rounds (:mod:`.sp_round_steps`): a stage's round is replayed as one step lasting as
+long as its slowest unit, and memory is the busiest SP rank's.  Communication is a pure delay
+(no contention, sends never block compute); a replica replay on shared hardware may also charge a
+message's CPU to its two ends (``ActionCosts.shared_work``, ``p2p_cpu_s``).
 """
 from __future__ import annotations
 
@@ -32,13 +34,12 @@ from dataclasses import dataclass, field
 
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import has_sub_groups
-from infinipipe_hf.planner.checkpointing.timeline import stage_timeline
+from infinipipe_hf.planner.checkpointing.memory_walk import stage_timeline
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.simulate.action_costs import ActionCosts
 from infinipipe_hf.planner.simulate.replay import ReplayResult, replay
 from infinipipe_hf.planner.simulate.result import ActionEvent, SimulationResult
-from infinipipe_hf.planner.simulate.round_steps import RoundSteps
-from infinipipe_hf.planner.simulate.shared_replay import shared_replay
+from infinipipe_hf.planner.simulate.sp_round_steps import RoundSteps
 
 
 class PlanDeadlockError(ValueError):
@@ -67,10 +68,10 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
     totals = _Totals([0.0] * p)
     replicas = sorted(plan.actions)
     lists = {r: plan.actions[r] if steps is None else steps.lists[r] for r in replicas}
-    shared = _shared_replays(plan, cost, costs, lists)
+    joint = _replica_replays(plan, cost, costs, lists)
     for r in replicas:
         stage_actions = lists[r]
-        rep = shared[r] if shared is not None else replay(stage_actions, costs.duration, costs.transfer)
+        rep = joint[r] if joint is not None else replay(stage_actions, costs.duration, costs.transfer)
         if not rep.complete:
             stuck = ", ".join(f"stage {s} at {stage_actions[s][i]} (#{i})" for s, i in rep.stuck(stage_actions))
             raise PlanDeadlockError(f"dp replica {r} deadlocks: {stuck} wait forever; run "
@@ -101,29 +102,27 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
 
 def _check_cost(plan: Plan, cost: CostModel) -> None:
     """``ValueError`` unless ``cost`` was built for the plan's pp, sp and shard layout."""
-    if cost.pp_degree != plan.pp_degree:
-        raise ValueError(f"cost model has pp_degree={cost.pp_degree} but the plan has {plan.pp_degree}; "
-                         f"build the CostModel with pp_degree={plan.pp_degree}")
-    # Cost models without a layout (duck-typed test doubles) are single-GPU stages, unsharded.
-    cost_layout = (getattr(cost, "sp_degree", 1), getattr(cost, "shard", "none"))
-    if cost_layout != (plan.sp_degree, plan.shard):
-        raise ValueError(f"cost model has sp_degree={cost_layout[0]}, shard={cost_layout[1]!r} but the plan "
-                         f"has sp_degree={plan.sp_degree}, shard={plan.shard!r}; build the CostModel "
-                         f"with the plan's sp_degree and shard")
+    dims = cost.dims
+    got, want = (dims.pp_degree, dims.sp_degree, dims.shard.name), (plan.pp_degree, plan.sp_degree, plan.shard)
+    if got != want:
+        raise ValueError(f"cost model has pp_degree={got[0]}, sp_degree={got[1]}, shard={got[2]!r} but the plan has "
+                         f"pp_degree={want[0]}, sp_degree={want[1]}, shard={want[2]!r}; build the CostModel on the "
+                         f"plan's layout")
 
 
-def _shared_replays(plan: Plan, cost: CostModel, costs: ActionCosts,
-                    lists: dict[int, list]) -> dict[int, ReplayResult] | None:
-    """Every replica's replay of its stage lists ``lists`` on the profile's shared cores, or None
-    when ranks have a device each."""
-    profile = getattr(cost, "profile", None)
-    cores = float(getattr(profile, "shared_cores", 0.0) or 0.0)
-    if not cores:
+def _replica_replays(plan: Plan, cost: CostModel, costs: ActionCosts,
+                     lists: dict[int, list]) -> dict[int, ReplayResult] | None:
+    """The cost model's ``replica_replay`` of every replica's stage lists ``lists`` (module
+    docstring), or None when it has none (each replica then replays on its own devices)."""
+    joint = getattr(cost, "replica_replay", None)
+    if joint is None:
         return None
-    replicas = sorted(lists)
-    return dict(zip(replicas, shared_replay([lists[r] for r in replicas], costs.shared_work,
-                                            costs.transfer, cores=cores, ranks_per_stage=plan.sp_degree,
-                                            pinned=bool(getattr(profile, "pinned_ranks", False)))))
+    reps = joint(plan, costs, lists)
+    missing = sorted(set(lists) - set(reps))
+    if missing:
+        raise ValueError(f"{type(cost).__name__}.replica_replay returned no replay for dp replicas {missing}; "
+                         f"it must return one ReplayResult per replica of the plan")
+    return reps
 
 
 def _add_replica(plan: Plan, cost: CostModel, costs: ActionCosts, r: int, rep: ReplayResult,
@@ -142,7 +141,7 @@ def _add_replica(plan: Plan, cost: CostModel, costs: ActionCosts, r: int, rep: R
 
 def _add_round_replica(plan: Plan, cost: CostModel, costs: ActionCosts, steps: RoundSteps, r: int,
                        rep: ReplayResult, totals: _Totals) -> None:
-    """:func:`_add_replica` of a plan with SP rounds, replayed by steps (:mod:`.round_steps`): an
+    """:func:`_add_replica` of a plan with SP rounds, replayed by steps (:mod:`.sp_round_steps`): an
     event per unit, busy time by each unit's share of the stage's ranks, a round's recompute its
     slowest unit's, memory the busiest rank's."""
     for s, acts in enumerate(steps.lists[r]):
@@ -164,7 +163,7 @@ def _stage_end(cost: CostModel, rep: ReplayResult, s: int, acts: list, totals: _
     """The stage's end: its last action plus the exposed part of the step's gradient reduction."""
     if not acts:
         return
-    sync_time = getattr(cost, "gradient_sync_time", None)
+    sync_time = getattr(cost.compute, "gradient_sync_time", None)
     end = rep.end[s][-1]
     last_b = max((i for i, a in enumerate(acts) if not a.is_forward), default=None)
     if last_b is not None and sync_time is not None:
@@ -177,13 +176,13 @@ def _stage_end(cost: CostModel, rep: ReplayResult, s: int, acts: list, totals: _
 
 def _add_memory(cost: CostModel, r: int, s: int, rep: ReplayResult, values: list[float], totals: _Totals) -> None:
     totals.timeline[(r, s)] = [(rep.start[s][i], v) for i, v in enumerate(values)]
-    totals.peaks[s] = max(totals.peaks[s], max(values, default=cost.static_bytes(s)))
+    totals.peaks[s] = max(totals.peaks[s], max(values, default=cost.acts.static_bytes(s)))
 
 
 def _point_values(plan: Plan, cost: CostModel, dp_rank: int, stage: int, cache: dict | None = None) -> list[float]:
     """``points.point_bytes`` of every point of the stage (the array timeline: a cumulative sum of
     live activations, bit-identical to summing each point's live set; see
-    tests/planner/checkpointing/test_memory_points.py)."""
+    tests/planner/checkpointing/test_memory_walk.py)."""
     ck = plan.checkpoint_layers.get(stage, {})
     levels = plan.checkpoint_levels.get(stage, {})
     return stage_timeline(plan, cost, dp_rank, stage, cache).point_values(cost, stage, ck, levels).tolist()

@@ -88,9 +88,6 @@ class KVStore:
         for key in [key for key in self._entries if key[1] == seq]:
             del self._entries[key]
 
-    def has_sequence(self, seq: int) -> bool:
-        return any(key[1] == seq for key in self._entries)
-
     def sequences(self) -> set[int]:
         return {key[1] for key in self._entries}
 

@@ -13,7 +13,7 @@ import torch
 
 from infinipipe_hf.config import InfiniPipeConfig
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.layout import check_shard_mode, check_sp_heads, shard_mode
+from infinipipe_hf.layout import ParallelDims, shard_mode
 from infinipipe_hf.runtime.parallel.fsdp import StageSharding
 from infinipipe_hf.runtime.parallel.fsdp_api import fsdp2_api
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
@@ -52,27 +52,20 @@ def check_inputs(model, config: InfiniPipeConfig, dist) -> ModelSpec:
     if getattr(model, "config", None) is None:
         raise ValueError(f"{type(model).__name__} has no HF `config`; pass a transformers "
                          f"AutoModelForCausalLM model (Llama, Mistral, Qwen2, Qwen3)")
-    spec = ModelSpec.from_hf_config(model.config)
-    if config.pp_degree > spec.num_layers:
-        raise ValueError(f"pp_degree={config.pp_degree} is larger than the model's "
-                         f"{spec.num_layers} decoder layers; use pp_degree <= "
-                         f"{spec.num_layers}")
-    return spec
+    return ModelSpec.from_hf_config(model.config)
 
 
-def check_degrees(config: InfiniPipeConfig, spec: ModelSpec, world: int,
-                 compute_dtype: torch.dtype | None) -> int:
-    """The degrees against the world and the model, and the shard mode against this torch:
-    ``dp_degree``."""
-    check_sp_heads(config.sp_degree, spec.num_attention_heads, config.pp_degree, world)
-    dp = config.resolve_dp_degree(world)
-    if shard_mode(config.shard).sharded:
-        fsdp2_api(config.shard)
-        check_shard_mode(config.shard, dp, config.sp_degree)
-    elif compute_dtype is not None:
+def build_dims(config: InfiniPipeConfig, spec: ModelSpec, world: int, compute_dtype: torch.dtype | None) -> ParallelDims:
+    """The job's layout, built once: the degrees against the world and the model
+    (``ParallelDims``' checks), and the shard mode against this torch."""
+    mode = shard_mode(config.shard)
+    if mode.sharded:
+        fsdp2_api(mode.name)  # first: without FSDP2 no world makes the shard mode run
+    dims = config.layout(world, model=spec)
+    if not mode.sharded and compute_dtype is not None:
         raise ValueError(f"compute_dtype={compute_dtype} is FSDP2 mixed precision and needs "
                          f"shard != 'none'; without sharding cast the model (model.to(dtype))")
-    return dp
+    return dims
 
 
 def build_stage(model, config: InfiniPipeConfig, spec: ModelSpec, layout: ParallelLayout,
@@ -81,13 +74,13 @@ def build_stage(model, config: InfiniPipeConfig, spec: ModelSpec, layout: Parall
     from infinipipe_hf.ir.partition import partition_layers
     from infinipipe_hf.runtime.stage.module import build_stage as cut_stage
 
-    ranges = partition_layers(spec.num_layers, config.pp_degree, layer_split=config.layer_split,
+    ranges = partition_layers(spec.num_layers, layout.pp_degree, layer_split=config.layer_split,
                               last_stage_extra=spec.embedding_params / spec.layer_params)
     stage = cut_stage(model, layout.stage_index, ranges[layout.stage_index])
     sharding = None
-    if shard_mode(config.shard).sharded:
+    if layout.dims.shard.sharded:
         # Sharded on the host/meta device: only this rank's shards are put on the device.
-        sharding = StageSharding(stage, layout, config.shard, device, compute_dtype=compute_dtype)
+        sharding = StageSharding(stage, layout, device, compute_dtype=compute_dtype)
     else:
         stage.to(device)
     return [len(r) for r in ranges], stage, sharding
@@ -95,7 +88,7 @@ def build_stage(model, config: InfiniPipeConfig, spec: ModelSpec, layout: Parall
 
 def build_sequence_parallel(config: InfiniPipeConfig, spec: ModelSpec,
                             layout: ParallelLayout) -> SequenceParallel | None:
-    if config.sp_degree <= 1:
+    if layout.sp_degree <= 1:
         return None
     return SequenceParallel(layout, num_heads=spec.num_attention_heads,
                             num_kv_heads=spec.num_key_value_heads, timeout_s=config.p2p_timeout_s)

@@ -37,18 +37,19 @@ import torch
 
 from infinipipe_hf.config import InfiniPipeConfig
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.runtime.engine import planning
 from infinipipe_hf.runtime.engine.build import (
+    build_dims,
     build_sequence_parallel,
     build_stage,
-    check_degrees,
     check_inputs,
     default_device,
     dist_or_none,
     tied_embeddings,
 )
 from infinipipe_hf.runtime.engine.executor import PipelineExecutor
-from infinipipe_hf.runtime.engine.rounds import check_runnable
+from infinipipe_hf.runtime.engine.sp_rounds import check_runnable
 from infinipipe_hf.runtime.engine.timeline import Timeline
 from infinipipe_hf.runtime.parallel.comm import StageComm
 from infinipipe_hf.runtime.parallel.grad_sync import GradientSync
@@ -79,12 +80,14 @@ class PipelineEngine:
                  planner: Callable[[list[int], "PipelineEngine"], Any] | None = None,
                  device: torch.device | str | None = None,
                  compute_dtype: torch.dtype | None = None,
-                 timeout_setting: str = "InfiniPipeConfig.p2p_timeout_s") -> None:
+                 timeout_setting: str = "InfiniPipeConfig.p2p_timeout_s",
+                 dims: ParallelDims | None = None) -> None:
         """``compute_dtype`` (with ``shard`` != ``"none"``): FSDP2 mixed precision, i.e. gather
         parameters and compute in this dtype (bf16), reduce gradients in float32, keep the shards
         (master weights) in the model's dtype.  ``timeout_setting`` is the name timeout errors tell
         the user to raise (a wrapper whose users set the deadline under another name, like the
-        trainer's ``ddp_timeout``, passes it)."""
+        trainer's ``ddp_timeout``, passes it).  ``dims``: the job's layout when the caller has built
+        and checked it already (the trainer does, before tokenizing); otherwise built here."""
         from infinipipe_hf.runtime.stage.runner import StageRunner
 
         self.config = config = config if config is not None else InfiniPipeConfig()
@@ -92,10 +95,12 @@ class PipelineEngine:
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist else (1, 0)
         self.spec = check_inputs(model, config, dist)
         self.planner = planner
-        dp = check_degrees(config, self.spec, world, compute_dtype)
+        if dims is None:
+            dims = build_dims(config, self.spec, world, compute_dtype)
+        elif dims.world_size != world:
+            raise ValueError(f"the layout passed ({dims.label}) has {dims.world_size} ranks but the job has {world}")
         self.device = torch.device(device) if device is not None else default_device()
-        self.layout = ParallelLayout(world, rank, config.pp_degree, dp, sp_degree=config.sp_degree,
-                                     tied_embeddings=tied_embeddings(model), timeout_s=config.p2p_timeout_s,
+        self.layout = ParallelLayout(dims, rank, tied_embeddings=tied_embeddings(model), timeout_s=config.p2p_timeout_s,
                                      timeout_setting=timeout_setting, device_type=self.device.type)
         self.layers_per_stage, self.stage, self.sharding = build_stage(
             model, config, self.spec, self.layout, self.device, compute_dtype)
@@ -107,7 +112,7 @@ class PipelineEngine:
                                   label_smoothing=config.label_smoothing,
                                   sequence_parallel=self.sequence_parallel)
         comm = (StageComm(self.layout, timeout_s=config.p2p_timeout_s, device=self.device,
-                          dtype=self.dtype) if config.pp_degree > 1 else None)
+                          dtype=self.dtype) if dims.pp_degree > 1 else None)
         self.executor = PipelineExecutor(self.runner, self.layout, comm)
         self.plan_agreement = PlanAgreement(self.layout, self.device, config.p2p_timeout_s)
         self.grad_sync = GradientSync(self.layout, self.device, config.p2p_timeout_s,

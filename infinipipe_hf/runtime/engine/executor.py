@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infinipipe_hf.runtime.engine.rounds import rank_actions
+from infinipipe_hf.runtime.engine.sp_rounds import rank_actions
 from infinipipe_hf.runtime.engine.timeline import Timeline, TimelineEvent
 from infinipipe_hf.runtime.parallel.comm import GRAD, HIDDEN, StageComm, Transfer
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout

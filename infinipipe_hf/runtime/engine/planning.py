@@ -10,7 +10,6 @@ they are (or takes rank 0's) before any rank runs one.
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from typing import Any
 
@@ -28,14 +27,6 @@ def memory_budget_bytes(config: InfiniPipeConfig, device: torch.device) -> float
     if config.memory_budget_gib is None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
     return config.memory_budget(total).budget_bytes
-
-
-def gpus_per_node() -> int | None:
-    """Ranks per node as the launcher started them (``LOCAL_WORLD_SIZE``, set by torchrun and
-    accelerate), so groups crossing nodes are priced as the layout search priced them; ``None``
-    (the profile's) without a launcher."""
-    value = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(value) if value else None
 
 
 def runnable_checkpoint_levels(engine) -> tuple[str, ...]:
@@ -72,18 +63,20 @@ class DefaultPlanner:
         return profile
 
     def request(self, engine) -> dict:
-        """``plan_step``'s keyword arguments for this engine: plain data, so the same request gives
-        the same plan here or in a planner process (``planner/worker.py``)."""
+        """``plan_step``'s keyword arguments for this engine (its layout and the planning options):
+        plain data, so the same request gives the same plan here or in a planner process
+        (``planner/worker.py``)."""
+        from infinipipe_hf.planner.search.api import PlanOptions
+
         c = engine.config
         if self.profile is None:
             self.profile = self._load_profile(engine)
-        return dict(spec=engine.spec, pp_degree=c.pp_degree, dp_degree=engine.layout.dp_degree,
-                    schedule=c.schedule, memory_budget_bytes=memory_budget_bytes(c, engine.device),
-                    profile=self.profile, layers_per_stage=list(engine.layers_per_stage),
-                    max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
-                    checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
-                    sp_degree=c.sp_degree, shard=c.shard, sp_rounds=c.sp_rounds,
-                    checkpoint_levels=runnable_checkpoint_levels(engine), gpus_per_node=gpus_per_node())
+        options = PlanOptions(schedule=c.schedule, memory_budget_bytes=memory_budget_bytes(c, engine.device),
+                              profile=self.profile, layers_per_stage=list(engine.layers_per_stage),
+                              max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
+                              checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
+                              sp_rounds=c.sp_rounds, checkpoint_levels=runnable_checkpoint_levels(engine))
+        return dict(spec=engine.spec, dims=engine.layout.dims, options=options)
 
     def __call__(self, lengths: list[int], engine):
         from infinipipe_hf.planner.search.api import plan_step
@@ -151,7 +144,7 @@ def validate_plan(engine, plan: Plan) -> None:
     engine's layer split); memory is not checked (whoever made the plan chose its budget).  A bad
     plan raises ``PlanValidationError`` (a ``ValueError``) carrying the stage-by-time grid with the
     failing action marked, on every rank that holds it, instead of a wait that times out."""
-    from infinipipe_hf.planner.search.validator import validate
+    from infinipipe_hf.planner.validate.validator import validate
 
     if not plan.layers_per_stage:
         plan = dataclasses.replace(plan, layers_per_stage=list(engine.layers_per_stage))

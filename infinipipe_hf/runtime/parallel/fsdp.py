@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infinipipe_hf.layout import ShardMode, check_shard_mode, shard_mode
+from infinipipe_hf.layout import ShardMode
 from infinipipe_hf.runtime.parallel.fsdp_api import copy_full_, fsdp2_api, is_dtensor
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 
@@ -53,15 +53,14 @@ from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 class StageSharding:
     """FSDP2 wrapping of one stage and its once-per-step gradient reduction (module docstring)."""
 
-    def __init__(self, stage, layout: ParallelLayout, shard: str, device: torch.device, *,
+    def __init__(self, stage, layout: ParallelLayout, device: torch.device, *,
                  compute_dtype: torch.dtype | None = None) -> None:
-        check_shard_mode(shard, layout.dp_degree, layout.sp_degree)
-        fully_shard, MixedPrecisionPolicy, self._fsdp_module_type = fsdp2_api(shard)
+        self.mode = layout.dims.shard
+        """The layout's shard mode (checked runnable when the layout was built)."""
+        fully_shard, MixedPrecisionPolicy, self._fsdp_module_type = fsdp2_api(self.mode.name)
         if layout.mesh is None:
-            raise ValueError(f"shard={shard!r} needs the layout's DeviceMesh (a world of more than one "
+            raise ValueError(f"shard={self.mode.name!r} needs the layout's DeviceMesh (a world of more than one "
                              f"rank with process groups)")
-        self.shard = shard
-        self.mode = shard_mode(shard)
         self.layout = layout
         self.device = device
         self.mesh = self._shard_mesh(layout, self.mode)

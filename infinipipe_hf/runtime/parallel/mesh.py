@@ -1,6 +1,6 @@
 """``ParallelLayout``: where this rank sits in the dp x pp x sp grid, on a torch ``DeviceMesh``.
 
-Design: ranks are numbered as the planner's ``LayoutSpec`` numbers them (``layout.py``): the SP
+Design: ranks are numbered as the job's ``ParallelDims`` numbers them (``infinipipe_hf.layout``): the SP
 ranks of one stage are neighbours (one node: Ulysses all-to-alls stay on NVLink), the stages of one replica
 come next (pipeline point-to-point crosses nodes once per link), DP replicas are outermost (the
 once-per-step gradient all-reduce).  The process groups of the three dimensions come from one
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from infinipipe_hf.layout import MESH_DIMS, LayoutSpec, sub_group_sizes
+from infinipipe_hf.layout import MESH_DIMS, ParallelDims, sub_group_sizes
 
 
 def set_group_timeout(group, timeout: timedelta) -> None:
@@ -49,14 +49,13 @@ def set_group_timeout(group, timeout: timedelta) -> None:
 
 @dataclass
 class ParallelLayout:
-    """This rank's coordinates and process groups.  ``groups_enabled=False`` skips every group
-    (world of one, or pure coordinate arithmetic in unit tests)."""
+    """This rank's coordinates and process groups in the job's :class:`ParallelDims` (which it
+    wraps: the degrees are read there, never redeclared).  ``groups_enabled=False`` skips every
+    group (world of one, or pure coordinate arithmetic in unit tests)."""
 
-    world_size: int
+    dims: ParallelDims
+    """The job's layout (degrees, shard mode): built once, checked against the world already."""
     rank: int
-    pp_degree: int
-    dp_degree: int
-    sp_degree: int = 1
     tied_embeddings: bool = False
     timeout_s: float | None = None
     timeout_setting: str = "InfiniPipeConfig.p2p_timeout_s"
@@ -81,35 +80,42 @@ class ParallelLayout:
     sub_group_pgs: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
     """size ``g`` -> the process group of this rank's aligned SP sub-group of ``g`` ranks
     (``2 <= g < sp_degree``; the whole group is ``sp_group``)."""
-    spec: LayoutSpec = field(default=None, init=False, repr=False)
-    """The degrees as the planner sees them: the rank formula and the groups."""
 
     def __post_init__(self) -> None:
-        if self.pp_degree < 1 or self.dp_degree < 1 or self.sp_degree < 1:
-            raise ValueError(f"pp_degree, dp_degree and sp_degree must be >= 1, got pp={self.pp_degree}, "
-                             f"dp={self.dp_degree}, sp={self.sp_degree}")
-        if self.pp_degree * self.dp_degree * self.sp_degree != self.world_size:
-            raise ValueError(f"dp_degree={self.dp_degree} x pp_degree={self.pp_degree} x sp_degree="
-                             f"{self.sp_degree} != world size {self.world_size}; choose pp_degree x "
-                             f"sp_degree that divides the world size")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
-        self.spec = LayoutSpec(pp_degree=self.pp_degree, sp_degree=self.sp_degree, dp_degree=self.dp_degree)
         if self.groups_enabled and self.world_size > 1:
             self._build_groups()
+
+    # --- degrees (the dims') ---------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def pp_degree(self) -> int:
+        return self.dims.pp_degree
+
+    @property
+    def dp_degree(self) -> int:
+        return self.dims.dp_degree
+
+    @property
+    def sp_degree(self) -> int:
+        return self.dims.sp_degree
 
     # --- coordinates ---------------------------------------------------------------------
     @property
     def sp_rank(self) -> int:
-        return self.spec.coords(self.rank)[2]
+        return self.dims.coords(self.rank)[2]
 
     @property
     def stage_index(self) -> int:
-        return self.spec.coords(self.rank)[1]
+        return self.dims.coords(self.rank)[1]
 
     @property
     def dp_rank(self) -> int:
-        return self.spec.coords(self.rank)[0]
+        return self.dims.coords(self.rank)[0]
 
     @property
     def is_first_stage(self) -> bool:
@@ -122,7 +128,7 @@ class ParallelLayout:
     def global_rank(self, dp_rank: int, stage_index: int, sp_rank: int | None = None) -> int:
         """Rank of ``(dp_rank, stage_index, sp_rank)``; ``sp_rank`` defaults to this rank's."""
         sp = self.sp_rank if sp_rank is None else sp_rank
-        return self.spec.rank(dp_rank, stage_index, sp)
+        return self.dims.rank(dp_rank, stage_index, sp)
 
     @property
     def prev_rank(self) -> int | None:
@@ -135,19 +141,19 @@ class ParallelLayout:
 
     def dp_ranks_of_stage(self, stage_index: int) -> list[int]:
         """Ranks of ``stage_index`` with this rank's SP rank, one per replica."""
-        return self.spec.dp_group(stage_index, self.sp_rank)
+        return self.dims.dp_group(stage_index, self.sp_rank)
 
     def pp_ranks_of_replica(self, dp_rank: int) -> list[int]:
         """Ranks of every stage of replica ``dp_rank`` with this rank's SP rank."""
-        return self.spec.pipeline_group(dp_rank, self.sp_rank)
+        return self.dims.pipeline_group(dp_rank, self.sp_rank)
 
     def sp_ranks_of_stage(self, dp_rank: int, stage_index: int) -> list[int]:
-        return self.spec.sp_group(dp_rank, stage_index)
+        return self.dims.sp_group(dp_rank, stage_index)
 
     def sub_group_of(self, offset: int, size: int) -> tuple[Any, list[int]]:
         """The process group (``None`` for one rank) and the global ranks of SP ranks
         ``offset .. offset + size - 1`` of this rank's stage; this rank must be one of them."""
-        ranks = self.spec.sub_group(self.dp_rank, self.stage_index, offset, size)
+        ranks = self.dims.sub_group(self.dp_rank, self.stage_index, offset, size)
         assert self.rank in ranks, (self.rank, offset, size)
         if size == 1:
             return None, ranks
@@ -155,7 +161,7 @@ class ParallelLayout:
 
     def grad_ranks_of_stage(self, stage_index: int) -> list[int]:
         """Every rank holding ``stage_index``: all replicas, all SP ranks (ascending)."""
-        return self.spec.stage_group(stage_index)
+        return self.dims.stage_group(stage_index)
 
     def group_of(self, dim: str) -> tuple[Any, list[int]]:
         """This rank's process group along mesh dim ``"dp"`` or ``"sp"``, and its ranks."""
@@ -176,7 +182,7 @@ class ParallelLayout:
 
     def describe(self, rank: int | None = None) -> str:
         r = self.rank if rank is None else rank
-        dp, stage, sp_rank = self.spec.coords(r)
+        dp, stage, sp_rank = self.dims.coords(r)
         sp = f", sp {sp_rank}" if self.sp_degree > 1 else ""
         return f"rank {r} (stage {stage}, dp {dp}{sp})"
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from infinipipe_hf.ir.rounds import SubGroup, whole_group
+from infinipipe_hf.ir.sp_rounds import SubGroup, whole_group
 from infinipipe_hf.runtime.parallel.comm import wait_collective
 from infinipipe_hf.runtime.parallel.sp_shards import HeadShard, TokenShards, head_shards, token_shards
 

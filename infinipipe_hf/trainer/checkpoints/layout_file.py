@@ -8,17 +8,12 @@ from __future__ import annotations
 import json
 import os
 
-from infinipipe_hf.trainer.checkpoints.common import LAYOUT_NAME, is_sharded
-
-
-def _shard_mode(engine) -> str:
-    return engine.sharding.shard if is_sharded(engine) else "none"
+from infinipipe_hf.layout import shard_mode
+from infinipipe_hf.trainer.checkpoints.common import LAYOUT_NAME
 
 
 def write_layout(engine, output_dir: str) -> None:
-    layout = {"pp_degree": engine.layout.pp_degree, "dp_degree": engine.layout.dp_degree,
-              "sp_degree": engine.layout.sp_degree, "shard": _shard_mode(engine),
-              "layers_per_stage": list(engine.layers_per_stage)}
+    layout = {**engine.layout.dims.degrees(), "layers_per_stage": list(engine.layers_per_stage)}
     with open(os.path.join(output_dir, LAYOUT_NAME), "w") as fh:
         json.dump(layout, fh, indent=2)
 
@@ -38,13 +33,12 @@ def check_layout(engine, checkpoint_dir: str) -> None:
                          f"layers per stage {saved['layers_per_stage']}, but this run has "
                          f"pp_degree={now[0]}, layers per stage {now[1]}; resume with the same pp_degree "
                          f"and layer_split={saved['layers_per_stage']}")
-    lay = engine.layout
-    saved_shard = saved.get("shard", "none")  # a layout file without "shard": unsharded
-    was = (saved_shard, saved.get("dp_degree", lay.dp_degree), saved.get("sp_degree", 1))
-    if saved_shard != _shard_mode(engine) or (saved_shard != "none" and was[1:] != (lay.dp_degree,
-                                                                                   lay.sp_degree)):
+    dims = engine.layout.dims
+    saved_mode = shard_mode(saved.get("shard", "none"))  # a layout file without "shard": unsharded
+    was = (saved_mode.name, saved.get("dp_degree", dims.dp_degree), saved.get("sp_degree", 1))
+    if saved_mode != dims.shard or (saved_mode.sharded and was[1:] != (dims.dp_degree, dims.sp_degree)):
         raise ValueError(f"checkpoint {checkpoint_dir} holds optimizer state saved with shard={was[0]!r}, "
                          f"dp_degree={was[1]}, sp_degree={was[2]}, but this run has "
-                         f"shard={_shard_mode(engine)!r}, dp_degree={lay.dp_degree}, sp_degree="
-                         f"{lay.sp_degree}; resume with the same shard mode and degrees (its weights "
+                         f"shard={dims.shard.name!r}, dp_degree={dims.dp_degree}, sp_degree="
+                         f"{dims.sp_degree}; resume with the same shard mode and degrees (its weights "
                          f"alone load into any layout with from_pretrained)")

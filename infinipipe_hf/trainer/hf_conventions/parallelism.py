@@ -4,7 +4,7 @@ layout, or refused before transformers acts on them.
 Design: accelerate >= 1.12 takes a ``ParallelismConfig`` as ``TrainingArguments.parallelism_config``
 (or from ``accelerate launch``'s ``--parallelism_config_*`` flags, which reach the process as
 ``PARALLELISM_CONFIG_*`` environment variables).  Its sizes describe a world without pipeline
-stages; here the world is dp x pp x sp (``layout.py``), so the DP sizes count replicas of the whole
+stages; here the world is dp x pp x sp (``infinipipe_hf.layout``), so the DP sizes count replicas of the whole
 pipeline.  The mapping (also in docs/trainer.md):
 
 ================================================ ==============================================
@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from infinipipe_hf.layout import shard_mode
+from infinipipe_hf.layout import shard_mode, sharding_over
 from infinipipe_hf.trainer import notices
 
 ENV_SWITCH = "ACCELERATE_USE_PARALLELISM_CONFIG"
@@ -99,7 +99,7 @@ def mapped_fields(pc) -> dict[str, Any]:
     if replicate > 1:
         out["dp_degree"] = replicate
     elif shard > 1:
-        out.update(dp_degree=shard, shard="sp+dp" if sp > 1 else "dp")
+        out.update(dp_degree=shard, shard=sharding_over(("dp", "sp") if sp > 1 else ("dp",)).name)
     return out
 
 
@@ -138,7 +138,7 @@ def _check_against_explicit(args, pc, fields: dict[str, Any]) -> None:
                          f"disagree; set one of them")
     if args.shard == "auto":  # without pp_degree='auto': its own error follows (check_auto_fields)
         fields.pop("shard", None)
-    if args.shard in ("none", "auto") or "dp_degree" not in fields:
+    if args.shard == "auto" or not shard_mode(args.shard).sharded or "dp_degree" not in fields:
         return
     over_dp = "dp" in shard_mode(args.shard).shard_dims
     if replicate > 1 and over_dp:

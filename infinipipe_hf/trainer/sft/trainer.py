@@ -34,7 +34,7 @@ from trl.trainer.utils import create_model_from_path, get_config_model_id
 
 from infinipipe_hf.models.smollm2 import TRAINING_CHAT_TEMPLATE
 from infinipipe_hf.trainer import notices
-from infinipipe_hf.trainer.data.prepare import prepare_once
+from infinipipe_hf.trainer.batches.prepare import prepare_once
 from infinipipe_hf.trainer.model_setup import hf_model_of, is_peft_model, preflight
 from infinipipe_hf.trainer.sft.config import EPPSFTConfig
 from infinipipe_hf.trainer.trainer import EPPTrainer
@@ -165,7 +165,7 @@ class EPPSFTTrainer(EPPTrainer):
         model, processing_class = self._apply_chat_template_path(model, processing_class, args)
         if peft_config is not None:
             model = self._wrap_peft(model, peft_config)
-        preflight(model, args)  # layout and model errors before any tokenization
+        dims = preflight(model, args)  # layout and model errors before any tokenization
 
         self._trl = _trl_preparation(_sample(train_dataset), args, processing_class)
         self._formatting_func = formatting_func
@@ -184,7 +184,7 @@ class EPPSFTTrainer(EPPTrainer):
                          processing_class=processing_class, compute_metrics=compute_metrics,
                          callbacks=callbacks, optimizers=optimizers,
                          optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, planner=planner)
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, planner=planner, dims=dims)
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(["trl", "sft", "infinipipe_hf"])
 

@@ -28,8 +28,10 @@ CKPT = {
 
 
 def init() -> None:
+    """Start this rank's gloo group (once: the workers of a merged launch share it, ``suites.py``)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
 
 
 def exit_now(code: int) -> None:
@@ -41,9 +43,31 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def fail_at_forward(engine: PipelineEngine, mode: str, call: int, timeout_s: float) -> None:
+def report_done(done_dir: str | None) -> None:
+    """Write ``done_dir/done.<rank>`` (when given): this rank has reported its failure, so a
+    stuck peer waiting in ``stay_until_reported`` may go."""
+    if done_dir:
+        open(os.path.join(done_dir, f"done.{dist.get_rank()}"), "w").close()
+
+
+def stay_until_reported(done_dir: str | None, others: int, at_most_s: float) -> None:
+    """Hang, alive and silent, until ``others`` ranks wrote ``done.<rank>`` into ``done_dir``
+    (then 1 s more, so they have surely exited first) or ``at_most_s`` passed.  Without a folder,
+    hang the whole ``at_most_s``."""
+    end = time.time() + at_most_s
+    while done_dir and time.time() < end:
+        if sum(name.startswith("done.") for name in os.listdir(done_dir)) >= others:
+            time.sleep(1.0)
+            return
+        time.sleep(0.2)
+    time.sleep(max(0.0, end - time.time()))
+
+
+def fail_at_forward(engine: PipelineEngine, mode: str, call: int, timeout_s: float,
+                    done_dir: str | None = None) -> None:
     """Make this rank die (``die``: exit 17) or hang past its peers' deadlines and then leave
-    (``stuck``) at its ``call``-th unit forward."""
+    (``stuck``: until every other rank reported into ``done_dir``, at most well past the
+    deadlines) at its ``call``-th unit forward."""
     calls = {"n": 0}
     fwd = engine.runner.forward
 
@@ -53,7 +77,7 @@ def fail_at_forward(engine: PipelineEngine, mode: str, call: int, timeout_s: flo
             print(f"[rank {dist.get_rank()}] sabotage: {mode}", flush=True)
             if mode == "die":
                 os._exit(17)
-            time.sleep(timeout_s * 4 + 10)  # well past the peers' deadlines, then go away
+            stay_until_reported(done_dir, dist.get_world_size() - 1, timeout_s * 4 + 10)
             os._exit(0)
         return fwd(*args, **kwargs)
 

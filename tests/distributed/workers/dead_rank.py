@@ -5,7 +5,8 @@ only slow (``slow``: busy for several peer-watch windows, then goes on).
 ``dead_rank.py MODE TIMEOUT_S [DONE_DIR]``.  Every other rank must end with a ``RuntimeError``
 naming a peer, the step and the action; it prints ``FAILED_AS_EXPECTED after <s>: <message>``,
 writes ``DONE_DIR/done.<rank>`` (when given) and exits with code 3.  ``die``/``stuck`` run step 2
-with the short ``TIMEOUT_S``; ``stopped`` keeps the engine's default ``p2p_timeout_s`` (the peer
+with the short ``TIMEOUT_S`` (a ``stuck`` rank leaves once every other rank reported, given
+``DONE_DIR``); ``stopped`` keeps the engine's default ``p2p_timeout_s`` (the peer
 watch must end the wait long before it), and the stopped rank is killed only once every other
 rank has reported (a child process watches ``DONE_DIR``), so no lost connection can help.
 ``slow`` shortens the peer watch's window to ``SLOW_WINDOW_S``; every rank must finish step 2
@@ -29,6 +30,8 @@ from common import (
     init,
     make_plan,
     random_batch,
+    report_done,
+    stay_until_reported,
     tiny_model,
 )
 
@@ -62,7 +65,8 @@ def sabotage(engine: PipelineEngine, mode: str) -> None:
                 while time.time() < end:  # pure Python: holds the GIL but for its switch interval
                     pass
                 return
-            time.sleep(TIMEOUT_S * 3 + 2)  # past every peer's deadline, then go away
+            # past every peer's deadline (until each reported, with DONE_DIR), then go away
+            stay_until_reported(DONE_DIR, dist.get_world_size() - 1, TIMEOUT_S * 3 + 2)
             os._exit(0)
 
     runner.forward = lambda *a, **k: (maybe_fail(), fwd(*a, **k))[1]
@@ -94,7 +98,6 @@ if __name__ == "__main__":
     except RuntimeError as exc:
         print(f"[rank {dist.get_rank()}] FAILED_AS_EXPECTED after {time.time() - t0:.2f}s: {exc}",
               flush=True)
-        if DONE_DIR:
-            open(os.path.join(DONE_DIR, f"done.{dist.get_rank()}"), "w").close()
+        report_done(DONE_DIR)
         exit_now(3)
     print(f"[rank {dist.get_rank()}] step 2 finished without error", flush=True)

@@ -26,7 +26,7 @@ from common import (
 
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.units import Segment
-from infinipipe_hf.planner.search.validator import PlanValidationError
+from infinipipe_hf.planner.validate.validator import PlanValidationError
 
 
 def _with_actions(plan, stage: int, edit):

@@ -50,7 +50,7 @@ def layout_error_before_tokenizing() -> None:
         EPPTrainer(model=make_model(SCENARIOS["base"]), args=args(pp_degree=1, sp_degree=3),
                    train_dataset=data, processing_class=CountingTokenizer())
     except ValueError as exc:
-        assert "sp_degree=3 = 3 does not divide the 2 processes" in str(exc), exc
+        assert "sp_degree=3 = 3 does not divide world size 2" in str(exc), exc
         assert CountingTokenizer.calls == 0, CountingTokenizer.calls
         log(f"CASE layout_error_before_tokenizing OK: {str(exc)[:120]!r}")
         return

@@ -19,16 +19,16 @@ from safetensors.torch import load_file
 from tests.helpers import sft
 
 warnings.filterwarnings("ignore")
-REF_DIR, OUT_DIR = sys.argv[1:3]
 KINDS = ["prompt_completion", "messages_assistant_only"]
+"""The formats run here (the test imports them: the arguments are read only when run)."""
 
 
-def case(kind: str) -> None:
+def case(kind: str, ref_dir: str, out_dir: str) -> None:
     t0 = time.time()
-    with open(os.path.join(REF_DIR, f"{kind}.json")) as fh:
+    with open(os.path.join(ref_dir, f"{kind}.json")) as fh:
         ref_losses = json.load(fh)["losses"]
-    ref_w = load_file(os.path.join(REF_DIR, f"{kind}.safetensors"))
-    tr = sft.epp_sft(kind, os.path.join(OUT_DIR, kind), pp=2)
+    ref_w = load_file(os.path.join(ref_dir, f"{kind}.safetensors"))
+    tr = sft.epp_sft(kind, os.path.join(out_dir, kind), pp=2)
     tr.train()
     assert len(tr.micro_losses) == len(ref_losses), (tr.micro_losses, ref_losses)
     worst = max(abs(a - b) / abs(b) for a, b in zip(tr.micro_losses, ref_losses))
@@ -41,5 +41,5 @@ def case(kind: str) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     for kind in KINDS:
-        case(kind)
+        case(kind, *sys.argv[1:3])
     print(f"[rank {dist.get_rank()}] ALL OK", flush=True)

@@ -37,6 +37,7 @@ UNITS_FOUR = [[[(0, 0, 13)], [(0, 13, 25)], [(0, 25, 37)]], [[(4, 0, 8)], [(4, 8
 def sp_meshes(shard: str) -> None:
     """The SP-group meshes (HSDP, flattened, extra sums, norm) before the SP runtime exists: every
     rank of a dp 2 x sp 2 stage runs its own units; the step's gradient is still their sum."""
+    from infinipipe_hf.layout import ParallelDims
     from infinipipe_hf.runtime.parallel.fsdp import StageSharding
     from infinipipe_hf.runtime.parallel.grad_sync import GradientSync
     from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
@@ -47,10 +48,9 @@ def sp_meshes(shard: str) -> None:
     batch = random_batch(LENGTHS, seed=13, with_labels=True)
     (want_loss,), want, ref = reference("llama", True, [batch])
     want_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
-    lay = ParallelLayout(4, dist.get_rank(), pp_degree=1, dp_degree=2, sp_degree=2,
-                         tied_embeddings=True, timeout_s=60)
+    lay = ParallelLayout(ParallelDims(1, 2, 2, shard), dist.get_rank(), tied_embeddings=True, timeout_s=60)
     stage = build_stage(tiny_model("llama", tie=True), 0, range(4))
-    sharding = StageSharding(stage, lay, shard, torch.device("cpu"))
+    sharding = StageSharding(stage, lay, torch.device("cpu"))
     runner = StageRunner(stage)
     plan = make_plan(LENGTHS, UNITS_FOUR, 1, [4], checkpoint=lambda s, u, n: [0, 2, 4, 0, 2, 4, 1, 3, 1, 3][u])
     sync = GradientSync(lay, torch.device("cpu"), 60, sharding=sharding, tied=lambda: [],

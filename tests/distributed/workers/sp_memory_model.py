@@ -9,7 +9,7 @@ inputs it keeps: whole layers and both MLP levels go through ``checkpoint`` call
 wrapped).  The prediction is ``CostModel(..., sp_degree=2).levels.unit_activation_bytes`` with a
 float32 profile whose per-token figure is the cost model's own formula (as in
 ``tests/runtime/test_memory_model_vs_runtime.py``): the formula against the runtime, per rank.  The
-KV store after the first slice is compared with ``CostModel.kv_bytes`` (K/V and, once backward
+KV store after the first slice is compared with ``StageActivations.kv_bytes`` (K/V and, once backward
 ran, their gradients: here the forward has run, so half of it).  Prints ``MODEL <json>`` per case
 and ``ALL OK``.
 """
@@ -22,15 +22,16 @@ import json
 from common import InfiniPipeConfig, PipelineEngine, dist, init, log, saved_bytes, torch
 from sp_memory import VOCAB, T, model
 
+from benchmarks.lib.runtime_fit import reference_of
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import CheckpointMix
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.activations import act_elements
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.cost.profile import default_profile
-from infinipipe_hf.profiling.runtime_fit import reference_of
 
 MIXES = [(0, 0, 0), (2, 0, 0), (4, 0, 0), (0, 4, 0), (0, 0, 4), (1, 1, 2), (0, 0, 0, 4), (1, 1, 0, 2)]
 
@@ -40,7 +41,7 @@ def cost_model(spec: ModelSpec) -> CostModel:
                                bytes_per_element=4, attention_mask_bytes_per_element=4.0,
                                activation_bytes_per_token_per_layer=act_elements(
                                    spec.hidden_size, spec.intermediate_size, spec.kv_dim, 4) * 4.0)
-    return CostModel(spec, fp32, pp_degree=1, sp_degree=2, layers_per_stage=[spec.num_layers])
+    return CostModel(spec, fp32, ParallelDims(pp_degree=1, sp_degree=2), layers_per_stage=[spec.num_layers])
 
 
 def main() -> None:
@@ -70,7 +71,7 @@ def main() -> None:
                "first_slice": {"measured": first, "model": cost.levels.unit_activation_bytes(0, units[0].segments, mix)},
                "second_slice": {"measured": second,
                                 "model": cost.levels.unit_activation_bytes(0, units[1].segments, mix)},
-               "kv_store": {"measured": kv, "model": cost.kv_bytes(0, T) / 2}}
+               "kv_store": {"measured": kv, "model": cost.acts.kv_bytes(0, T) / 2}}
         log("MODEL " + json.dumps(row))
     dist.barrier()
     log("ALL OK")

@@ -30,7 +30,7 @@ from common import (
 )
 from sharded_grads import check_full_grads, close
 
-from infinipipe_hf.runtime.engine.rounds import rank_actions
+from infinipipe_hf.runtime.engine.sp_rounds import rank_actions
 from infinipipe_hf.runtime.parallel.sequence_parallel import SequenceParallel
 from tests.distributed.round_plans import rounds_plan
 from tests.helpers.reference import random_batch, reference_loss_and_grads, tiny_model
@@ -168,15 +168,16 @@ def bad_input():
 def sub_group_meshes():
     """The sub-groups' process groups from ``DeviceMesh._unflatten`` and from the fall-back 4-D
     ``DeviceMesh`` hold the same ranks; time to build them at sp 4 (one size: 2)."""
+    from infinipipe_hf.layout import ParallelDims
     from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 
     t0 = time.perf_counter()
-    lay = ParallelLayout(4, dist.get_rank(), pp_degree=1, dp_degree=1, sp_degree=4, timeout_s=60)
+    lay = ParallelLayout(ParallelDims(sp_degree=4), dist.get_rank(), timeout_s=60)
     t_all = time.perf_counter() - t0
     t0 = time.perf_counter()
     lay._build_sub_groups(None)
     t_unflatten = time.perf_counter() - t0
-    fallback = ParallelLayout(4, dist.get_rank(), pp_degree=1, dp_degree=1, sp_degree=4, groups_enabled=False)
+    fallback = ParallelLayout(ParallelDims(sp_degree=4), dist.get_rank(), groups_enabled=False)
     fallback.mesh = lay.mesh
     t0 = time.perf_counter()
     fallback._build_sub_groups(None, unflatten=False)

@@ -71,7 +71,7 @@ def main() -> None:
                "mix": [mix.full, mix.mlp, mix.mlp_act, mix.keep_attn], "measured": got, "sp1": want,
                "model": {"first_slice": group.levels.unit_activation_bytes(0, units[mine[0]].segments, mix),
                          "second_slice": group.levels.unit_activation_bytes(0, units[mine[1]].segments, mix),
-                         "kv_store": group.kv_bytes(0, T) / 2}}  # K/V kept; their gradients come in backward
+                         "kv_store": group.acts.kv_bytes(0, T) / 2}}  # K/V kept; their gradients come in backward
         rows.append(row)
         log("ROUNDMEM " + json.dumps(row))
     if len(sys.argv) > 1:

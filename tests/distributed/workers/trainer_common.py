@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinipipe_hf.trainer.arguments import EPPTrainingArguments
-from infinipipe_hf.trainer.data.loader import GlobalBatchCollator, build_global_batch_loader
+from infinipipe_hf.trainer.batches.loader import GlobalBatchCollator, build_global_batch_loader
 from infinipipe_hf.trainer.trainer import EPPTrainer
 from tests.helpers.reference import tiny_model
 

@@ -4,17 +4,18 @@ import json
 import numpy as np
 import pytest
 
+from benchmarks.lib.static_alternative import static_alternative
+from benchmarks.lib.static_pipeline import static_pipeline_baseline
 from infinipipe_hf.cli.plan import main
 from infinipipe_hf.data.synthetic import commoncrawl_like, github_like, slimpajama_like
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.alternatives.round_plan import check_plan
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.registry import ALTERNATIVES
-from infinipipe_hf.planner.search.api import plan_alternative, plan_step
-from infinipipe_hf.planner.search.static_alternative import static_alternative
-from infinipipe_hf.planner.search.static_pipeline import static_pipeline_baseline
+from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step
 
 SPEC = ModelSpec.from_json_file(config_path("llama2-7b"))
 MODEL = str(config_path("llama2-7b"))
@@ -74,7 +75,7 @@ def test_bad_inputs_are_value_errors(cost4):
     with pytest.raises(ValueError, match="built for 4 GPUs"):
         plan_alternative([100], SPEC, "flexsp", world_size=8, cost=cost4)
     with pytest.raises(ValueError, match="plan_alternative"):
-        plan_step([100], SPEC, pp_degree=2, schedule="flexsp")
+        plan_step([100], SPEC, ParallelDims(pp_degree=2), PlanOptions(schedule="flexsp"))
 
 
 def test_fixed_checkpointing_is_honoured(cost4):
@@ -160,9 +161,9 @@ def test_static_settings_never_beat_tuning_per_batch(cost4):
 
 
 def test_static_seq1f1b_from_tuned_results():
-    cost = CostModel(SPEC, None, pp_degree=2, memory_budget_bytes=80 * GIB)
+    cost = CostModel(SPEC, None, ParallelDims(pp_degree=2), memory_budget_bytes=80 * GIB)
     batches = [slimpajama_like(n=32, max_len=16384, seed=s) for s in range(2)]
-    tuned = [plan_step(b, SPEC, pp_degree=2, schedule="seq1f1b", cost=cost) for b in batches]
+    tuned = [plan_step(b, SPEC, ParallelDims(pp_degree=2), PlanOptions(schedule="seq1f1b"), cost=cost) for b in batches]
     one = static_pipeline_baseline("seq1f1b", batches[:1], tuned[:1], cost)
     assert one.tokens_per_s == pytest.approx(tuned[0].simulation.tokens_per_s, rel=1e-12)
     both = static_pipeline_baseline("seq1f1b", batches, tuned, cost)
@@ -179,12 +180,12 @@ def test_epp_always_plans_the_unsliced_candidate():
     # Llama-30B, sp 8 x pp 4, a 96K-capped batch: the closed-form estimate ranks K=1 fourth,
     # yet its exact plan is the fastest; EPP must not lose it to seq1f1b's unsliced packing.
     spec = ModelSpec.from_json_file(config_path("llama-30b"))
-    cost = CostModel(spec, None, pp_degree=4, sp_degree=8, shard="sp", memory_budget_bytes=80 * GIB)
+    cost = CostModel(spec, None, ParallelDims(pp_degree=4, sp_degree=8, shard="sp"), memory_budget_bytes=80 * GIB)
     lengths = slimpajama_like(n=512, max_len=96 * 1024, seed=0)
-    epp = plan_step(lengths, spec, pp_degree=4, sp_degree=8, shard="sp", schedule="epp", cost=cost)
+    epp = plan_step(lengths, spec, ParallelDims(pp_degree=4, sp_degree=8, shard="sp"), PlanOptions(schedule="epp"), cost=cost)
     forced = [c for c in epp.candidates if c.get("always_planned") and not c.get("sp_rounds")]
     assert len(forced) == 1 and forced[0]["num_slices"] == 1 and "unit_token_floor" not in forced[0]
-    seq = plan_step(lengths, spec, pp_degree=4, sp_degree=8, shard="sp", schedule="seq1f1b", cost=cost, num_slices=[1])
+    seq = plan_step(lengths, spec, ParallelDims(pp_degree=4, sp_degree=8, shard="sp"), PlanOptions(schedule="seq1f1b", num_slices=[1]), cost=cost)
     assert epp.simulation.tokens_per_s >= seq.simulation.tokens_per_s
 
 

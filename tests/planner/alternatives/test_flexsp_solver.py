@@ -5,7 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from infinipipe_hf.planner.alternatives.flexsp_solver import RoundProblem, bucketize, greedy_groups, milp_groups
+from infinipipe_hf.planner.alternatives.flexsp_solver import bucketize, milp_groups
+from infinipipe_hf.planner.batch.group_packing import RoundProblem, greedy_groups
 
 
 def problem(rng: random.Random, n: int, world: int) -> RoundProblem:

@@ -4,13 +4,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.batch.dp_assign import assign_sequences, idle_replicas, replica_loads, sequence_cost
 from infinipipe_hf.planner.batch.layer_time import LayerTime
 from infinipipe_hf.planner.cost.model import CostModel
 
 LLAMA3_8B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
-COST = CostModel(ModelSpec.from_config_dict(LLAMA3_8B), pp_degree=4)
+COST = CostModel(ModelSpec.from_config_dict(LLAMA3_8B), dims=ParallelDims(pp_degree=4))
 LT = LayerTime.of(COST)
 
 

@@ -10,15 +10,16 @@ from hypothesis import strategies as st
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.units import UnitKind
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.batch.elastic import make_elastic_units
 from infinipipe_hf.planner.batch.layer_time import LayerTime
-from infinipipe_hf.planner.batch.mesh import equal_time_cuts
+from infinipipe_hf.planner.batch.slice_cuts import equal_time_cuts
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.cost.profile import TimeCoefficients, default_profile
 
 LLAMA3_8B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
-COST = CostModel(ModelSpec.from_config_dict(LLAMA3_8B), pp_degree=4)
+COST = CostModel(ModelSpec.from_config_dict(LLAMA3_8B), dims=ParallelDims(pp_degree=4))
 LT = LayerTime.of(COST)
 
 
@@ -120,7 +121,7 @@ def test_without_attention_cost_cuts_are_equal_tokens():
     prof = dataclasses.replace(default_profile(),
                                layer_forward=TimeCoefficients(0.0, 1e-6, 1e-3),
                                layer_backward=TimeCoefficients(0.0, 2e-6, 1e-3))
-    cost = CostModel(ModelSpec.from_config_dict(LLAMA3_8B), prof, pp_degree=4)
+    cost = CostModel(ModelSpec.from_config_dict(LLAMA3_8B), prof, ParallelDims(pp_degree=4))
     assert equal_time_cuts(1000, 4, LayerTime.of(cost)) == [250, 500, 750]
 
 

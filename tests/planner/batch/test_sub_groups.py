@@ -2,7 +2,8 @@
 holds them, rounds that cover the SP group, deterministic."""
 import pytest
 
-from infinipipe_hf.ir.rounds import check_rounds
+from infinipipe_hf.ir.sp_rounds import check_rounds
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.batch.elastic import make_elastic_units
 from infinipipe_hf.planner.batch.layer_time import LayerTime
 from infinipipe_hf.planner.batch.sub_groups import _assemble, _Member, elastic_rounds, group_sizes
@@ -13,7 +14,7 @@ LENGTHS = [60000, 30000, 9000, 5000, 4000] + [900 + 37 * i for i in range(40)] +
 
 
 def _rounded(lengths, sp=8, k=4, floor=None):
-    cost = CostModel(LLAMA8B, pp_degree=4, sp_degree=sp, shard="sp")
+    cost = CostModel(LLAMA8B, dims=ParallelDims(pp_degree=4, sp_degree=sp, shard="sp"))
     res = make_elastic_units(lengths, cost, k, min_token_budget=floor)
     return res, elastic_rounds(res, lengths, cost, first_unit_id=7), cost
 
@@ -61,7 +62,7 @@ def test_no_rounds_where_nothing_would_run_on_a_sub_group():
 
 @pytest.mark.parametrize("sp", [2, 4])
 def test_a_partial_round_grows_its_units_to_cover_the_group(sp):
-    cost = CostModel(LLAMA8B, pp_degree=4, sp_degree=sp)
+    cost = CostModel(LLAMA8B, dims=ParallelDims(pp_degree=4, sp_degree=sp))
     times = {g: LayerTime.of(cost.for_group(g)) for g in group_sizes(sp)}
     members = [_Member(1, [q], times[1].b + times[1].segment(0, 4000 - 100 * q), 4000 - 100 * q) for q in range(sp + 1)]
     rounds = _assemble(members, sp, times, [4000 - 100 * q for q in range(sp + 1)])

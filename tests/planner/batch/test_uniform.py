@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.batch.uniform import (
     equal_compute_slices,
     layer_pair_weight,
@@ -15,11 +16,11 @@ from infinipipe_hf.planner.batch.uniform import (
 )
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import CostModel
-from infinipipe_hf.planner.schedules.grids import packing_candidates, slicing_candidates
+from infinipipe_hf.planner.pipeline.grids import packing_candidates, slicing_candidates
 
 LLAMA3_8B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
-COST = CostModel(ModelSpec.from_config_dict(LLAMA3_8B), pp_degree=4)
+COST = CostModel(ModelSpec.from_config_dict(LLAMA3_8B), dims=ParallelDims(pp_degree=4))
 
 lengths_st = st.lists(st.one_of(st.integers(1, 100), st.integers(1, 20_000)), min_size=1, max_size=40)
 
@@ -100,7 +101,7 @@ def test_equal_compute_slices(lengths, pack, k, floor, data):
 
 def _layer_times(units, cost=COST):
     shapes = [UnitShape.of(u.segments) for u in units]
-    return [cost.layer_fwd(sh.pairs, sh.tokens) + cost.layer_bwd(sh.pairs, sh.tokens) for sh in shapes]
+    return [cost.coefficients.layer_fwd(sh.pairs, sh.tokens) + cost.coefficients.layer_bwd(sh.pairs, sh.tokens) for sh in shapes]
 
 
 @pytest.mark.parametrize("n, k", [(32768, 4), (65536, 8), (131072, 4)])

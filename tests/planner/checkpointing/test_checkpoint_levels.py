@@ -15,18 +15,19 @@ from infinipipe_hf.ir.levels import FINER_LEVELS, CheckpointMix, check_levels
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
+from infinipipe_hf.planner.checkpointing.memory_walk import stage_timeline
 from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
 from infinipipe_hf.planner.checkpointing.problem import build_problem
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
-from infinipipe_hf.planner.checkpointing.timeline import stage_timeline
 from infinipipe_hf.planner.cost.activations import act_elements
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.levels import LevelCosts
 from infinipipe_hf.planner.cost.model import CostModel
-from infinipipe_hf.planner.search.api import plan_step
-from infinipipe_hf.planner.search.validator import PlanValidationError, validate
+from infinipipe_hf.planner.search.api import PlanOptions, plan_step
 from infinipipe_hf.planner.simulate.simulator import simulate
+from infinipipe_hf.planner.validate.validator import PlanValidationError, validate
 from tests.planner.hand_plans import TINY, epp_plan
 
 LEVELS = FINER_LEVELS  # keep_attn, mlp, mlp_act
@@ -45,11 +46,10 @@ def level_peaks(plan, cost, ck, lv):
 
 def cost_between(plan, layers, frac):
     spec = dataclasses.replace(TINY, num_layers=sum(layers))
-    cost = CostModel(spec, pp_degree=plan.pp_degree, layers_per_stage=layers, memory_budget_bytes=1e18)
+    cost = CostModel(spec, dims=ParallelDims(pp_degree=plan.pp_degree), layers_per_stage=layers, memory_budget_bytes=1e18)
     none = max(level_peaks(plan, cost, {}, {}))
     full = max(level_peaks(plan, cost, {s: {u.id: layers[s] for u in plan.units} for s in range(plan.pp_degree)}, {}))
-    return CostModel(spec, pp_degree=plan.pp_degree, layers_per_stage=layers,
-                     memory_budget_bytes=full + frac * (none - full))
+    return CostModel(spec, dims=ParallelDims(pp_degree=plan.pp_degree), layers_per_stage=layers, memory_budget_bytes=full + frac * (none - full))
 
 
 def brute_force_cells(plan, cost):
@@ -181,7 +181,7 @@ def test_stage_blocks_solve_like_the_whole():
 
 def test_level_costs_are_ordered_and_shares_exact():
     spec = ModelSpec("llama", 32, 4096, 11008, 32, 32, 128, 32000, False)
-    cost = CostModel(spec, pp_degree=4)
+    cost = CostModel(spec, dims=ParallelDims(pp_degree=4))
     lc = cost.levels
     assert isinstance(lc, LevelCosts)
     # Shares of the bf16 element count: 4 x and 2 x intermediate of 10 h + 4 i + 2 kv.
@@ -191,16 +191,16 @@ def test_level_costs_are_ordered_and_shares_exact():
     for tokens, context in ((512, 0), (8192, 0), (4096, 60000)):
         shape = UnitShape(float(tokens * tokens + 2 * context * tokens), tokens)
         full, keep, mlp, act = (lc.layer_recompute_s(lv, shape) for lv in ("full", "keep_attn", "mlp", "mlp_act"))
-        assert 0 < act < mlp < keep < full < cost.layer_fwd(shape.pairs, shape.tokens)
+        assert 0 < act < mlp < keep < full < cost.coefficients.layer_fwd(shape.pairs, shape.tokens)
         # keep_attn skips exactly the attention core: the fit's pair term.
-        core = cost.layer_fwd(shape.pairs, shape.tokens) - cost.layer_fwd(0, shape.tokens)
+        core = cost.coefficients.layer_fwd(shape.pairs, shape.tokens) - cost.coefficients.layer_fwd(0, shape.tokens)
         assert full - keep == pytest.approx(core, rel=1e-12)
         if context:  # a slice far into its sequence: the core is most of the replay
             assert keep < 0.5 * full
     segments = [Segment(0, 60000, 64096)]
     saved = {lv: lc.layer_saved_bytes(lv, 0, segments) for lv in ("full", "keep_attn", "mlp", "mlp_act")}
     assert saved["full"] > saved["keep_attn"] > saved["mlp"] > saved["mlp_act"] > 0
-    assert saved["full"] == cost.unit_checkpoint_saving(0, segments)
+    assert saved["full"] == cost.acts.unit_checkpoint_saving(0, segments)
     # keep_attn keeps the attention output (bf16) and a float32 log-sum-exp per head and token.
     assert saved["full"] - saved["keep_attn"] == pytest.approx(4096 * (4096 * 2 + 32 * 4), rel=1e-12)
     with pytest.raises(ValueError, match="unknown checkpoint level 'attn'"):
@@ -267,7 +267,7 @@ def test_validator_rejects_bad_levels(levels, match):
 def test_simulator_and_memory_count_levels():
     plan = _plan_with_levels()
     spec = dataclasses.replace(TINY, num_layers=4)
-    cost = CostModel(spec, pp_degree=2, layers_per_stage=[2, 2])
+    cost = CostModel(spec, dims=ParallelDims(pp_degree=2), layers_per_stage=[2, 2])
     sim = simulate(plan, cost)
     shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
     want = sum(cost.levels.recompute_time(s, shapes[u.id], plan.checkpoint_mix(s, u.id))
@@ -295,9 +295,8 @@ BUDGET = 60 * 2**30
 
 
 def test_plan_step_levels_cut_recompute_and_info_stays_true():
-    off = plan_step(LONG_TAILED, LLAMA_7B, pp_degree=4, checkpoint_levels=(), checkpoint_sharing="diagonal",
-                    memory_budget_bytes=BUDGET)
-    on = plan_step(LONG_TAILED, LLAMA_7B, pp_degree=4, memory_budget_bytes=BUDGET)
+    off = plan_step(LONG_TAILED, LLAMA_7B, ParallelDims(pp_degree=4), PlanOptions(checkpoint_levels=(), checkpoint_sharing="diagonal", memory_budget_bytes=BUDGET))
+    on = plan_step(LONG_TAILED, LLAMA_7B, ParallelDims(pp_degree=4), PlanOptions(memory_budget_bytes=BUDGET))
     assert off.feasible and on.feasible
     assert not off.plan.checkpoint_levels and on.plan.checkpoint_levels
     assert off.simulation.recompute_time_s > 0
@@ -306,20 +305,19 @@ def test_plan_step_levels_cut_recompute_and_info_stays_true():
     for res in (off, on):
         # The info describes the plan that is returned, after the final solve.
         assert res.plan.info["recompute_time_s"] == pytest.approx(res.simulation.recompute_time_s, rel=1e-9)
-        validate(Plan.from_json(res.plan.to_json()), CostModel(LLAMA_7B, pp_degree=4,
-                                                               memory_budget_bytes=BUDGET))
+        validate(Plan.from_json(res.plan.to_json()), CostModel(LLAMA_7B, dims=ParallelDims(pp_degree=4), memory_budget_bytes=BUDGET))
         assert res.summary()["recompute_fraction"] == res.simulation.recompute_fraction
     with pytest.raises(ValueError, match="unknown checkpoint level"):
-        plan_step(LONG_TAILED, LLAMA_7B, pp_degree=4, checkpoint_levels=("attention",))
+        plan_step(LONG_TAILED, LLAMA_7B, ParallelDims(pp_degree=4), PlanOptions(checkpoint_levels=("attention",)))
     with pytest.raises(ValueError, match="checkpoint_sharing='rows'"):
-        plan_step(LONG_TAILED, LLAMA_7B, pp_degree=4, checkpoint_sharing="rows")
+        plan_step(LONG_TAILED, LLAMA_7B, ParallelDims(pp_degree=4), PlanOptions(checkpoint_sharing="rows"))
 
 
 @pytest.mark.parametrize("sp", [2, 4])
 def test_levels_per_gpu_under_sequence_parallelism(sp):
     """The MLP is token-sharded: a level drops its elements for the tokens a GPU holds, and its
     recompute runs on those tokens (no all-to-all in the MLP)."""
-    one, many = CostModel(LLAMA_7B, pp_degree=4), CostModel(LLAMA_7B, pp_degree=4, sp_degree=sp)
+    one, many = CostModel(LLAMA_7B, dims=ParallelDims(pp_degree=4)), CostModel(LLAMA_7B, dims=ParallelDims(pp_degree=4, sp_degree=sp))
     tokens = 8191
     mix = CheckpointMix(0, 3, 2)
     per_gpu = math.ceil(tokens / sp)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.checkpointing import lp
 from infinipipe_hf.planner.checkpointing import solver as cs
 from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
@@ -29,17 +30,16 @@ def peaks(plan, cost, ck_of_stage):
 
 def tiny_cost(layers, budget=1e18):
     spec = dataclasses.replace(TINY, num_layers=sum(layers))
-    return CostModel(spec, pp_degree=len(layers), layers_per_stage=layers, memory_budget_bytes=budget)
+    return CostModel(spec, dims=ParallelDims(pp_degree=len(layers)), layers_per_stage=layers, memory_budget_bytes=budget)
 
 
 def budget_between(plan, spec, layers, frac):
     """A budget ``frac`` of the way from full checkpointing's peak to no checkpointing's."""
     spec = dataclasses.replace(spec, num_layers=sum(layers))
-    cost = CostModel(spec, pp_degree=plan.pp_degree, layers_per_stage=layers, memory_budget_bytes=1e18)
+    cost = CostModel(spec, dims=ParallelDims(pp_degree=plan.pp_degree), layers_per_stage=layers, memory_budget_bytes=1e18)
     none = max(peaks(plan, cost, lambda s: {}))
     full = max(peaks(plan, cost, lambda s: {u.id: layers[s] for u in plan.units}))
-    return CostModel(spec, pp_degree=plan.pp_degree, layers_per_stage=layers,
-                     memory_budget_bytes=full + frac * (none - full))
+    return CostModel(spec, dims=ParallelDims(pp_degree=plan.pp_degree), layers_per_stage=layers, memory_budget_bytes=full + frac * (none - full))
 
 
 def brute_force(plan, cost):
@@ -232,7 +232,7 @@ def big_plan(pp, seed=0):
 @pytest.mark.parametrize("frac", [0.2, 0.8])
 def test_large_plan_is_fast(pp, frac):
     plan = big_plan(pp)
-    layers = CostModel(LLAMA8B, pp_degree=pp).layers_per_stage
+    layers = CostModel(LLAMA8B, dims=ParallelDims(pp_degree=pp)).layers_per_stage
     cost = budget_between(plan, LLAMA8B, layers, frac)
     t0 = time.perf_counter()
     sol = solve_checkpointing(plan, cost, time_limit_s=1.0)  # what plan_step passes
@@ -250,7 +250,7 @@ def test_large_plan_is_fast(pp, frac):
 
 def test_time_limit_is_respected():
     plan = big_plan(8)
-    cost = budget_between(plan, LLAMA8B, CostModel(LLAMA8B, pp_degree=8).layers_per_stage, 0.3)
+    cost = budget_between(plan, LLAMA8B, CostModel(LLAMA8B, dims=ParallelDims(pp_degree=8)).layers_per_stage, 0.3)
     t0 = time.perf_counter()
     sol = solve_checkpointing(plan, cost, time_limit_s=0.3)
     assert sol.feasible and time.perf_counter() - t0 < 1.5

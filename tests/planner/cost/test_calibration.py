@@ -6,13 +6,14 @@ from dataclasses import replace
 import pytest
 
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.cost.calibration import Calibration, apply_calibration, overlapped, ring_extra_s
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import HardwareProfile, calibrated_profile, default_profile
-from infinipipe_hf.planner.search.api import plan_alternative, plan_step
+from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step
 
 SPEC = ModelSpec.from_json_file(config_path("llama3-8b"))
 BATCH = [8192] * 4 + [2048] * 8 + [512] * 16
@@ -53,8 +54,8 @@ def test_bad_values_and_double_application_are_errors():
 def test_compute_efficiency_slows_every_schedule_by_its_inverse():
     slow = apply_calibration(default_profile(), Calibration(compute_efficiency=0.5))
     for schedule in ("epp", "seq1f1b"):
-        base = plan_step(BATCH, SPEC, pp_degree=2, schedule=schedule, memory_budget_bytes=80 * GIB)
-        cal = plan_step(BATCH, SPEC, pp_degree=2, schedule=schedule, memory_budget_bytes=80 * GIB, profile=slow)
+        base = plan_step(BATCH, SPEC, ParallelDims(pp_degree=2), PlanOptions(schedule=schedule, memory_budget_bytes=80 * GIB))
+        cal = plan_step(BATCH, SPEC, ParallelDims(pp_degree=2), PlanOptions(schedule=schedule, memory_budget_bytes=80 * GIB, profile=slow))
         assert cal.summary()["tokens_per_s"] < 0.6 * base.summary()["tokens_per_s"]
     one = alt("ulysses-zero3", default_profile(), world=1, checkpointing=8)
     half = alt("ulysses-zero3", slow, world=1, checkpointing=8)
@@ -69,12 +70,12 @@ def test_collective_overlap_exposes_fsdp_collectives_for_alternatives_and_epp():
     shape = UnitShape(4096.0 ** 2, 4096)
     times = []
     for prof in (default_profile(), with_cal(collective_overlap=0.0)):
-        c = CostModel(SPEC, prof, pp_degree=2, sp_degree=2, shard="sp")
-        times.append((c.forward_time(0, shape), c.backward_time(0, shape)))
+        c = CostModel(SPEC, prof, ParallelDims(pp_degree=2, sp_degree=2, shard="sp"))
+        times.append((c.compute.forward_time(0, shape), c.backward_time(0, shape)))
     (f0, b0), (f1, b1) = times
     assert f1 > f0 and b1 > b0  # EPP's FSDP2 gathers are priced by the same mechanism
-    c = CostModel(SPEC, default_profile(), pp_degree=2)  # unsharded: nothing to overlap
-    assert c.forward_time(0, shape) == CostModel(SPEC, with_cal(collective_overlap=0.0), pp_degree=2).forward_time(0, shape)
+    c = CostModel(SPEC, default_profile(), ParallelDims(pp_degree=2))  # unsharded: nothing to overlap
+    assert c.compute.forward_time(0, shape) == CostModel(SPEC, with_cal(collective_overlap=0.0), ParallelDims(pp_degree=2)).compute.forward_time(0, shape)
 
 
 def test_group_round_cost_charges_groups_of_several_gpus_per_round():

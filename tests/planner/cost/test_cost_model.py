@@ -7,6 +7,7 @@ import pytest
 from infinipipe_hf.ir.model_spec import ModelSpec, UnsupportedModelError
 from infinipipe_hf.ir.partition import balanced_layer_split
 from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
@@ -25,14 +26,14 @@ def test_default_profile_fits_measurements_within_15_percent():
     for row in _layer_rows():
         s = row["tokens"]
         shape = UnitShape.of([Segment(0, 0, s)])
-        got = cm.layer_fwd(shape.pairs, s) + cm.layer_bwd(shape.pairs, s)
+        got = cm.coefficients.layer_fwd(shape.pairs, s) + cm.coefficients.layer_bwd(shape.pairs, s)
         want = row["fwd_bwd_ms"] / 1e3
         assert abs(got / want - 1) < 0.15, (s, got, want)
 
 
 def test_small_slices_cost_more_per_token():
     cm = CostModel(ModelSpec.from_config_dict(LLAMA3_8B))
-    per_token = [cm.layer_fwd(s * s, s) / s for s in (512, 2048, 8192)]
+    per_token = [cm.coefficients.layer_fwd(s * s, s) / s for s in (512, 2048, 8192)]
     assert per_token[0] > per_token[1]
 
 
@@ -41,7 +42,7 @@ def test_band_term_makes_later_slices_dearer():
     first = UnitShape.of([Segment(0, 0, 8192)])
     later = UnitShape.of([Segment(0, 65536, 65536 + 8192)])
     assert later.pairs == 8192**2 + 2 * 65536 * 8192
-    assert cm.layer_fwd(later.pairs, later.tokens) > 2 * cm.layer_fwd(first.pairs, first.tokens)
+    assert cm.coefficients.layer_fwd(later.pairs, later.tokens) > 2 * cm.coefficients.layer_fwd(first.pairs, first.tokens)
 
 
 def test_scaling_is_flop_proportional():
@@ -50,25 +51,25 @@ def test_scaling_is_flop_proportional():
     little = CostModel(ModelSpec.from_config_dict(small))
     flops = little.spec.layer_linear_flops_per_token() / big.spec.layer_linear_flops_per_token()
     assert 0.2 < flops < 0.3
-    assert little.layer_fwd.token_s == pytest.approx(big.layer_fwd.token_s * flops)
-    assert little.layer_fwd.attn_pair_s == pytest.approx(big.layer_fwd.attn_pair_s / 2)
+    assert little.coefficients.layer_fwd.token_s == pytest.approx(big.coefficients.layer_fwd.token_s * flops)
+    assert little.coefficients.layer_fwd.attn_pair_s == pytest.approx(big.coefficients.layer_fwd.attn_pair_s / 2)
 
 
 def test_memory_terms():
     spec = ModelSpec.from_config_dict(LLAMA3_8B)
-    cm = CostModel(spec, pp_degree=4, memory_budget_bytes=80 * 2**30)
+    cm = CostModel(spec, dims=ParallelDims(pp_degree=4), memory_budget_bytes=80 * 2**30)
     assert sum(cm.layers_per_stage) == 32 and cm.layers_per_stage[-1] < cm.layers_per_stage[0]  # head costs ~2 layers
-    full = cm.activation_bytes(1, 1000, 0)
-    ckpt = cm.activation_bytes(1, 1000, 3)
-    assert full - ckpt == pytest.approx(3 * cm.activation_bytes_per_checkpointed_layer(1, 1000))
-    assert cm.activation_bytes(1, 1000, 0) == pytest.approx(1000 * cm.layers_per_stage[1] * default_profile().activation_bytes_per_token_per_layer, rel=0.01)
+    full = cm.acts.activation_bytes(1, 1000, 0)
+    ckpt = cm.acts.activation_bytes(1, 1000, 3)
+    assert full - ckpt == pytest.approx(3 * cm.acts.activation_bytes_per_checkpointed_layer(1, 1000))
+    assert cm.acts.activation_bytes(1, 1000, 0) == pytest.approx(1000 * cm.layers_per_stage[1] * default_profile().activation_bytes_per_token_per_layer, rel=0.01)
     with pytest.raises(AssertionError):
-        cm.activation_bytes(1, 1000, cm.layers_per_stage[1] + 1)
+        cm.acts.activation_bytes(1, 1000, cm.layers_per_stage[1] + 1)
     # first stage holds the embedding, last the head
     layer_states = spec.layer_params * 16
-    assert cm.static_bytes(1) == cm.layers_per_stage[1] * layer_states
-    assert cm.static_bytes(0) == cm.layers_per_stage[0] * layer_states + spec.embedding_params * 16
-    assert cm.static_bytes(3) == cm.layers_per_stage[3] * layer_states + (spec.embedding_params + spec.hidden_size) * 16
+    assert cm.acts.static_bytes(1) == cm.layers_per_stage[1] * layer_states
+    assert cm.acts.static_bytes(0) == cm.layers_per_stage[0] * layer_states + spec.embedding_params * 16
+    assert cm.acts.static_bytes(3) == cm.layers_per_stage[3] * layer_states + (spec.embedding_params + spec.hidden_size) * 16
 
 
 def test_profile_round_trip(tmp_path):
@@ -90,7 +91,7 @@ def test_balanced_split():
 
 def test_bad_layer_split_rejected():
     with pytest.raises(ValueError, match="layers_per_stage"):
-        CostModel(ModelSpec.from_config_dict(LLAMA3_8B), pp_degree=2, layers_per_stage=[30, 1])
+        CostModel(ModelSpec.from_config_dict(LLAMA3_8B), dims=ParallelDims(pp_degree=2), layers_per_stage=[30, 1])
 
 
 def test_unsupported_architecture():
@@ -105,10 +106,10 @@ def test_slowest_stage_time_equals_per_stage_max(pp):
     from infinipipe_hf.planner.cost.compute import UnitShape
 
     spec = ModelSpec("llama", 40, 5120, 13824, 40, 40, 128, 32000, False)
-    cost = CostModel(spec, pp_degree=pp)
+    cost = CostModel(spec, dims=ParallelDims(pp_degree=pp))
     rng = random.Random(pp)
     for _ in range(500):
         t = rng.randint(1, 60000)
         shape = UnitShape(float(rng.randint(t, t * t)), t)
-        want = max(cost.forward_time(s, shape) + cost.backward_time(s, shape, 0) for s in range(pp))
-        assert cost.slowest_stage_time(shape) == want  # bit-identical, not approximately
+        want = max(cost.compute.forward_time(s, shape) + cost.backward_time(s, shape, 0) for s in range(pp))
+        assert cost.compute.slowest_stage_time(shape) == want  # bit-identical, not approximately

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.cost.profile import default_profile
 from infinipipe_hf.planner.cost.states import BF16_MIXED_ADAM, FP32_ADAM, StatePrecision, stage_state_bytes_per_rank
@@ -27,11 +28,11 @@ def test_precision_presets_and_profile():
 def test_cost_model_uses_the_same_states():
     spec = ModelSpec.from_config_dict({**CONFIG, "model_type": "llama"})
     for shard in ("none", "sp"):
-        c = CostModel(spec, pp_degree=2, sp_degree=2, shard=shard, state_precision=FP32_ADAM)
+        c = CostModel(spec, dims=ParallelDims(pp_degree=2, sp_degree=2, shard=shard), state_precision=FP32_ADAM)
         for s in range(2):
             want = stage_state_bytes_per_rank(spec, c.layers_per_stage[s], embedding=s == 0, head=s == 1,
                                               shard_degree=2 if shard == "sp" else 1)
             assert c.states.state_bytes_per_rank(s) == want
-    assert CostModel(spec, pp_degree=2).static_bytes(0) == stage_state_bytes_per_rank(
-        spec, CostModel(spec, pp_degree=2).layers_per_stage[0], embedding=True, head=False,
+    assert CostModel(spec, dims=ParallelDims(pp_degree=2)).acts.static_bytes(0) == stage_state_bytes_per_rank(
+        spec, CostModel(spec, dims=ParallelDims(pp_degree=2)).layers_per_stage[0], embedding=True, head=False,
         precision=StatePrecision.from_profile(default_profile()))

@@ -10,10 +10,12 @@ import pytest
 from infinipipe_hf.ir.levels import CheckpointMix
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.layout import ParallelDims
+from infinipipe_hf.planner.checkpointing.memory_walk import stage_timeline
 from infinipipe_hf.planner.checkpointing.points import memory_points, point_bytes, stage_peak_bytes
-from infinipipe_hf.planner.checkpointing.timeline import stage_timeline
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.cost.profile import default_profile
+from infinipipe_hf.planner.search.api import PlanOptions
 from infinipipe_hf.planner.simulate.simulator import simulate
 
 SPEC = ModelSpec(model_type="llama", num_layers=4, hidden_size=512, intermediate_size=1408,
@@ -25,7 +27,7 @@ WORKING = {"backward": 3000.0, "forward_full": 5000.0, "forward_mlp": 4000.0, "f
 def _cost(working=WORKING, **kw):
     p = dataclasses.replace(default_profile(), reference={**default_profile().reference}, bytes_per_element=2,
                             working_bytes_per_token=dict(working), attention_mask_bytes_per_element=0.0)
-    return CostModel(SPEC, p, pp_degree=2, layers_per_stage=[2, 2], memory_budget_bytes=1e12, **kw)
+    return CostModel(SPEC, p, ParallelDims(pp_degree=2), layers_per_stage=[2, 2], memory_budget_bytes=1e12, **kw)
 
 
 def test_bad_fields_are_refused():
@@ -33,7 +35,7 @@ def test_bad_fields_are_refused():
         dataclasses.replace(default_profile(), working_bytes_per_token={"backward": 1.0})
     with pytest.raises(ValueError, match="working_bytes_per_token"):
         dataclasses.replace(default_profile(), working_bytes_per_token={**WORKING, "backward": -1.0})
-    assert CostModel(SPEC, default_profile(), pp_degree=2).working is None
+    assert CostModel(SPEC, default_profile(), ParallelDims(pp_degree=2)).working is None
 
 
 def test_a_unit_by_hand():
@@ -44,8 +46,8 @@ def test_a_unit_by_hand():
     (h + A + G), then layer 0's (h + (A - h) + G = A + G).  Plus 2h + 2 head_dim (in, out, rotary)."""
     cost = _cost()
     w = cost.working
-    a, h, lw = cost.act_bytes_per_token, cost.hidden_bytes_per_token, cost.layer_working_bytes_per_token
-    ratio = cost._act_ratio
+    a, h, lw = cost.acts.act_bytes_per_token, cost.acts.hidden_bytes_per_token, cost.acts.layer_working_bytes_per_token
+    ratio = cost.acts.act_ratio
     f_full, g = WORKING["forward_full"] * ratio, WORKING["backward"] * ratio
     extra = 2 * h + 2 * SPEC.head_dim * 2
     segs = (Segment(0, 0, 100),)
@@ -69,7 +71,7 @@ def test_bound_is_never_below_the_exact_phases(seed):
         finer["mlp_act"] = rng.randint(0, 2 - full - finer["mlp"])
         mix = CheckpointMix.of(full, finer)
         tokens = sum(s.end - s.start for s in segs)
-        ctx = cost.context_bytes_per_layer(segs)
+        ctx = cost.acts.context_bytes_per_layer(segs)
         for backward in (False, True):
             assert cost.working.excess(stage, segs, mix, backward) <= cost.working.bound(stage, tokens, ctx, backward) + 1e-6
 
@@ -83,8 +85,7 @@ def test_timeline_applies_the_phases_everywhere(schedule):
     rng = random.Random(3)
     lengths = [rng.choice([40, 90, 300, 700, 1500]) for _ in range(12)]
     cost = _cost()
-    plan = plan_step(lengths, SPEC, pp_degree=2, schedule=schedule, cost=cost,
-                     max_tokens_per_unit=512 if schedule == "epp" else None, checkpointing="none").plan
+    plan = plan_step(lengths, SPEC, ParallelDims(pp_degree=2), PlanOptions(schedule=schedule, max_tokens_per_unit=512 if schedule == "epp" else None, checkpointing="none"), cost=cost).plan
     for s in range(2):
         ck = {u.id: rng.randint(0, 2) for u in plan.units}
         levels = {u.id: {"mlp_act": 2 - ck[u.id]} for u in plan.units if ck[u.id] < 2 and rng.random() < 0.5}
@@ -98,7 +99,7 @@ def test_timeline_applies_the_phases_everywhere(schedule):
         for p, value in zip(pts, got):
             u = by_id[p.running_unit]
             mix = CheckpointMix.of(ck.get(u.id, 0), levels.get(u.id))
-            ctx = cost.context_bytes_per_layer(u.segments)
+            ctx = cost.acts.context_bytes_per_layer(u.segments)
             exact = cost.working.excess(s, u.segments, mix, not p.forward)
             bound = cost.working.bound(s, u.num_tokens, ctx, not p.forward)
             assert value == pytest.approx(point_bytes(p, plan, cost, s, ck, levels))
@@ -116,7 +117,7 @@ def test_pipeline_buffers_by_hand():
     import numpy as np
 
     cost = _cost()
-    h = cost.hidden_bytes_per_token
+    h = cost.acts.hidden_bytes_per_token
     fwd = np.array([True, True, False, False])
     tokens = np.array([100, 50, 100, 50])
     got = cost.working.pipeline_buffers(0, fwd, tokens)

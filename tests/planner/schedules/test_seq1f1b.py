@@ -2,17 +2,18 @@
 the plan's info, validated, kept by the static setting, and the leaner one sets the length limit."""
 import pytest
 
+from benchmarks.lib.static_pipeline import static_pipeline_baseline
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.registry import SCHEDULES
 from infinipipe_hf.planner.schedules.base import SearchState
 from infinipipe_hf.planner.schedules.baseline import PackKnobs
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
-from infinipipe_hf.planner.search.api import plan_step
-from infinipipe_hf.planner.search.static_pipeline import static_pipeline_baseline
-from infinipipe_hf.planner.search.validator import validate
+from infinipipe_hf.planner.search.api import PlanOptions, plan_step
 from infinipipe_hf.planner.simulate.simulator import simulate
+from infinipipe_hf.planner.validate.validator import validate
 
 SPEC = ModelSpec.from_json_file(config_path("llama2-7b"))
 SEQ = SCHEDULES["seq1f1b"]
@@ -20,7 +21,7 @@ LENGTHS = [32768, 9000, 4000, 2500, 1200, 800, 300]
 
 
 def _cost(**kw):
-    return CostModel(SPEC, pp_degree=4, memory_budget_bytes=kw.pop("budget", 80 * GIB), **kw)
+    return CostModel(SPEC, dims=ParallelDims(pp_degree=4), memory_budget_bytes=kw.pop("budget", 80 * GIB), **kw)
 
 
 def test_candidates_try_both_balances_past_one_slice():
@@ -45,7 +46,7 @@ def test_plans_of_either_balance_validate(balance):
 
 
 def test_search_keeps_the_faster_balance_and_shows_it():
-    res = plan_step(LENGTHS, SPEC, pp_degree=4, schedule="seq1f1b", memory_budget_bytes=80 * GIB, num_slices=[4])
+    res = plan_step(LENGTHS, SPEC, ParallelDims(pp_degree=4), PlanOptions(schedule="seq1f1b", memory_budget_bytes=80 * GIB, num_slices=[4]))
     assert res.feasible
     validate(res.plan, _cost())
     by_balance = {c["slice_balance"]: c["step_time_s"] for c in res.candidates
@@ -59,7 +60,7 @@ def test_search_keeps_the_faster_balance_and_shows_it():
 def test_static_setting_fixes_one_balance():
     cost = _cost()
     batches = [LENGTHS, LENGTHS[::-1]]
-    tuned = [plan_step(b, SPEC, pp_degree=4, schedule="seq1f1b", cost=cost, num_slices=[1, 4]) for b in batches]
+    tuned = [plan_step(b, SPEC, ParallelDims(pp_degree=4), PlanOptions(schedule="seq1f1b", num_slices=[1, 4]), cost=cost) for b in batches]
     best = static_pipeline_baseline("seq1f1b", batches, tuned, cost, num_slices=4)
     assert best.feasible and best.knobs["num_slices"] == 4 and best.knobs["slice_balance"] in ("tokens", "compute")
     one = static_pipeline_baseline("seq1f1b", batches, tuned, cost, num_slices=1)

@@ -5,18 +5,19 @@ import pytest
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.schedules.grids import (
+from infinipipe_hf.planner.pipeline.grids import (
     packing_candidates,
     slice_count_candidates,
     slicing_candidates,
     token_floor_candidates,
 )
-from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.search.api import PlanOptions, plan_step
 from infinipipe_hf.planner.search.limits import largest_trainable_length
-from infinipipe_hf.planner.search.validator import PlanValidationError, validate
 from infinipipe_hf.planner.simulate.simulator import simulate
+from infinipipe_hf.planner.validate.validator import PlanValidationError, validate
 
 SPEC = ModelSpec.from_json_file(config_path("llama2-7b"))
 BATCH = [120000, 40000, 9000, 3000, 2500, 1200, 800, 700, 400, 300, 120] * 3
@@ -24,23 +25,23 @@ BATCH = [120000, 40000, 9000, 3000, 2500, 1200, 800, 700, 400, 300, 120] * 3
 
 def test_a_stage_of_more_gpus_holds_longer_units():
     budget = 50 * GIB
-    assert not plan_step(BATCH, SPEC, pp_degree=4, memory_budget_bytes=budget).feasible
-    two = plan_step(BATCH, SPEC, pp_degree=4, sp_degree=2, memory_budget_bytes=budget)
-    eight = plan_step(BATCH, SPEC, pp_degree=4, sp_degree=8, memory_budget_bytes=budget)
+    assert not plan_step(BATCH, SPEC, ParallelDims(pp_degree=4), PlanOptions(memory_budget_bytes=budget)).feasible
+    two = plan_step(BATCH, SPEC, ParallelDims(pp_degree=4, sp_degree=2), PlanOptions(memory_budget_bytes=budget))
+    eight = plan_step(BATCH, SPEC, ParallelDims(pp_degree=4, sp_degree=8), PlanOptions(memory_budget_bytes=budget))
     assert two.feasible and eight.feasible
     assert eight.plan.info["num_slices"] < two.plan.info["num_slices"]
     assert eight.plan.info["token_budget"][0] > 2 * two.plan.info["token_budget"][0]
     assert eight.summary()["tokens_per_s"] > 3 * two.summary()["tokens_per_s"]  # 4x the GPUs
     for res, sp in ((two, 2), (eight, 8)):
         assert res.plan.sp_degree == sp and res.summary()["sp_degree"] == sp
-        validate(res.plan, CostModel(SPEC, pp_degree=4, sp_degree=sp, memory_budget_bytes=budget))
+        validate(res.plan, CostModel(SPEC, dims=ParallelDims(pp_degree=4, sp_degree=sp), memory_budget_bytes=budget))
         assert max(res.simulation.peak_memory_bytes) <= budget
 
 
 def test_every_schedule_plans_with_the_same_sp_and_shard():
-    cost = CostModel(SPEC, pp_degree=4, sp_degree=8, shard="sp")
+    cost = CostModel(SPEC, dims=ParallelDims(pp_degree=4, sp_degree=8, shard="sp"))
     for schedule in ("epp", "seq1f1b", "packed-1f1b", "gpipe"):
-        res = plan_step(BATCH[:11], SPEC, pp_degree=4, sp_degree=8, shard="sp", schedule=schedule, cost=cost)
+        res = plan_step(BATCH[:11], SPEC, ParallelDims(pp_degree=4, sp_degree=8, shard="sp"), PlanOptions(schedule=schedule), cost=cost)
         assert res.summary()["shard"] == "sp" and res.summary()["sp_degree"] == 8
         if res.feasible:
             assert (res.plan.sp_degree, res.plan.shard) == (8, "sp")
@@ -48,32 +49,32 @@ def test_every_schedule_plans_with_the_same_sp_and_shard():
 
 
 def test_plan_json_keys_and_round_trip():
-    res = plan_step(BATCH[:11], SPEC, pp_degree=4, sp_degree=8, shard="sp")
+    res = plan_step(BATCH[:11], SPEC, ParallelDims(pp_degree=4, sp_degree=8, shard="sp"))
     d = json.loads(res.plan.to_json())
     assert d["sp_degree"] == 8 and d["shard"] == "sp"
     back = Plan.from_json(res.plan.to_json())
     assert (back.sp_degree, back.shard) == (8, "sp") and back.to_dict() == d
     assert "sp=8 shard=sp" in str(back)
     # Defaults are not written, and a JSON without the keys reads back with them.
-    plain = plan_step(BATCH[:11], SPEC, pp_degree=4).plan.to_dict()
+    plain = plan_step(BATCH[:11], SPEC, ParallelDims(pp_degree=4)).plan.to_dict()
     assert "sp_degree" not in plain and "shard" not in plain
     old = Plan.from_dict(plain)
     assert (old.sp_degree, old.shard) == (1, "none")
 
 
 def test_layout_mismatches_are_errors():
-    res = plan_step(BATCH[:11], SPEC, pp_degree=4, sp_degree=8)
-    other = CostModel(SPEC, pp_degree=4, sp_degree=4)
+    res = plan_step(BATCH[:11], SPEC, ParallelDims(pp_degree=4, sp_degree=8))
+    other = CostModel(SPEC, dims=ParallelDims(pp_degree=4, sp_degree=4))
     with pytest.raises(PlanValidationError, match="sp_degree=8, shard='none' but the cost model for sp_degree=4"):
         validate(res.plan, other)
-    with pytest.raises(ValueError, match="build the CostModel with the plan's sp_degree"):
+    with pytest.raises(ValueError, match="build the CostModel on the plan's layout"):
         simulate(res.plan, other)
-    with pytest.raises(ValueError, match=r"sp_degree=4 \(asked 8\)"):
-        plan_step(BATCH[:11], SPEC, pp_degree=4, sp_degree=8, cost=other)
+    with pytest.raises(ValueError, match=r"built for pp 4 x sp 4 x dp 1, shard none .*, not pp 4 x sp 8"):
+        plan_step(BATCH[:11], SPEC, ParallelDims(pp_degree=4, sp_degree=8), cost=other)
     with pytest.raises(ValueError, match="exceeds the model's 32 attention heads"):
-        plan_step(BATCH[:11], SPEC, pp_degree=4, sp_degree=33)
+        plan_step(BATCH[:11], SPEC, ParallelDims(pp_degree=4, sp_degree=33))
     with pytest.raises(ValueError, match="DP replicas, which has one rank"):
-        plan_step(BATCH[:11], SPEC, pp_degree=4, sp_degree=2, shard="dp")
+        plan_step(BATCH[:11], SPEC, ParallelDims(pp_degree=4, sp_degree=2, shard="dp"))
 
 
 def test_search_grids_count_tokens_per_gpu():
@@ -89,20 +90,20 @@ def test_search_grids_count_tokens_per_gpu():
 
 
 def test_largest_trainable_length_per_schedule():
-    cost = CostModel(SPEC, pp_degree=4, sp_degree=2, memory_budget_bytes=80 * GIB)
+    cost = CostModel(SPEC, dims=ParallelDims(pp_degree=4, sp_degree=2), memory_budget_bytes=80 * GIB)
     epp = largest_trainable_length(cost)
     seq = largest_trainable_length(cost, schedule="seq1f1b")
     packed = largest_trainable_length(cost, schedule="packed-1f1b")
     assert min(epp, seq) > packed > 0  # slicing holds more
     assert epp >= seq * (1 - 1e-4)  # both cut 64 equal-time slices at the limit: the same up to rounding
-    assert plan_step([packed], SPEC, pp_degree=4, sp_degree=2, schedule="packed-1f1b", cost=cost).feasible
-    assert not plan_step([packed + 1], SPEC, pp_degree=4, sp_degree=2, schedule="packed-1f1b", cost=cost).feasible
+    assert plan_step([packed], SPEC, ParallelDims(pp_degree=4, sp_degree=2), PlanOptions(schedule="packed-1f1b"), cost=cost).feasible
+    assert not plan_step([packed + 1], SPEC, ParallelDims(pp_degree=4, sp_degree=2), PlanOptions(schedule="packed-1f1b"), cost=cost).feasible
     with pytest.raises(ValueError, match="schedule='zb1p' is not known"):
         largest_trainable_length(cost, schedule="zb1p")
 
 
 def test_seq1f1b_takes_a_static_slice_count():
     for k in (2, 4):
-        res = plan_step(BATCH[:11], SPEC, pp_degree=4, sp_degree=8, schedule="seq1f1b", num_slices=[k])
+        res = plan_step(BATCH[:11], SPEC, ParallelDims(pp_degree=4, sp_degree=8), PlanOptions(schedule="seq1f1b", num_slices=[k]))
         assert res.feasible and res.plan.info["num_slices"] == k
         assert {c["num_slices"] for c in res.candidates} == {k}

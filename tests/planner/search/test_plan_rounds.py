@@ -6,20 +6,20 @@ from infinipipe_hf.config import InfiniPipeConfig
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import has_sub_groups
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.search.api import plan_step, resolve_sp_rounds
-from infinipipe_hf.planner.search.validator import validate
+from infinipipe_hf.planner.search.api import PlanOptions, plan_step, resolve_sp_rounds
 from infinipipe_hf.planner.simulate.simulator import simulate
+from infinipipe_hf.planner.validate.validator import validate
 
 SPEC = ModelSpec.from_json_file(config_path("llama2-7b"))
 BATCH = [60000, 21000, 9000] + [300 + (i * 977) % 5000 for i in range(90)]
 
 
 def _plan(sp_rounds=None, sp=4, pp=2, shard="sp", budget=80, **kw):
-    cost = CostModel(SPEC, pp_degree=pp, sp_degree=sp, shard=shard, memory_budget_bytes=budget * GIB)
-    return plan_step(BATCH, SPEC, pp_degree=pp, sp_degree=sp, shard=shard, cost=cost, sp_rounds=sp_rounds,
-                     **kw), cost
+    cost = CostModel(SPEC, dims=ParallelDims(pp_degree=pp, sp_degree=sp, shard=shard), memory_budget_bytes=budget * GIB)
+    return plan_step(BATCH, SPEC, cost.dims, PlanOptions(sp_rounds=sp_rounds, **kw), cost=cost), cost
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
-"""Simulator: step times, bubbles, recompute, DP replicas and memory, all computed by hand."""
+"""Simulator: step times, bubbles, recompute, DP replicas and memory, all computed by hand; a cost
+model's joint replay of the replicas (the extension point) used in place of the per-replica one."""
 import pytest
 
 from infinipipe_hf.ir.actions import B, F
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment, Unit
-from infinipipe_hf.planner.schedules.pipeline import build_pipeline_actions, one_f_one_b_warmup
+from infinipipe_hf.planner.pipeline.actions import build_pipeline_actions, one_f_one_b_warmup
+from infinipipe_hf.planner.simulate.replay import ReplayResult, replay
 from infinipipe_hf.planner.simulate.simulator import PlanDeadlockError, simulate
 from tests.planner.fakes import FakeCost
 
@@ -94,3 +96,39 @@ def test_memory_timeline_and_peaks_by_hand():
 def test_pp_mismatch_is_a_user_error():
     with pytest.raises(ValueError, match="pp_degree"):
         simulate(_packed_plan(2, 2), FakeCost(3))
+
+
+class _JointCost(FakeCost):
+    """A FakeCost with the simulator's extension point: replays every replica together (here: each
+    on its own, then every action ``delay`` s later, a result the plain replay cannot give)."""
+
+    def __init__(self, pp, delay=5.0, drop=(), **kw):
+        super().__init__(pp, **kw)
+        self.delay, self.drop, self.calls = delay, set(drop), []
+
+    def replica_replay(self, plan, costs, lists):
+        self.calls.append(sorted(lists))
+        out = {}
+        for r, stages in lists.items():
+            rep = replay(stages, costs.duration, costs.transfer)
+            shift = [[t + self.delay for t in times] for times in rep.start], [[t + self.delay for t in times] for times in rep.end]
+            out[r] = ReplayResult(*shift, rep.done, rep.totals)
+        return {r: rep for r, rep in out.items() if r not in self.drop}
+
+
+def test_a_cost_models_replica_replay_replaces_the_own_device_replay():
+    plan = _packed_plan(3, 2, dp=2)
+    own = simulate(plan, FakeCost(2, tf=1.0, tb=2.0))
+    cost = _JointCost(2, tf=1.0, tb=2.0)
+    joint = simulate(plan, cost)
+    assert cost.calls == [[0, 1]]  # once, with every replica's stage lists
+    assert joint.step_time_s == pytest.approx(own.step_time_s + 5.0)
+    starts = {(e.dp_rank, e.stage, e.action): e.start_s for e in own.events}
+    assert [e.start_s for e in joint.events] == pytest.approx([starts[(e.dp_rank, e.stage, e.action)] + 5.0
+                                                               for e in joint.events])
+    assert joint.peak_memory_bytes == own.peak_memory_bytes
+
+
+def test_a_replica_replay_must_answer_for_every_replica():
+    with pytest.raises(ValueError, match=r"no replay for dp replicas \[1\]"):
+        simulate(_packed_plan(3, 2, dp=2), _JointCost(2, drop=[1]))

@@ -7,8 +7,9 @@ import torch
 
 from infinipipe_hf import InfiniPipeConfig
 from infinipipe_hf.config import GIB, planning_budget
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.search.api import plan_step
+from infinipipe_hf.planner.search.api import PlanOptions, plan_step
 from infinipipe_hf.runtime.engine import planning
 
 
@@ -35,7 +36,7 @@ def test_no_feasible_plan_names_the_planners_cause():
     from infinipipe_hf.ir.model_spec import ModelSpec
 
     spec = ModelSpec.from_json_file(config_path("llama3.1-8b"))
-    result = plan_step([16384, 2000], spec, pp_degree=1, memory_budget_bytes=60 * GIB)
+    result = plan_step([16384, 2000], spec, ParallelDims(pp_degree=1), PlanOptions(memory_budget_bytes=60 * GIB))
     with pytest.raises(ValueError) as exc:
         planning.plan_from_result(result, [16384, 2000])
     message = str(exc.value)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 
 
 def test_layout_coordinates_dp2_pp4():
-    lays = [ParallelLayout(8, r, 4, 2, groups_enabled=False) for r in range(8)]
+    lays = [ParallelLayout(ParallelDims(pp_degree=4, dp_degree=2), r, groups_enabled=False) for r in range(8)]
     assert [(l.dp_rank, l.stage_index) for l in lays] == [(d, s) for d in range(2) for s in range(4)]
     l5 = lays[5]
     assert (l5.prev_rank, l5.next_rank) == (4, 6)
@@ -19,7 +20,7 @@ def test_layout_coordinates_dp2_pp4():
 
 def test_layout_coordinates_dp2_pp2_sp2():
     # rank = (dp_rank * pp_degree + stage_index) * sp_degree + sp_rank: SP ranks adjacent.
-    lays = [ParallelLayout(8, r, 2, 2, sp_degree=2, groups_enabled=False) for r in range(8)]
+    lays = [ParallelLayout(ParallelDims(2, 2, 2), r, groups_enabled=False) for r in range(8)]
     assert [(l.dp_rank, l.stage_index, l.sp_rank) for l in lays] == [
         (d, s, r) for d in range(2) for s in range(2) for r in range(2)]
     l5 = lays[5]  # dp 1, stage 0, sp 1
@@ -32,13 +33,11 @@ def test_layout_coordinates_dp2_pp2_sp2():
     assert all(l.global_rank(l.dp_rank, l.stage_index) == l.rank for l in lays)
 
 
-def test_layout_rejects_bad_world():
-    with pytest.raises(ValueError, match="!= world size 6"):
-        ParallelLayout(6, 0, 4, 2, groups_enabled=False)
-    with pytest.raises(ValueError, match="sp_degree=2 != world size 4"):
-        ParallelLayout(4, 0, 2, 2, sp_degree=2, groups_enabled=False)
+def test_layout_rejects_a_rank_outside_its_world():
+    with pytest.raises(ValueError, match="rank 8 is outside world size 8"):
+        ParallelLayout(ParallelDims(pp_degree=4, dp_degree=2), 8, groups_enabled=False)
 
 
 def test_tied_pair_only_across_stages():
-    assert ParallelLayout(2, 0, 2, 1, tied_embeddings=True, groups_enabled=False).has_tied_pair
-    assert not ParallelLayout(2, 0, 1, 2, tied_embeddings=True, groups_enabled=False).has_tied_pair
+    assert ParallelLayout(ParallelDims(pp_degree=2), 0, tied_embeddings=True, groups_enabled=False).has_tied_pair
+    assert not ParallelLayout(ParallelDims(dp_degree=2), 0, tied_embeddings=True, groups_enabled=False).has_tied_pair

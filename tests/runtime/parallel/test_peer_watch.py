@@ -166,6 +166,7 @@ def test_a_verdict_ends_a_polled_wait_and_names_the_stopped_peer():
     """The waiter's side (``comm.py``): polling ends on the verdict; the error carries it, not a timeout."""
     import time
 
+    from infinipipe_hf.layout import ParallelDims
     from infinipipe_hf.runtime.parallel.comm import HIDDEN, StageComm, Transfer, poll_completion
     from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 
@@ -175,7 +176,7 @@ def test_a_verdict_ends_a_polled_wait_and_names_the_stopped_peer():
         poll_completion(_PendingWork(), time.perf_counter() + 60, wait)
     with pytest.raises(RuntimeError, match="timed out"):
         poll_completion(_PendingWork(), time.perf_counter() + 0.01, Wait((0,), None, str))
-    layout = ParallelLayout(2, 1, 2, 1, timeout_s=1800, groups_enabled=False)
+    layout = ParallelLayout(ParallelDims(pp_degree=2), 1, timeout_s=1800, groups_enabled=False)
     comm = StageComm(layout, timeout_s=1800, device=torch.device("cpu"), dtype=torch.float32)
     t = Transfer(_PendingWork(), torch.empty(2), 0, HIDDEN, 3, True, time.perf_counter())
     msg = comm._failure_message(t, 7, "F3", RuntimeError("Application timeout caused pair closure"), wait)

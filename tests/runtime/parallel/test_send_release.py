@@ -9,7 +9,9 @@ import random
 import pytest
 
 from infinipipe_hf.ir.actions import Action
-from infinipipe_hf.planner.schedules.pipeline import build_pipeline_actions, one_f_one_b_warmup
+from infinipipe_hf.layout import ParallelDims
+from infinipipe_hf.planner.pipeline.actions import build_pipeline_actions, one_f_one_b_warmup
+from infinipipe_hf.planner.search.api import PlanOptions
 from infinipipe_hf.runtime.parallel.send_release import send_release_points
 
 
@@ -121,7 +123,7 @@ def test_planned_schedules_release_safely(schedule):
 
     spec = ModelSpec.from_json_file(config_path("llama2-7b"))
     lengths = [16384, 12000, 9000, 4000, 2500, 1200, 800, 600, 300, 200, 100]
-    res = plan_step(lengths, spec, pp_degree=4, schedule=schedule, memory_budget_bytes=80 * 2**30)
+    res = plan_step(lengths, spec, ParallelDims(pp_degree=4), PlanOptions(schedule=schedule, memory_budget_bytes=80 * 2**30))
     assert res.feasible
     stages = [res.plan.stage_actions(0, s) for s in range(4)]
     assert _check(stages, seeds=range(5)) > 0

@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.runtime.parallel.comm import HIDDEN, StageComm, Transfer, wait_collective  # noqa: E402
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout  # noqa: E402
 
@@ -19,7 +20,7 @@ class _StuckWork:
 
 def _layout(setting):
     kw = {} if setting is None else {"timeout_setting": setting}
-    return ParallelLayout(2, 1, 2, 1, timeout_s=0.01, groups_enabled=False, **kw)
+    return ParallelLayout(ParallelDims(pp_degree=2), 1, timeout_s=0.01, groups_enabled=False, **kw)
 
 
 @pytest.mark.parametrize("setting, named", [(None, "InfiniPipeConfig.p2p_timeout_s"),

@@ -10,8 +10,8 @@ from infinipipe_hf.ir.partition import partition_layers
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Unit
 from infinipipe_hf.planner.batch.uniform import equal_compute_slices, pack_sequences
-from infinipipe_hf.planner.schedules.pipeline import backward_order, build_pipeline_actions, epp_warmup
-from infinipipe_hf.planner.search.validator import validate
+from infinipipe_hf.planner.pipeline.actions import backward_order, build_pipeline_actions, epp_warmup
+from infinipipe_hf.planner.validate.validator import validate
 from tests.helpers.local_pipeline import LENGTHS, NUM_LAYERS, build_stages, check
 from tests.helpers.reference import random_batch, tiny_model
 

@@ -1,0 +1,1 @@
+"""The runtime measured on CPU (gloo): exactness, memory, the simulator against real runs."""

@@ -1,0 +1,338 @@
+"""Memory timeline of one stage: the bytes alive at the peak of each of its actions, as arrays.
+
+Design: a stage's memory at an action splits into a part that does not depend on checkpointing
+(``base``: model states, the KV store, the working set of the running action) and the
+activations of the *live* units (forwarded on this stage, backward not finished, the running
+one included), each affine in its checkpointed-layer counts (whole layers, and the finer levels
+of :mod:`infinipipe_hf.ir.levels`, passed as ``checkpoint_levels``: unit -> level -> layers).
+Keeping the two apart makes every point one linear constraint for the checkpoint solver, and lets
+the simulator and validator evaluate any checkpoint choice without replaying the plan
+(:mod:`.points` holds the per-point form).
+
+Trade-off: the backward working set is costed as if the running unit had at least one
+checkpointed layer (its activations are rebuilt next to their gradients).  That over-estimates
+units with no checkpointing by one layer's activations, but keeps ``base`` independent of
+checkpoint choices, which is what makes every point a linear constraint.  The running unit's
+activations count in full during its forward and backward (their peak is at the layer boundary).
+
+SP sub-groups: the timeline of a plan with rounds is one SP rank's (:func:`infinipipe_hf.ir.
+rank_views.rank_view`); each unit's bytes come from the cost of the sub-group it runs on.
+
+KV store: a segment whose sequence continues holds ``cost.acts.kv_bytes(stage, length)`` from its
+forward on the stage until the backward of the unit holding the sequence's first slice
+(``start == 0``) finishes there (backward runs last slice first, so that is the last user).
+
+Speed: the planner's hot paths (checkpoint problem, simulator, validator) never build per-point
+live tuples, which cost O(actions x units in flight) per stage.  A :class:`StageTimeline` holds
+the base bytes of every point as an array, and, when every unit has exactly one forward followed
+by one backward on the stage (every plan the planner builds), each unit's live interval
+``[forward index, backward index]``.  Peaks then are a cumulative sum of +activation at forwards
+and -activation after backwards, evaluated in the same order as the per-action loop, so every
+number is bit-for-bit what :func:`.points.memory_points` and :func:`.points.point_bytes` give.
+Irregular action lists (tests of broken plans) take the plain loops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from infinipipe_hf.ir.actions import Action
+from infinipipe_hf.ir.levels import CheckpointMix
+from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.planner.cost.model import CostModel, unit_cost_map
+
+LevelCounts = Mapping[int, Mapping[str, int]]
+"""unit id -> finer checkpoint level -> layers, for one stage (a plan's ``checkpoint_levels[stage]``)."""
+
+
+def finer_bytes(cost: CostModel, stage: int, segments, counts: Mapping[str, int] | None) -> float:
+    """Bytes the finer levels ``counts`` drop from a unit with ``segments`` (0.0 for none)."""
+    if not counts or not any(counts.values()):
+        return 0.0
+    return cost.levels.finer_saved_bytes(stage, segments, CheckpointMix.of(0, counts))
+
+
+def phase_model(cost: CostModel):
+    """The cost model's phase model of working memory, or None (duck-typed test costs have none)."""
+    return getattr(cost, "working", None)
+
+
+def working_correction(cost: CostModel, stage: int, segments, full: int,
+                       finer: Mapping[str, int] | None) -> tuple[float, float]:
+    """(forward, backward): the phase model's working bytes of a unit at this mix minus its bound."""
+    w = cost.working
+    tokens = sum(s.end - s.start for s in segments)
+    ctx = cost.acts.context_bytes_per_layer(segments)
+    mix = CheckpointMix.of(full, finer)
+    return (w.excess(stage, segments, mix, False) - w.bound(stage, tokens, ctx, False),
+            w.excess(stage, segments, mix, True) - w.bound(stage, tokens, ctx, True))
+
+
+@dataclass(eq=False)
+class StageTimeline:
+    """Array form of one stage's memory points (see the module docstring); built by :func:`stage_timeline`."""
+
+    actions: list[Action]
+    """The stage's action list (the plan's own list object)."""
+    units: np.ndarray
+    """Unit ids in order of first appearance (forward order when ``regular``)."""
+    tokens: np.ndarray
+    """Tokens per unit, in ``units`` order."""
+    slot: np.ndarray
+    """Per action: index of its unit in ``units``."""
+    forward: np.ndarray
+    """Per action: True for a forward."""
+    base: np.ndarray
+    """Per action: the checkpoint-independent bytes of its point (``MemoryPoint.base_bytes``)."""
+    regular: bool
+    """Every unit has exactly one forward, then one backward, on the stage."""
+    context_bytes: dict[int, float] = field(default_factory=dict)
+    """Per unit slot with context: :meth:`StageActivations.context_bytes_per_layer` (others are 0)."""
+    segments: list = field(default_factory=list)
+    """Per unit slot: the unit's segments."""
+    fpos: np.ndarray | None = None
+    """``regular`` only: action index of each unit's forward (increasing)."""
+    bpos: np.ndarray | None = None
+    """``regular`` only: action index of each unit's backward."""
+    slot_costs: dict[int, CostModel] = field(default_factory=dict)
+    """Per unit slot run on an SP sub-group: that sub-group's cost (:meth:`CostModel.for_group`)."""
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+    def activations(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
+                    checkpoint_levels: LevelCounts | None = None) -> np.ndarray:
+        """``cost.acts.activation_bytes`` of every unit (``units`` order) under ``checkpoint_layers``
+        (and ``checkpoint_levels``)."""
+        get = checkpoint_layers.get
+        act = cost.acts.activation_bytes
+        layers = cost.layers_per_stage[stage]
+        values = [act(stage, t, get(u, 0)) for u, t in zip(self.units.tolist(), self.tokens.tolist())]
+        for k, c in self.slot_costs.items():
+            values[k] = c.acts.activation_bytes(stage, int(self.tokens[k]), get(int(self.units[k]), 0))
+        for k, extra in self.context_bytes.items():  # slices with context: K/V copies (and masks)
+            values[k] += (layers - get(int(self.units[k]), 0)) * extra
+        if checkpoint_levels:
+            for k, u in enumerate(self.units.tolist()):
+                values[k] -= finer_bytes(self.slot_costs.get(k, cost), stage, self.segments[k], checkpoint_levels.get(u))
+        return np.array(values, dtype=float)
+
+    def point_values(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
+                     checkpoint_levels: LevelCounts | None = None) -> np.ndarray:
+        """:func:`.points.point_bytes` of every point under ``checkpoint_layers`` (bit-identical)."""
+        n = len(self.actions)
+        if n == 0:
+            return np.zeros(0)
+        act = self.activations(cost, stage, checkpoint_layers, checkpoint_levels)
+        base = self.base
+        if phase_model(cost) is not None:
+            base = base + self.working_corrections(cost, stage, checkpoint_layers, checkpoint_levels)
+        if self.regular:
+            # Interleave "+act at the forward" and "-act after the backward" in action order, so
+            # the cumulative sum performs the same float operations as the per-action loop.
+            delta = np.zeros(2 * n)
+            delta[2 * self.fpos] = act
+            delta[2 * self.bpos + 1] = -act
+            return base + np.cumsum(delta)[0::2]
+        values = np.empty(n)
+        held: dict[int, float] = {}
+        live_sum = 0.0
+        for j, (k, fw) in enumerate(zip(self.slot.tolist(), self.forward.tolist())):
+            if k not in held:
+                held[k] = float(act[k])
+                live_sum += held[k]
+            values[j] = float(base[j]) + live_sum
+            if not fw:
+                live_sum -= held.pop(k)
+        return values
+
+    def working_corrections(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
+                            checkpoint_levels: LevelCounts | None = None) -> np.ndarray:
+        """Per action: the exact working memory of its unit's levels minus the bound in ``base``
+        (<= 0; only with a measured phase model, ``cost.working``)."""
+        levels = checkpoint_levels or {}
+        corr = np.zeros((len(self.units), 2))
+        for k, u in enumerate(self.units.tolist()):
+            corr[k] = working_correction(self.slot_costs.get(k, cost), stage, self.segments[k],
+                                         checkpoint_layers.get(u, 0), levels.get(u))
+        return np.where(self.forward, corr[self.slot, 0], corr[self.slot, 1])
+
+    def peak(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
+             checkpoint_levels: LevelCounts | None = None) -> float:
+        """Max of :meth:`point_values` (the model states alone when the stage runs nothing)."""
+        if not self.actions:
+            return cost.acts.static_bytes(stage)
+        return float(self.point_values(cost, stage, checkpoint_layers, checkpoint_levels).max())
+
+    def windows(self) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`.live_windows.live_windows` as arrays (``regular`` timelines only)."""
+        assert self.regular, "live windows of an irregular timeline: use live_windows"
+        n = len(self.actions)
+        firsts = np.arange(n)
+        lasts = np.arange(n)
+        fpos, bpos = self.fpos.tolist(), self.bpos.tolist()
+        # firsts[j]: latest forward among the units live at j -- paint intervals by rising forward
+        # index, later paints win.  lasts[j]: earliest backward among them -- paint by falling
+        # backward index.
+        for f, b in zip(fpos, bpos):
+            firsts[f:b + 1] = f
+        for k in np.argsort(-self.bpos, kind="stable").tolist():
+            lasts[fpos[k]:bpos[k] + 1] = bpos[k]
+        return firsts, lasts
+
+
+@dataclass
+class _UnitFacts:
+    """Per unit of a stage (``units`` order): what its timeline needs of the unit."""
+
+    tokens: np.ndarray
+    kv_adds: list[list[tuple[int, float]]]
+    """K/V entering the store at the unit's forward: (sequence, bytes)."""
+    frees: list[list[int]]
+    """Sequences whose store the unit's backward frees (it holds their first slice)."""
+    work_f: np.ndarray
+    work_b: np.ndarray
+    context_bytes: dict[int, float]
+    segments: list
+
+
+def _check_stage(plan: Plan, dp_rank: int, stage: int) -> None:
+    if not 0 <= stage < plan.pp_degree:
+        raise ValueError(f"stage {stage} out of range for pp_degree {plan.pp_degree}; use 0..{plan.pp_degree - 1}")
+    if dp_rank not in plan.actions:
+        raise ValueError(f"dp_rank {dp_rank} not in the plan (dp ranks {sorted(plan.actions)})")
+
+
+def _slots(actions: list[Action]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Unit ids in order of first appearance, each action's index into them, and its direction."""
+    n = len(actions)
+    uid = np.fromiter((a.unit for a in actions), dtype=np.int64, count=n)
+    fwd = np.fromiter((a.is_forward for a in actions), dtype=bool, count=n)
+    uniq, first_idx, inv = np.unique(uid, return_index=True, return_inverse=True)
+    order = np.argsort(first_idx, kind="stable")
+    units = uniq[order]
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return units, rank[inv.reshape(-1)], fwd
+
+
+def _unit_facts(plan: Plan, base_cost: CostModel, stage: int, units: np.ndarray,
+                groups: Mapping[int, CostModel], cache: dict | None = None) -> _UnitFacts:
+    """Tokens, K/V entering the store, sequences freed and working-set bounds of every unit
+    (``groups``: the sub-group cost of units on SP sub-groups, :func:`unit_cost_map`; ``cache``:
+    unit id -> these facts on this stage, shared by the rank views of one plan)."""
+    by_id = plan.unit_by_id
+    nu = len(units)
+    facts = _UnitFacts(np.zeros(nu, dtype=np.int64), [[] for _ in range(nu)], [[] for _ in range(nu)],
+                       np.empty(nu), np.empty(nu), {}, [])
+    for k, u in enumerate(units.tolist()):
+        one = cache.get(u) if cache is not None else None
+        if one is None:
+            unit = by_id.get(u)
+            if unit is None:
+                raise ValueError(f"stage {stage} runs unit {u}, which is not among the plan's units "
+                                 f"{sorted(by_id)[:10]}...; build actions from plan.units")
+            one = _one_unit(unit, groups.get(u, base_cost), stage, plan.sequences)
+            if cache is not None:
+                cache[u] = one
+        extra, facts.kv_adds[k], facts.frees[k], facts.tokens[k], facts.work_f[k], facts.work_b[k], segs = one
+        if extra:
+            facts.context_bytes[k] = extra
+        facts.segments.append(segs)
+    return facts
+
+
+def _one_unit(unit, cost: CostModel, stage: int, seq_len) -> tuple:
+    """:func:`_unit_facts` of one unit: (context bytes, K/V added, sequences freed, tokens,
+    forward and backward working bounds, segments)."""
+    extra = cost.acts.context_bytes_per_layer(unit.segments)
+    kv_adds, frees = [], []
+    t = 0
+    for seg in unit.segments:
+        m = seg.end - seg.start
+        t += m
+        if seg.end < seq_len[seg.seq]:
+            kv_adds.append((seg.seq, cost.acts.kv_bytes(stage, m)))
+        if seg.start == 0:
+            frees.append(seg.seq)  # the first slice's backward is the sequence's last
+    if phase_model(cost) is None:
+        work = (cost.acts.working_bytes(stage, t, 0, backward=False), cost.acts.working_bytes(stage, t, 1, backward=True))
+    else:  # the phase model's bound over every checkpoint mix (exact values: point_values)
+        work = (cost.working.bound(stage, t, extra, backward=False), cost.working.bound(stage, t, extra, backward=True))
+    return extra, kv_adds, frees, t, work[0], work[1], unit.segments
+
+
+def _kv_store(facts: _UnitFacts, slot: np.ndarray, fwd: np.ndarray) -> np.ndarray:
+    """KV-store bytes at every action: the same float operations as a per-action loop, but only at
+    the actions that change it (forwards adding K/V, backwards freeing a sequence that has some)."""
+    n, nu = len(slot), len(facts.tokens)
+    kv_adds, frees = facts.kv_adds, facts.frees
+    kv_seqs = {q for adds in kv_adds for q, _ in adds}
+    if not kv_seqs:
+        return np.zeros(n)
+    frees_kv = [[q for q in fr if q in kv_seqs] for fr in frees]
+    has_add = np.fromiter((bool(x) for x in kv_adds), dtype=bool, count=nu)
+    has_free = np.fromiter((bool(x) for x in frees_kv), dtype=bool, count=nu)
+    events = np.flatnonzero(np.where(fwd, has_add[slot], has_free[slot]))
+    kv_by_seq: dict[int, float] = {}
+    kv_total = 0.0
+    change_at: list[int] = []
+    values: list[float] = []
+    slot_l = slot.tolist()
+    fwd_l = fwd.tolist()
+    for j in events.tolist():
+        k = slot_l[j]
+        if fwd_l[j]:
+            # The new K/V exist as soon as the forward has run its first layer.
+            for q, b in kv_adds[k]:
+                kv_by_seq[q] = kv_by_seq.get(q, 0.0) + b
+                kv_total += b
+            change_at.append(j)
+        else:
+            for q in frees_kv[k]:
+                kv_total -= kv_by_seq.pop(q, 0.0)
+            change_at.append(j + 1)  # freed after the backward's own point
+        values.append(kv_total)
+    idx = np.searchsorted(np.asarray(change_at), np.arange(n), side="right") - 1
+    return np.where(idx >= 0, np.asarray(values)[np.maximum(idx, 0)], 0.0)
+
+
+def _live_intervals(nu: int, slot: np.ndarray, fwd: np.ndarray) -> tuple[bool, np.ndarray | None, np.ndarray | None]:
+    """(regular, forward index, backward index) of every unit; the indices only when regular."""
+    if not len(slot):
+        return False, None, None
+    f_units, b_units = slot[fwd], slot[~fwd]
+    if len(f_units) != nu or len(b_units) != nu:
+        return False, None, None
+    fpos = np.full(nu, -1, dtype=np.int64)
+    bpos = np.full(nu, -1, dtype=np.int64)
+    fpos[f_units] = np.flatnonzero(fwd)
+    bpos[b_units] = np.flatnonzero(~fwd)
+    if (fpos >= 0).all() and (bpos >= 0).all() and (fpos < bpos).all():
+        return True, fpos, bpos
+    return False, None, None
+
+
+def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
+                   cache: dict | None = None) -> StageTimeline:
+    """:class:`StageTimeline` of ``plan.stage_actions(dp_rank, stage)``.  ``cache``: a dict shared
+    by the calls for the rank views of one plan on one stage (each unit's facts computed once)."""
+    _check_stage(plan, dp_rank, stage)
+    actions = plan.stage_actions(dp_rank, stage)
+    n = len(actions)
+    units, slot, fwd = _slots(actions)
+    if cache is not None and "groups" not in cache:
+        cache["groups"] = unit_cost_map(plan, cost) if plan.sp_groups else {}
+    groups = cache["groups"] if cache is not None else unit_cost_map(plan, cost) if plan.sp_groups else {}
+    facts = _unit_facts(plan, cost, stage, units, groups, None if cache is None else cache.setdefault("facts", {}))
+    work = np.where(fwd, facts.work_f[slot], facts.work_b[slot])
+    base = cost.acts.static_bytes(stage) + _kv_store(facts, slot, fwd) + work
+    if phase_model(cost) is not None and n:
+        ranks = np.array([plan.sub_group(u).size for u in units.tolist()])[slot] if groups else None
+        base = base + cost.working.pipeline_buffers(stage, fwd, facts.tokens[slot], ranks)
+    regular, fpos, bpos = _live_intervals(len(units), slot, fwd)
+    slot_costs = {k: groups[u] for k, u in enumerate(units.tolist()) if u in groups}
+    return StageTimeline(actions, units, facts.tokens, slot, fwd, base, regular, facts.context_bytes,
+                         facts.segments, fpos, bpos, slot_costs)

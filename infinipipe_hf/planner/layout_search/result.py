@@ -1,0 +1,294 @@
+"""What the layout search returns: one outcome per layout, the alternatives, the recommendation.
+
+:class:`LayoutSearch.to_dict` is the ``--search-layout --json`` object of the planner CLI
+(docs/contracts.md): ``{"recommended": {"pp_degree", "sp_degree", "dp_degree", "shard",
+"tokens_per_s", ...}, "layouts": [...], "alternatives": [...], ...}``; :func:`format_search`
+is its table (the CLI without ``--json``, and the trainer's log with ``pp_degree="auto"``).
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping, Sequence
+
+from infinipipe_hf.layout import ParallelDims
+from infinipipe_hf.planner.search.api import PlanOptions
+from infinipipe_hf.planner.search.result import PlanResult
+
+
+def gib(nbytes: float) -> str:
+    """Bytes as GiB with three significant digits (budgets range from MiB in tests to 141 GiB)."""
+    return f"{nbytes / 2**30:.3g}"
+
+
+def training_arguments(dims: ParallelDims, settings: Mapping[str, Any] | None = None) -> str:
+    """The ``EPPTrainingArguments`` fields that select ``dims`` (and ``settings``: the other
+    fields that change the plan, :func:`recipe_settings`), as Python."""
+    return ", ".join(f"{k}={v!r}" for k, v in {**dims.degrees(), **(settings or {})}.items())
+
+
+def recipe_flags(dims: ParallelDims, settings: Mapping[str, Any] | None = None) -> str:
+    """The same fields on a recipe's command line (``recipes/train.py``, ``HfArgumentParser``).
+    An empty list has no command-line form and is left out (:func:`flagless`)."""
+    return " ".join(f"--{k} {_flag_value(v)}" for k, v in {**dims.degrees(), **(settings or {})}.items()
+                    if not _empty_list(v))
+
+
+def plan_flags(dims: ParallelDims) -> str:
+    """The planner CLI's flags that plan ``dims`` alone."""
+    return f"--pp {dims.pp_degree} --sp {dims.sp_degree} --dp {dims.dp_degree} --shard {dims.shard.name}"
+
+
+def _empty_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and not value
+
+
+def _flag_value(value: Any) -> str:
+    """A value as ``HfArgumentParser`` reads it back: lists space-separated, floats exactly."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(shlex.quote(str(v)) for v in value)
+    return repr(value) if isinstance(value, float) else shlex.quote(str(value))
+
+
+def flagless(settings: Mapping[str, Any]) -> list[str]:
+    """The settings the recipe flags cannot carry (empty lists), as Python to set instead."""
+    return [f"{k}=[]" for k, v in settings.items() if _empty_list(v)]
+
+
+def recipe_settings(lengths: Sequence[int], memory_budget_bytes: float, plan_options: Mapping[str, Any]) -> dict:
+    """The ``EPPTrainingArguments`` fields besides the degrees that change a layout's plan:
+    ``tokens_per_step`` (the batch's tokens), ``memory_budget_gib`` (the exact budget planned to, so
+    the trainer plans to the same bytes whatever its device reports) and every plan option that
+    differs from ``plan_step``'s default (the trainer's defaults are the same)."""
+    defaults = {f.name: f.default for f in fields(PlanOptions)}
+    out: dict[str, Any] = {"tokens_per_step": int(sum(lengths)), "memory_budget_gib": memory_budget_bytes / 2**30}
+    for name, value in plan_options.items():
+        default = defaults.get(name)
+        same = tuple(value) == tuple(default) if isinstance(value, (list, tuple)) and default is not None \
+            else value == default
+        if not same:
+            out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+@dataclass
+class LayoutOutcome:
+    """One layout's EPP plan, or why it was ruled out before planning."""
+
+    layout: ParallelDims
+    result: PlanResult | None
+    """``plan_step``'s result; None when ruled out before planning."""
+    ruled_out: str | None
+    """Why the layout cannot fit, found before planning (model states, the longest sequence)."""
+    search_time_s: float
+    """Seconds this layout took (checks and planning)."""
+    priced_as: str | None = None
+    """The shard mode whose plan this layout shares (the cost model prices both alike)."""
+    largest_trainable: int | None = None
+    """Longest single sequence this layout trains (computed when no layout fits the batch)."""
+    sp_rounds: bool = False
+    """The plan runs elastic SP rounds (units on SP sub-groups)."""
+    unfed_replicas: bool = False
+    """Ruled out because the batch has fewer sequences than the layout's DP replicas."""
+    states_bytes: float | None = None
+    """Model states per GPU on the fullest stage (computed when no layout fits the batch)."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.result is not None and self.result.feasible
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.result.simulation.tokens_per_s if self.feasible else 0.0
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        sim = self.result.simulation if self.result is not None else None
+        return max(sim.peak_memory_bytes) if sim is not None and sim.peak_memory_bytes else 0.0
+
+    @property
+    def error(self) -> str | None:
+        if self.ruled_out:
+            return self.ruled_out
+        return None if self.result is None else self.result.error
+
+    def priced_as_layout(self, layout: ParallelDims) -> LayoutOutcome:
+        """This outcome for ``layout``, whose shard mode the cost model prices the same."""
+        return replace(self, layout=layout, priced_as=self.layout.shard.name, search_time_s=0.0)
+
+    def to_dict(self) -> dict:
+        d = {**self.layout.degrees(), "feasible": self.feasible, "tokens_per_s": self.tokens_per_s}
+        sim = self.result.simulation if self.result is not None else None
+        if sim is not None:
+            d.update(step_time_s=sim.step_time_s, peak_memory_bytes=list(sim.peak_memory_bytes),
+                     bubble_fraction=sim.bubble_fraction, recompute_fraction=sim.recompute_fraction,
+                     num_units=len(self.result.plan.units) if self.result.plan is not None else 0,
+                     num_pipelines=self.result.plan.num_pipelines if self.result.plan is not None else 0)
+        d["planning_time_s"] = self.search_time_s
+        d["sp_rounds"] = self.sp_rounds
+        if self.priced_as:
+            d["priced_as"] = self.priced_as
+        if self.largest_trainable is not None:
+            d["largest_trainable_length"] = self.largest_trainable
+        if self.states_bytes is not None:
+            d["model_states_bytes"] = self.states_bytes
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+@dataclass
+class LayoutSearch:
+    """Every layout of one search (ranked: feasible fastest first), the alternatives, the pick."""
+
+    world_size: int
+    gpus_per_node: int
+    memory_budget_bytes: float
+    layouts: list[LayoutOutcome]
+    alternatives: dict[str, PlanResult]
+    recommended: LayoutOutcome | None
+    tie_break: str
+    search_time_s: float
+    """Seconds of the whole search (every layout, the alternatives, the pick)."""
+    extra: dict = field(default_factory=dict)
+    """More keys for ``to_dict`` (the CLI adds the command that replans the pick)."""
+    without_sp_rounds: PlanResult | None = None
+    """The pick planned without elastic SP rounds, when its plan uses them."""
+    settings: dict = field(default_factory=dict)
+    """``EPPTrainingArguments`` fields besides the degrees that reproduce the plans
+    (:func:`recipe_settings`; the CLI adds ``profile``)."""
+
+    def recommended_settings(self) -> dict:
+        """``settings`` for the pick: ``sp_rounds=True`` is dropped at sp 1, as its plan ran without."""
+        out = dict(self.settings)
+        if out.get("sp_rounds") and self.recommended is not None and self.recommended.layout.sp_degree == 1:
+            del out["sp_rounds"]
+        return out
+
+    def recommended_dict(self) -> dict | None:
+        best = self.recommended
+        if best is None:
+            return None
+        lay = best.layout
+        d = best.to_dict()
+        d.pop("planning_time_s")
+        settings = self.recommended_settings()
+        d.update(label=lay.label, training_arguments={**lay.degrees(), **settings},
+                 recipe_flags=recipe_flags(lay, settings),
+                 over_alternatives={n: best.tokens_per_s / r.simulation.tokens_per_s
+                                    for n, r in self.alternatives.items() if r.feasible and r.simulation.tokens_per_s},
+                 plan=best.result.summary())
+        whole = self.without_sp_rounds
+        if whole is not None:
+            d["without_sp_rounds"] = {k: v for k, v in whole.summary().items()
+                                      if k in ("feasible", "tokens_per_s", "step_time_s", "peak_memory_bytes",
+                                               "bubble_fraction", "recompute_fraction", "error")}
+        return d
+
+    def to_dict(self) -> dict:
+        return {"recommended": self.recommended_dict(), "layouts": [o.to_dict() for o in self.layouts],
+                "alternatives": [r.summary() for r in self.alternatives.values()],
+                "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
+                "memory_budget_bytes": self.memory_budget_bytes, "tie_break": self.tie_break,
+                "num_layouts": len(self.layouts),
+                "num_planned": sum(o.result is not None and o.priced_as is None for o in self.layouts),
+                "search_time_s": self.search_time_s, **self.extra}
+
+
+class NoLayoutFits(ValueError):
+    """No layout fits the memory budget.  The message says why, by cause, with the numbers: the model
+    states on every layout (with ``states_remedies``: what would fit them), the longest sequence, or
+    the whole batch; then each layout's largest trainable sequence."""
+
+    def __init__(self, search: LayoutSearch, lengths: Sequence[int], states_remedies: str = ""):
+        self.search = search
+        ranked = sorted(search.layouts, key=lambda o: -(o.largest_trainable or 0))  # stable: search order on ties
+        per = "; ".join(f"{o.layout.label} shard {o.layout.shard}: {o.largest_trainable}" for o in ranked)
+        gpus = f"{search.world_size} GPU{'s' if search.world_size != 1 else ''}"
+        super().__init__(f"no layout of {gpus} fits {gib(search.memory_budget_bytes)} GiB per GPU "
+                         f"for this batch; {no_fit_cause(search, lengths, states_remedies)}. Largest trainable "
+                         f"sequence per layout (tokens, longest first): {per}")
+
+
+def no_fit_cause(search: LayoutSearch, lengths: Sequence[int], states_remedies: str = "") -> str:
+    """Why no layout fits: model states everywhere, one sequence too long, or the batch's activations."""
+    # Layouts ruled out for want of sequences per replica say nothing about memory.
+    longest = max(lengths)
+    outcomes = [o for o in search.layouts if not o.unfed_replicas] or search.layouts
+    best = max(outcomes, key=lambda o: o.largest_trainable or 0)
+    if not best.largest_trainable:
+        least = min(outcomes, key=lambda o: o.states_bytes if o.states_bytes is not None else float("inf"))
+        states = f" (the least: {gib(least.states_bytes)} GiB per GPU, {least.layout.label} shard " \
+                 f"{least.layout.shard})" if least.states_bytes is not None else ""
+        return (f"the model states (weights, gradients, optimizer states) leave no room for any sequence on any "
+                f"layout{states}" + (f"; {states_remedies}" if states_remedies else ""))
+    fits_alone = [o for o in outcomes if (o.largest_trainable or 0) >= longest]
+    if not fits_alone:
+        return (f"the longest sequence has {longest} tokens but the largest any layout trains is "
+                f"{best.largest_trainable} ({best.layout.label} shard {best.layout.shard}): split or truncate "
+                f"longer documents (the trainer cuts documents longer than tokens_per_step into pieces), use more "
+                f"GPUs (more stages, a larger sp group) or a larger memory budget")
+    return (f"the longest sequence ({longest} tokens) fits alone on {len(fits_alone)} of them but the whole batch "
+            f"({len(lengths)} sequences, {sum(lengths)} tokens) does not: its activations do not fit beside the "
+            f"model states; use fewer tokens per step (tokens_per_step), more GPUs or a larger memory budget")
+
+
+def _row(o: LayoutOutcome) -> tuple[str, ...]:
+    lay = o.layout
+    head = (lay.label, lay.shard.name)
+    note = f"priced as shard {o.priced_as}" if o.priced_as else ""
+    if not o.feasible:
+        return (*head, "NO", "0", "-", "-", "-", "-", f"{o.search_time_s:.2f}", o.error or note)
+    sim = o.result.simulation
+    return (*head, "yes", f"{o.tokens_per_s:,.0f}", f"{sim.step_time_s:.3f}", gib(o.peak_memory_bytes),
+            f"{sim.bubble_fraction:.3f}", f"{sim.recompute_fraction:.3f}", f"{o.search_time_s:.2f}", note)
+
+
+def _alternative_row(name: str, r) -> tuple[str, ...]:
+    if not r.feasible:
+        return (name, "(best)", "NO", "0", "-", "-", "-", "-", f"{r.planning_time_s:.2f}", r.error or "")
+    sim, knobs = r.simulation, dict(r.plan.knobs)
+    knobs["ckpt"] = r.plan.checkpoint_layers
+    return (name, "(best)", "yes", f"{sim.tokens_per_s:,.0f}", f"{sim.step_time_s:.3f}",
+            gib(sim.peak_memory_bytes), f"{sim.bubble_fraction:.3f}", "-", f"{r.planning_time_s:.2f}",
+            ", ".join(f"{k} {v}" for k, v in knobs.items()))
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+
+
+def format_search(search: LayoutSearch) -> str:
+    """The table of every layout (ranked), the alternatives at their best and the recommendation."""
+    header = ("layout", "shard", "fits", "tokens/s", "step s", "peak GiB", "bubble", "recompute", "plan s", "note")
+    rows = [header, *(_row(o) for o in search.layouts),
+            *(_alternative_row(n, r) for n, r in search.alternatives.items())]
+    lines = [f"EPP on every layout of {search.world_size} GPUs ({search.gpus_per_node} per node), "
+             f"{gib(search.memory_budget_bytes)} GiB per GPU; alternatives on the same GPUs at their best "
+             f"knobs; bubble and recompute are shares of the step's GPU time", *_columns(rows)]
+    best = search.recommended
+    if best is None:
+        lines.append(f"no layout fits: {search.extra.get('error', '')}")
+    else:
+        lay = best.layout
+        lines.append(f"recommended: {lay.label}, shard {lay.shard}: {best.tokens_per_s:,.0f} tokens/s, peak "
+                     f"{gib(best.peak_memory_bytes)} GiB per GPU")
+        whole = search.without_sp_rounds
+        if whole is not None:
+            lines.append(f"  with elastic SP rounds; without them (--no-sp-rounds) this layout plans "
+                         f"{whole.summary()['tokens_per_s']:,.0f} tokens/s")
+        for name, ratio in search.recommended_dict()["over_alternatives"].items():
+            lines.append(f"  {ratio:.2f}x {name} at its best")
+        settings = search.recommended_settings()
+        lines += [f"  EPPTrainingArguments({training_arguments(lay, settings)}, ...)",
+                  f"  recipe flags: {recipe_flags(lay, settings)} (recipes/train.py; launch {search.world_size} "
+                  f"processes)"]
+        if flagless(settings):
+            lines.append(f"  (no command-line form for {', '.join(flagless(settings))}: set it in Python)")
+        if "plan_command" in search.extra:
+            lines.append(f"  replan it alone: {search.extra['plan_command']}")
+    lines.append(f"tie-break: {search.tie_break}")
+    planned = sum(o.result is not None and o.priced_as is None for o in search.layouts)
+    lines.append(f"search: {len(search.layouts)} layouts, {planned} planned, {search.search_time_s:.1f} s")
+    return "\n".join(lines)

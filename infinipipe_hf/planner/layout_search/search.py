@@ -1,0 +1,330 @@
+"""The layout search: plan a batch with EPP on every ``pp x sp x dp x shard`` a job can run, and
+the non-pipeline alternatives at their best, and recommend the fastest EPP layout that fits.
+
+Which layouts can run: ``pp x sp`` divides the world and ``pp`` is at most the model's layer
+count; ``sp`` is a power of two dividing ``gpus_per_node`` (one SP group inside a node: its
+all-to-alls stay on the intra-node links) and passes the runtime's head check; ``dp`` is what is
+left; every shard mode the layout's checks accept for those degrees (:mod:`infinipipe_hf.layout`).
+
+Each layout is planned with :func:`~infinipipe_hf.planner.search.api.plan_step`, exactly as
+``python -m infinipipe_hf.plan --pp --sp --dp --shard --schedule epp`` plans it, so the
+recommended layout replans to the same tokens/s.  Before planning, a layout is ruled out when
+the batch has fewer sequences than its DP replicas (one would idle), when its model states alone
+exceed the budget, or when the batch's longest sequence does not fit even alone with every layer
+checkpointed at any slice count EPP would try (:func:`fits_alone`).  Shard
+modes that shard and replicate over the same mesh dims (``sp`` and ``hybrid``: they differ only
+in who reduces over DP) are priced identically and planned once.  No layout that fits is skipped
+for speed, so the pick equals a brute force over every layout.
+
+Tie-break (stated in the output): the highest tokens/s; on equal tokens/s (relative 1e-9) the
+lower peak memory per GPU, then fewer stages, then the smaller SP degree, then the shard mode's
+place in ``SHARD_MODES``.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any, Mapping, Sequence
+
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import SHARD_MODES, ParallelDims, divisors, shard_mode
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
+from infinipipe_hf.planner.batch.select import check_batch
+from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+from infinipipe_hf.planner.layout_search.result import (
+    LayoutOutcome,
+    LayoutSearch,
+    NoLayoutFits,
+    gib,
+    recipe_settings,
+)
+from infinipipe_hf.planner.pipeline.grids import DEFAULT_SLICE_COUNTS, slice_count_candidates
+from infinipipe_hf.planner.registry import ALTERNATIVES, REFERENCE, get_schedule
+from infinipipe_hf.planner.schedules.base import PIPELINE
+from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step, resolve_sp_rounds
+from infinipipe_hf.planner.search.limits import largest_trainable_length, states_per_gpu, states_remedies
+from infinipipe_hf.planner.search.result import PlanResult
+from infinipipe_hf.planner.simulate.simulator import simulate
+
+TIE_BREAK = ("highest tokens/s; on equal tokens/s (relative 1e-9) the lower peak memory per GPU, then fewer "
+             "stages (pp), then the smaller sp, then the shard mode's order " + " < ".join(SHARD_MODES))
+
+
+def _passes(check, *args) -> bool:
+    try:
+        check(*args)
+    except ValueError:
+        return False
+    return True
+
+
+def sp_candidates(spec: ModelSpec, world_size: int, gpus_per_node: int) -> list[int]:
+    """SP degrees a layout may use: powers of two dividing ``gpus_per_node`` and the world, that
+    the layout's model check accepts (at most one attention head per SP rank)."""
+    out, sp = [], 1
+    while sp <= gpus_per_node:
+        if gpus_per_node % sp == 0 and world_size % sp == 0 and _passes(
+                ParallelDims(1, sp, world_size // sp).check_model, spec.num_layers, spec.num_attention_heads):
+            out.append(sp)
+        sp *= 2
+    return out
+
+
+def _runnable(pp_degree: int, sp_degree: int, dp_degree: int, shard: str, gpus_per_node: int) -> ParallelDims | None:
+    """The layout, when the planner can price it and the runtime can run it."""
+    try:
+        dims = ParallelDims(pp_degree, sp_degree, dp_degree, shard, gpus_per_node)
+        dims.check_runnable()
+    except ValueError:
+        return None
+    return dims
+
+
+def shard_candidates(pp_degree: int, sp_degree: int, dp_degree: int, gpus_per_node: int = 8) -> list[ParallelDims]:
+    """The layouts of these degrees, one per shard mode the layout's checks accept."""
+    found = (_runnable(pp_degree, sp_degree, dp_degree, s, gpus_per_node) for s in SHARD_MODES)
+    return [dims for dims in found if dims is not None]
+
+
+def enumerate_layouts(spec: ModelSpec, world_size: int, gpus_per_node: int, *,
+                      sp_degrees: Sequence[int] | None = None, shards: Sequence[str] | None = None,
+                      dp_degrees: Sequence[int] | None = None) -> list[ParallelDims]:
+    """Every layout that can run on ``world_size`` GPUs (module docstring), ``sp`` then ``pp``
+    ascending; ``sp_degrees`` / ``shards`` / ``dp_degrees`` restrict the search.  ``ValueError``
+    when none can."""
+    for name, value in (("world_size", world_size), ("gpus_per_node", gpus_per_node)):
+        if isinstance(value, bool) or int(value) != value or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if world_size > gpus_per_node and world_size % gpus_per_node:
+        raise ValueError(f"world size {world_size} is not a whole number of nodes of {gpus_per_node} GPUs; "
+                         f"set gpus_per_node (--gpus-per-node) to the GPUs each node runs, a divisor of {world_size}")
+    for s in shards or ():
+        shard_mode(s)  # ValueError naming the modes
+    sps = sp_candidates(spec, world_size, gpus_per_node)
+    allowed = [sp for sp in sps if sp_degrees is None or sp in sp_degrees]
+    out = []
+    for sp in allowed:
+        for pp in divisors(world_size // sp):
+            if pp > spec.num_layers:
+                continue
+            dp = world_size // (pp * sp)
+            if dp_degrees is not None and dp not in dp_degrees:
+                continue
+            out.extend(d for d in shard_candidates(pp, sp, dp, gpus_per_node) if shards is None or d.shard.name in shards)
+    if not out:
+        raise ValueError(_no_layout_message(spec, world_size, gpus_per_node, sps, sp_degrees, shards))
+    return out
+
+
+def _no_layout_message(spec, world_size, gpus_per_node, sps, sp_degrees, shards) -> str:
+    asked = ", ".join(f"{k} in {tuple(v)}" for k, v in (("sp_degree", sp_degrees), ("shard", shards)) if v is not None)
+    return (f"no parallel layout of {world_size} GPUs ({gpus_per_node} per node) can run this model"
+            + (f" with {asked}" if asked else "")
+            + f": a layout needs pp x sp dividing {world_size}, pp <= the model's {spec.num_layers} layers, "
+              f"sp a power of two dividing {gpus_per_node} and at most the {spec.num_attention_heads} attention "
+              f"heads (sp here: {', '.join(map(str, sps)) or 'none'}), and a shard mode with ranks to shard over; "
+              f"relax the restriction or change the world size")
+
+
+def fits_alone(cost: CostModel, tokens: int, num_slices: Sequence[int] | None = None) -> bool:
+    """True when one sequence of ``tokens`` fits EPP's plan of it alone, every layer checkpointed,
+    at one of the slice counts EPP would try.  Every count is tried: more slices are not always
+    leaner (at pp 1 all slices of a sequence run forward before any backward, so their K/V store
+    and saved layer inputs add up, while one slice fits)."""
+    leanest = get_schedule(REFERENCE, PIPELINE).leanest_plan
+    ks = slice_count_candidates([tokens], num_slices, cost.dims.sp_degree)
+    for k in (ks[-1], *ks[:-1]):  # the most slices first: the leanest wherever pp > 1
+        try:
+            if simulate(leanest(cost, tokens, k), cost).feasible:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def largest_alone(cost: CostModel) -> int:
+    """The longest single sequence ``cost``'s layout trains: the largest over slice counts of
+    :func:`~infinipipe_hf.planner.search.limits.largest_trainable_length`."""
+    return max(largest_trainable_length(cost, k) for k in (1, max(DEFAULT_SLICE_COUNTS)))
+
+
+def plan_layouts(inputs: SearchInputs, layouts: Sequence[ParallelDims], workers: int = 1) -> list[LayoutOutcome]:
+    """Each layout's outcome, in order; layouts priced alike are planned once, the distinct ones in
+    ``workers`` processes (spawned: safe under a process that runs threads or torch)."""
+    if isinstance(workers, bool) or int(workers) != workers or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    firsts: dict[tuple, ParallelDims] = {}
+    for layout in layouts:
+        firsts.setdefault(pricing_key(layout), layout)
+    # Deepest pipelines first: they plan slowest, so a pool ends sooner with them started early.
+    todo = sorted(firsts.values(), key=lambda lay: (-lay.pp_degree, layouts.index(lay)))
+    planned = _in_pool(inputs, todo, workers) if workers > 1 and len(todo) > 1 else None
+    if planned is None:
+        planned = [plan_layout(inputs, lay) for lay in todo]
+    by_key = {pricing_key(o.layout): o for o in planned}
+    return [by_key[pricing_key(lay)] if by_key[pricing_key(lay)].layout == lay
+            else by_key[pricing_key(lay)].priced_as_layout(lay) for lay in layouts]
+
+
+def _in_pool(inputs: SearchInputs, todo: list[ParallelDims], workers: int) -> list[LayoutOutcome] | None:
+    """The outcomes planned in a spawned pool; None (with a warning) when the pool breaks."""
+    context = multiprocessing.get_context("spawn")
+    try:
+        with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=context) as pool:
+            return list(pool.map(plan_layout, repeat(inputs), todo))
+    except BrokenProcessPool as exc:
+        warnings.warn(f"the layout search's process pool failed ({exc}); a script that starts processes needs "
+                      f"its code under `if __name__ == '__main__':`. Planning the layouts in this process",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
+def pricing_key(layout: ParallelDims) -> tuple:
+    """Layouts with equal keys get the same plan: the cost model reads the shard mode's dims only."""
+    return (layout.pp_degree, layout.sp_degree, layout.dp_degree, layout.shard.pricing_key)
+
+
+@dataclass(frozen=True)
+class SearchInputs:
+    """What every layout of one search is planned with."""
+
+    lengths: list[int]
+    spec: ModelSpec
+    profile: HardwareProfile
+    memory_budget_bytes: float
+    gpus_per_node: int
+    plan_options: Mapping[str, Any]
+    """Keyword arguments passed to every ``plan_step`` (checkpointing, levels, unit cap...)."""
+
+    def cost(self, layout: ParallelDims) -> CostModel:
+        return CostModel(self.spec, self.profile, layout, memory_budget_bytes=self.memory_budget_bytes)
+
+    def options(self, layout: ParallelDims, **override) -> PlanOptions:
+        """EPP's plan options for ``layout``: ``sp_rounds=True`` asks for rounds where a stage has SP
+        ranks to split, so a layout with one rank per stage plans without them."""
+        options = {**self.plan_options, **override}
+        if options.get("sp_rounds") and layout.sp_degree == 1:
+            options["sp_rounds"] = None
+        return PlanOptions(schedule=REFERENCE, **options)
+
+
+def plan_layout(inputs: SearchInputs, layout: ParallelDims) -> LayoutOutcome:
+    """One layout's outcome: ruled out before planning (states, longest sequence) or planned."""
+    t0 = time.perf_counter()
+    if len(inputs.lengths) < layout.dp_degree:
+        return LayoutOutcome(layout, None, unfed_replicas_reason(len(inputs.lengths), layout.dp_degree), 0.0,
+                             unfed_replicas=True)
+    cost = inputs.cost(layout)
+    states = max(cost.acts.static_bytes(s) for s in range(layout.pp_degree))
+    budget = inputs.memory_budget_bytes
+    if states > budget:
+        return LayoutOutcome(layout, None, f"model states alone need {gib(states)} GiB per GPU, over the "
+                                           f"{gib(budget)} GiB budget", time.perf_counter() - t0)
+    longest = max(inputs.lengths)
+    if not fits_alone(cost, longest, inputs.plan_options.get("num_slices")):
+        return LayoutOutcome(layout, None, f"the longest sequence ({longest} tokens) does not fit even alone, "
+                                           f"fully checkpointed, in any of 1 to {max(DEFAULT_SLICE_COUNTS)} slices",
+                             time.perf_counter() - t0)
+    options = inputs.options(layout)
+    result = plan_step(inputs.lengths, inputs.spec, layout, options, cost=cost)
+    return LayoutOutcome(layout, result, None, time.perf_counter() - t0,
+                         sp_rounds=resolve_sp_rounds(options.sp_rounds, layout.sp_degree))
+
+
+def unfed_replicas_reason(num_sequences: int, dp_degree: int) -> str:
+    """Why a layout is ruled out for a batch with fewer sequences than its DP replicas."""
+    return (f"{num_sequences} sequence{'s' if num_sequences != 1 else ''} for {dp_degree} DP replicas: a replica "
+            f"would idle (the trainer gives each its own; search a batch of >= {dp_degree} sequences)")
+
+
+def whole_group_replan(inputs: SearchInputs, best: LayoutOutcome) -> PlanResult | None:
+    """The recommended layout planned without elastic SP rounds, when its plan uses them (both
+    are reported: the rounds' gain on the pick)."""
+    if not best.sp_rounds:
+        return None
+    lay = best.layout
+    return plan_step(inputs.lengths, inputs.spec, lay, inputs.options(lay, sp_rounds=False), cost=inputs.cost(lay))
+
+
+def plan_alternatives(inputs: SearchInputs, world_size: int) -> dict:
+    """Each non-pipeline alternative on all ``world_size`` GPUs, tuned over its own knobs."""
+    flat = FlatCost.of(inputs.spec, world_size, inputs.memory_budget_bytes, inputs.profile, inputs.gpus_per_node)
+    checkpointing = inputs.plan_options.get("checkpointing", "adaptive")
+    return {name: plan_alternative(inputs.lengths, inputs.spec, name, world_size=world_size, cost=flat,
+                                   checkpointing=checkpointing) for name in ALTERNATIVES}
+
+
+def rank_key(outcome: LayoutOutcome) -> tuple:
+    """Sort key of the tie-break (``TIE_BREAK``): feasible first, fastest first."""
+    lay = outcome.layout
+    order = (lay.pp_degree, lay.sp_degree, SHARD_MODES.index(lay.shard.name))
+    if not outcome.feasible:
+        return (1, 0.0, 0.0, *order)
+    return (0, -outcome.tokens_per_s, outcome.peak_memory_bytes, *order)
+
+
+def pick(outcomes: Sequence[LayoutOutcome]) -> LayoutOutcome | None:
+    """The recommended layout: the fastest feasible one, ties broken as ``TIE_BREAK`` says."""
+    feasible = [o for o in outcomes if o.feasible]
+    if not feasible:
+        return None
+    top = max(o.tokens_per_s for o in feasible)
+    near = [o for o in feasible if o.tokens_per_s >= top * (1 - 1e-9)]
+    return min(near, key=lambda o: (o.peak_memory_bytes, *rank_key(o)[3:]))
+
+
+def search_layouts(lengths: Sequence[int], spec: ModelSpec, *, world_size: int, gpus_per_node: int | None = None,
+                   memory_budget_bytes: float | None = None, profile: HardwareProfile | None = None,
+                   sp_degrees: Sequence[int] | None = None, shards: Sequence[str] | None = None,
+                   alternatives: bool = True, plan_options: Mapping[str, Any] | None = None,
+                   workers: int = 1, dp_degrees: Sequence[int] | None = None) -> LayoutSearch:
+    """Plan ``lengths`` (one global batch) with EPP on every layout of ``world_size`` GPUs and
+    recommend the fastest that fits (module docstring).
+
+    ``gpus_per_node`` and ``memory_budget_bytes`` default to the profile's; ``sp_degrees`` /
+    ``shards`` (and ``dp_degrees``) restrict the layouts; ``alternatives`` also plans ulysses-zero3, ring-cp and flexsp
+    on the same GPUs; ``plan_options`` go to every ``plan_step``; ``workers`` > 1 plans the layouts
+    in that many processes (same results, the planning is deterministic).  ``ValueError`` when no layout
+    can run; :class:`NoLayoutFits` (with the search attached) when none fits the budget.
+    """
+    t0 = time.perf_counter()
+    check_batch(lengths)
+    profile = profile or default_profile()
+    gpn = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
+    budget = profile.memory_gib * GIB if memory_budget_bytes is None else float(memory_budget_bytes)
+    layouts = enumerate_layouts(spec, world_size, gpn, sp_degrees=sp_degrees, shards=shards, dp_degrees=dp_degrees)
+    inputs = SearchInputs([int(n) for n in lengths], spec, profile, budget, gpn, dict(plan_options or {}))
+    outcomes = plan_layouts(inputs, layouts, workers)
+    alts = plan_alternatives(inputs, world_size) if alternatives else {}
+    best = pick(outcomes)
+    search = LayoutSearch(world_size, gpn, budget, sorted(outcomes, key=rank_key), alts, best, TIE_BREAK,
+                          time.perf_counter() - t0, settings=recipe_settings(inputs.lengths, budget, inputs.plan_options))
+    if best is not None:
+        search.without_sp_rounds = whole_group_replan(inputs, best)
+        search.search_time_s = time.perf_counter() - t0
+    if best is None:
+        raise no_fit_error(inputs, search, t0)
+    return search
+
+
+def no_fit_error(inputs: SearchInputs, search: LayoutSearch, t0: float) -> NoLayoutFits:
+    """The error of a search where no layout fits: each layout's largest trainable sequence and
+    model states per GPU and, when the states leave no room anywhere, what would fit them."""
+    limits: dict[tuple, tuple[int, float]] = {}
+    for o in search.layouts:
+        key = pricing_key(o.layout)
+        if key not in limits:
+            cost = inputs.cost(o.layout)
+            limits[key] = (largest_alone(cost), states_per_gpu(cost))
+        o.largest_trainable, o.states_bytes = limits[key]
+    remedies = ""
+    if not any(o.largest_trainable for o in search.layouts):
+        remedies = states_remedies(inputs.cost(ParallelDims(gpus_per_node=inputs.gpus_per_node)))  # GPU counts from one GPU up
+    search.search_time_s = time.perf_counter() - t0
+    return NoLayoutFits(search, inputs.lengths, remedies)

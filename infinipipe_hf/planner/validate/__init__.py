@@ -1,0 +1,1 @@
+"""Plans checked before they run: coverage, order, pairing, memory, SP sub-group rounds."""

@@ -1,0 +1,1 @@
+"""Tests of the benchmarks (``benchmarks/``), one folder per benchmarks folder."""

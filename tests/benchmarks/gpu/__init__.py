@@ -1,0 +1,1 @@
+"""Tests of ``benchmarks/gpu`` scripts (their CPU dry runs)."""

@@ -1,0 +1,1 @@
+"""Tests of ``benchmarks/lib``: runtime rows, their clock and the profile fit."""
