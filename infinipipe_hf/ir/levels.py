@@ -4,6 +4,9 @@ A Llama-pattern layer is ``h + attn(norm(h))`` then ``h + mlp(norm(h))`` with th
 ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``.  The levels, heaviest first (the order the
 runtime gives them to a unit's layers, see :meth:`CheckpointMix.layer_levels`):
 
+``offload``
+    the whole layer recomputed, and its input kept in host memory (copied out during the forward,
+    brought back ahead of the backward): no device bytes between forward and backward.
 ``full``
     the whole layer recomputed; keeps only its input (the plan's ``checkpoint_layers``).
 ``keep_attn``
@@ -26,13 +29,26 @@ from typing import Iterable, Mapping
 CHECKPOINTING = ("adaptive", "none", "full")
 """Step-level checkpointing choices: solved per (stage, unit), none, or every layer."""
 
-FULL, KEEP_ATTN, MLP, MLP_ACT = "full", "keep_attn", "mlp", "mlp_act"
-LEVELS = (FULL, KEEP_ATTN, MLP, MLP_ACT)
-"""Every level, heaviest (most bytes saved, most recompute) first."""
+OFFLOAD, FULL, KEEP_ATTN, MLP, MLP_ACT = "offload", "full", "keep_attn", "mlp", "mlp_act"
+LEVELS = (OFFLOAD, FULL, KEEP_ATTN, MLP, MLP_ACT)
+"""Every level, heaviest (most device bytes saved) first."""
 FINER_LEVELS = (KEEP_ATTN, MLP, MLP_ACT)
-"""The levels beside whole layers: the plan's ``checkpoint_levels`` key holds these."""
+"""The levels inside a layer, beside whole layers (the ``checkpoint_levels`` setting picks among them)."""
+PLAN_LEVELS = (OFFLOAD,) + FINER_LEVELS
+"""Every level but whole layers: the plan's ``checkpoint_levels`` entry holds these counts (whole
+layers are its ``checkpoint_layers``); ``offload`` is allowed where the plan has host memory."""
 MLP_LEVELS = (MLP, MLP_ACT)
 """The levels inside the MLP (runtime/recompute/mlp_levels.py)."""
+
+
+def check_plan_levels(levels: Iterable[str]) -> tuple[str, ...]:
+    """``levels`` as a tuple in :data:`PLAN_LEVELS` order; ``ValueError`` naming an unknown one."""
+    got = tuple(levels)
+    for lv in got:
+        if lv not in PLAN_LEVELS:
+            raise ValueError(f"unknown checkpoint level {lv!r} in a plan's checkpoint_levels; the entry holds "
+                             f"{', '.join(PLAN_LEVELS)} (whole layers go in checkpoint_layers)")
+    return tuple(lv for lv in PLAN_LEVELS if lv in got)
 
 
 def check_levels(levels: Iterable[str]) -> tuple[str, ...]:
@@ -56,8 +72,10 @@ class CheckpointMix:
     mlp_act: int = 0
     """Layers whose ``act(g) * u`` is recomputed."""
     keep_attn: int = 0
-    """Layers recomputed whole but for their attention core (the last field, so positional
-    construction reads ``full, mlp, mlp_act``)."""
+    """Layers recomputed whole but for their attention core (after the first three fields, so
+    positional construction reads ``full, mlp, mlp_act``)."""
+    offload: int = 0
+    """Layers recomputed whole whose input waits in host memory between forward and backward."""
 
     def __post_init__(self) -> None:
         for name in LEVELS:
@@ -67,18 +85,24 @@ class CheckpointMix:
 
     @property
     def total(self) -> int:
-        return self.full + self.keep_attn + self.mlp + self.mlp_act
+        return self.offload + self.full + self.keep_attn + self.mlp + self.mlp_act
+
+    @property
+    def recomputed_whole(self) -> int:
+        """Layers whose whole forward reruns in backward (``full`` and ``offload``)."""
+        return self.offload + self.full
 
     @property
     def finer(self) -> dict[str, int]:
-        """The non-zero finer levels, as the plan JSON's ``checkpoint_levels`` entry holds them."""
-        return {lv: getattr(self, lv) for lv in FINER_LEVELS if getattr(self, lv)}
+        """The non-zero levels but whole layers, as the plan JSON's ``checkpoint_levels`` entry
+        holds them (``offload`` included)."""
+        return {lv: getattr(self, lv) for lv in PLAN_LEVELS if getattr(self, lv)}
 
     @staticmethod
     def of(full: int, finer: Mapping[str, int] | None = None) -> "CheckpointMix":
         finer = dict(finer or {})
-        check_levels(finer)
-        return CheckpointMix(int(full), **{lv: int(finer.get(lv, 0)) for lv in FINER_LEVELS})
+        check_plan_levels(finer)
+        return CheckpointMix(int(full), **{lv: int(finer.get(lv, 0)) for lv in PLAN_LEVELS})
 
     def layer_levels(self, num_layers: int) -> list[str | None]:
         """Level of each of the stage's layers in forward order (``None``: keeps everything).
@@ -88,6 +112,7 @@ class CheckpointMix:
         the layers backward needs first keep what it needs."""
         if self.total > num_layers:
             raise ValueError(f"checkpoint levels {self} name {self.total} layers but the stage has "
-                             f"{num_layers}; full + keep_attn + mlp + mlp_act must be at most the stage's layers")
-        return ([FULL] * self.full + [KEEP_ATTN] * self.keep_attn + [MLP] * self.mlp
+                             f"{num_layers}; offload + full + keep_attn + mlp + mlp_act must be at most "
+                             f"the stage's layers")
+        return ([OFFLOAD] * self.offload + [FULL] * self.full + [KEEP_ATTN] * self.keep_attn + [MLP] * self.mlp
                 + [MLP_ACT] * self.mlp_act + [None] * (num_layers - self.total))

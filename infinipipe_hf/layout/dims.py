@@ -28,6 +28,7 @@ from functools import cached_property
 
 from infinipipe_hf.layout.checks import check_heads, check_layers, check_shard_group, dp_for_world, positive_int
 from infinipipe_hf.layout.shard_modes import NO_SHARDING, SHARD_TABLE, ShardMode, shard_mode
+from infinipipe_hf.layout.state_offload import NO_OFFLOAD, StateOffload, state_offload
 
 MESH_DIMS = ("dp", "pp", "sp")
 """The mesh dims in rank order (outermost first)."""
@@ -47,17 +48,21 @@ class ParallelDims:
     """Model-state sharding: a row of :data:`~.shard_modes.SHARD_TABLE` (a mode's name is accepted)."""
     gpus_per_node: int = 8
     """Ranks per node, filled in rank order: decides which groups cross nodes."""
+    state_offload: StateOffload = NO_OFFLOAD
+    """Model states in host memory: a row of :data:`~.state_offload.OFFLOAD_TABLE` (a name is accepted)."""
 
     def __post_init__(self) -> None:
         for name in ("pp_degree", "sp_degree", "dp_degree", "gpus_per_node"):
             positive_int(name, getattr(self, name))
         object.__setattr__(self, "shard", shard_mode(self.shard))
+        object.__setattr__(self, "state_offload", state_offload(self.state_offload))
         if self.shard.sharded and self.shard_degree == 1:
             raise ValueError(self._no_group_message())
 
     @classmethod
     def for_world(cls, world_size: int, pp_degree: int = 1, sp_degree: int = 1, dp_degree: int | None = None,
-                  shard: str | ShardMode = NO_SHARDING, gpus_per_node: int = 8, model=None) -> "ParallelDims":
+                  shard: str | ShardMode = NO_SHARDING, gpus_per_node: int = 8, model=None,
+                  state_offload: str | StateOffload = NO_OFFLOAD) -> "ParallelDims":
         """The layout of ``world_size`` processes: ``dp_degree`` derived (or checked) from the world,
         the shard mode runnable, and, given a ``model`` (``num_layers``, ``num_attention_heads``),
         the degrees against it (its layers first: launching more processes cannot fix those)."""
@@ -67,7 +72,7 @@ class ParallelDims:
             check_layers(pp_degree, model.num_layers)
         dp = dp_for_world(world_size, pp_degree, sp_degree, dp_degree)
         check_shard_group(shard_mode(shard), dp, sp_degree)  # first: it names the group a launch lacks
-        dims = cls(pp_degree, sp_degree, dp, shard, gpus_per_node)
+        dims = cls(pp_degree, sp_degree, dp, shard, gpus_per_node, state_offload)
         if model is not None:
             dims.check_model(model.num_layers, model.num_attention_heads)
         return dims
@@ -111,12 +116,17 @@ class ParallelDims:
         return f"pp {self.pp_degree} x sp {self.sp_degree} x dp {self.dp_degree}"
 
     def __str__(self) -> str:
-        return f"{self.label}, shard {self.shard.name} ({self.gpus_per_node} GPUs per node)"
+        offload = f", {self.state_offload.summary}" if self.state_offload.offloaded else ""
+        return f"{self.label}, shard {self.shard.name}{offload} ({self.gpus_per_node} GPUs per node)"
 
     def degrees(self) -> dict:
-        """The degrees and shard mode as ``InfiniPipeConfig`` / ``EPPTrainingArguments`` name them."""
-        return {"pp_degree": self.pp_degree, "sp_degree": self.sp_degree, "dp_degree": self.dp_degree,
-                "shard": self.shard.name}
+        """The degrees, shard mode and (when any) state offload as ``InfiniPipeConfig`` /
+        ``EPPTrainingArguments`` name them."""
+        d = {"pp_degree": self.pp_degree, "sp_degree": self.sp_degree, "dp_degree": self.dp_degree,
+             "shard": self.shard.name}
+        if self.state_offload.offloaded:
+            d["state_offload"] = self.state_offload.name
+        return d
 
     # --- ranks -----------------------------------------------------------------------------
     def rank(self, dp_rank: int, stage_index: int, sp_rank: int) -> int:

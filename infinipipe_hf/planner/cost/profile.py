@@ -118,6 +118,15 @@ class HardwareProfile:
     over a ring's steps); it matters only for small messages."""
     gpus_per_node: int = 8
     """GPUs per node (8 on DGX/HGX H100): decides which groups of the rank layout cross nodes."""
+    host_bandwidth_bytes_per_s: float = 40e9
+    """Copies between pinned host memory and the device, per direction, per GPU (activation and
+    K/V offload, offloaded model states).  PCIe 5.0 x16 peaks at about 64 GB/s per direction;
+    default 40 GB/s, an assumption of the achievable share with every GPU of a node copying at
+    once (``python -m infinipipe_hf.profile`` measures it on CUDA: ``host_copy`` rows)."""
+    host_optimizer_params_per_s: float = 1.0e9
+    """Parameters per second one GPU's share of the host cores updates with AdamW (the step of
+    offloaded optimizer states).  An assumption: DeepSpeed's CPU-Adam reports about 1-2 billion
+    parameters per second per 8-16 cores; measure with ``python -m infinipipe_hf.profile``."""
     memory_gib: float = 80.0
     """Device memory the profile was taken on; the default per-stage budget derives from it."""
     working_bytes_per_token: dict[str, float] = field(default_factory=dict)
@@ -134,7 +143,8 @@ class HardwareProfile:
     """Versions and notes recorded by the profiler (torch, transformers, GPU...)."""
 
     def __post_init__(self) -> None:
-        for name in ("intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s"):
+        for name in ("intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s",
+                     "host_bandwidth_bytes_per_s", "host_optimizer_params_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"profile field {name} must be > 0 (bytes per second), got {getattr(self, name)!r}")
         if not self.collective_latency_s >= 0:
