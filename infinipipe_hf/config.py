@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from infinipipe_hf.ir.levels import CHECKPOINTING
-from infinipipe_hf.layout import ParallelDims, shard_mode
+from infinipipe_hf.layout import ParallelDims, shard_mode, state_offload
 
 CHECKPOINT_LEVELS = ("keep_attn", "mlp", "mlp_act")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash")
@@ -60,6 +60,16 @@ class InfiniPipeConfig:
     memory_margin: float = 0.08
     """Share of the CUDA device's memory also held back (with the default budget) for the memory
     model's error (docs/gpu.md compares predicted and measured peaks)."""
+
+    host_memory_gib: float | None = None
+    """Host memory per rank the plan may fill (offloaded layer inputs and K/V, host optimizer
+    states).  ``None``: the machine's memory divided among its local ranks (``LOCAL_WORLD_SIZE``),
+    less ``memory_margin`` of it; ``0`` turns the host tier off (nothing offloaded)."""
+
+    state_offload: str = "none"
+    """Model states in host memory: ``none``, ``optimizer`` (AdamW moments and master weights on
+    the host, the step on the CPU) or ``states`` (weights and gradients too, FSDP2 CPU offload;
+    unsharded only at ``sp_degree = dp_degree = 1``).  Needs a host budget above 0."""
 
     profile: str | None = None
     """Path of a cost profile JSON (from ``python -m infinipipe_hf.profile``); ``None`` uses the
@@ -130,6 +140,7 @@ class InfiniPipeConfig:
                              f"got {self.memory_margin}")
         if self.memory_budget_gib is not None and self.memory_budget_gib <= 0:
             raise ValueError(f"memory_budget_gib must be > 0, got {self.memory_budget_gib}")
+        self._check_host_tier()
         if self.layer_split is not None:
             if len(self.layer_split) != self.pp_degree or any(n < 1 for n in self.layer_split):
                 raise ValueError(f"layer_split={self.layer_split} must list {self.pp_degree} positive "
@@ -145,6 +156,24 @@ class InfiniPipeConfig:
         if self.p2p_timeout_s <= 0:
             raise ValueError(f"p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")
 
+    def _check_host_tier(self) -> None:
+        if self.host_memory_gib is not None and not self.host_memory_gib >= 0:
+            raise ValueError(f"host_memory_gib must be >= 0 (GiB of host memory per rank; 0 turns the host "
+                             f"tier off, None takes the machine's share), got {self.host_memory_gib}")
+        mode = state_offload(self.state_offload)
+        if mode.offloaded and self.host_memory_gib == 0:
+            raise ValueError(f"state_offload={mode.name!r} keeps model states in host memory, but "
+                             f"host_memory_gib=0 turns the host tier off; raise host_memory_gib or use "
+                             f"state_offload='none'")
+
+    def host_budget_bytes(self) -> float:
+        """Host bytes per rank the plan may fill: ``host_memory_gib``, or the machine's memory
+        over its local ranks less ``memory_margin`` of it (:func:`host_memory_bytes`)."""
+        if self.host_memory_gib is not None:
+            return float(self.host_memory_gib) * GIB
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        return host_memory_bytes() / ranks * (1.0 - self.memory_margin)
+
     def memory_budget(self, device_memory_bytes: float | None) -> MemoryBudget:
         """The budget plans stay under on a device of ``device_memory_bytes`` (:func:`planning_budget`)."""
         return planning_budget(device_memory_bytes, self.memory_margin, self.memory_reserve_gib,
@@ -158,7 +187,7 @@ class InfiniPipeConfig:
         if gpus_per_node is None:
             gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
         return ParallelDims.for_world(world_size, self.pp_degree, self.sp_degree, self.dp_degree, self.shard,
-                                      gpus_per_node, model)
+                                      gpus_per_node, model, state_offload=self.state_offload)
 
 
 @dataclass(frozen=True)
@@ -224,3 +253,14 @@ def planning_budget(device_memory_bytes: float | None, memory_margin: float, mem
                          f"(memory_reserve_gib, --memory-reserve-gib)")
     return MemoryBudget(budget, device_memory_bytes, memory_margin, memory_reserve_gib * GIB)
 
+
+def host_memory_bytes() -> float:
+    """The machine's physical memory in bytes (``/proc/meminfo``'s MemTotal, else ``sysconf``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -43,3 +43,35 @@ def test_checkpoint_levels_default_on_and_can_be_turned_off():
     assert InfiniPipeConfig().checkpoint_levels == ("keep_attn", "mlp", "mlp_act")
     assert InfiniPipeConfig(checkpoint_levels=[]).checkpoint_levels == ()
     assert InfiniPipeConfig(checkpoint_levels="mlp_act").checkpoint_levels == ("mlp_act",)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(host_memory_gib=-1), "host_memory_gib must be >= 0"),
+    (dict(state_offload="cpu"), "state_offload='cpu' is not known; use one of none, optimizer, states"),
+    (dict(state_offload="optimizer", host_memory_gib=0), "host_memory_gib=0 turns the host tier off"),
+])
+def test_bad_host_tier_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        InfiniPipeConfig(**kwargs)
+
+
+def test_host_budget_defaults_to_the_machines_share(monkeypatch):
+    from infinipipe_hf.config import GIB, host_memory_bytes
+
+    assert InfiniPipeConfig(host_memory_gib=0).host_budget_bytes() == 0
+    assert InfiniPipeConfig(host_memory_gib=1.5).host_budget_bytes() == 1.5 * GIB
+    total = host_memory_bytes()
+    assert total > GIB  # the machine's RAM, read from /proc/meminfo (or sysconf)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert InfiniPipeConfig(memory_margin=0.1).host_budget_bytes() == pytest.approx(total / 4 * 0.9)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert InfiniPipeConfig().host_budget_bytes() == pytest.approx(total * (1 - InfiniPipeConfig.memory_margin))
+
+
+def test_state_offload_reaches_the_layout():
+    dims = InfiniPipeConfig(pp_degree=2, state_offload="optimizer").layout(2)
+    assert dims.state_offload.optimizer_on_host and not dims.state_offload.weights_on_host
+    dims = InfiniPipeConfig(shard="dp", state_offload="states").layout(2)
+    assert dims.state_offload.weights_on_host and dims.shard.sharded
+    assert InfiniPipeConfig(pp_degree=2, state_offload="states").layout(2).state_offload.weights_on_host
+    assert not InfiniPipeConfig().layout(2).state_offload.offloaded

@@ -15,6 +15,7 @@ from pathlib import Path
 from infinipipe_hf.config import GIB, InfiniPipeConfig, MemoryBudget, planning_budget
 from infinipipe_hf.ir.levels import FINER_LEVELS
 from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout.state_offload import STATE_OFFLOADS, state_offload
 from infinipipe_hf.planner.cost.profile import HardwareProfile
 
 
@@ -108,6 +109,47 @@ def add_memory_arguments(p) -> None:
                         "(InfiniPipeConfig.memory_reserve_gib, default %(default)s)")
     p.add_argument("--memory-budget-gib", type=float, default=None,
                    help="plan to exactly this many GiB per GPU instead (InfiniPipeConfig.memory_budget_gib)")
+
+
+def add_host_arguments(p) -> None:
+    """The host tier's flags: host memory per GPU and where the model states live."""
+    p.add_argument("--host-memory-gib", type=float, default=0.0,
+                   help="host (CPU) memory per GPU the plan may use, in GiB, exactly (no margin): optimizer "
+                        "states, offloaded layer inputs and K/V. Default 0: no host tier, since the planner "
+                        "plans for a machine it does not see (the trainer's default is the machine's RAM over "
+                        "its local ranks); a DGX H100 has 2 TiB over 8 GPUs: 256")
+    p.add_argument("--state-offload", default=None, choices=STATE_OFFLOADS,
+                   help="model states in host memory: none, optimizer (AdamW moments and fp32 masters, the step "
+                        "on the CPU) or states (weights and gradients too); needs --host-memory-gib > 0. Default "
+                        "none; with --search-layout: searched like a shard mode when --host-memory-gib > 0, or "
+                        "only this mode")
+
+
+def host_budget_bytes(args) -> float:
+    """``--host-memory-gib`` in bytes (0: no host tier), checked against ``--state-offload``."""
+    host = args.host_memory_gib
+    if not host >= 0:
+        raise ValueError(f"--host-memory-gib must be >= 0 (host memory per GPU in GiB; 0: no host tier), got {host}")
+    mode = args.state_offload
+    if host == 0 and mode is not None and state_offload(mode).offloaded:
+        raise ValueError(f"--state-offload {mode} keeps model states in host memory, but --host-memory-gib is 0 (no "
+                         f"host tier); give the host memory per GPU (e.g. --host-memory-gib 256 on a DGX H100) or "
+                         f"drop --state-offload")
+    return host * GIB
+
+
+def host_note(host_bytes: float) -> str | None:
+    """The table's line when the plan has no host tier (None when it has one)."""
+    if host_bytes > 0:
+        return None
+    return ("host memory: none planned (--host-memory-gib 0: the planner does not see the machine's host memory; "
+            "give it per GPU to let the plan offload optimizer states, layer inputs and K/V)")
+
+
+def host_flags(args) -> str:
+    """The host flags given, for a command that plans alike."""
+    out = [f"--host-memory-gib {args.host_memory_gib:g}"] if args.host_memory_gib else []
+    return " ".join(out)
 
 
 def memory_budget(args) -> MemoryBudget:

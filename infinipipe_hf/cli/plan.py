@@ -19,6 +19,12 @@ Memory: ``--gpu-memory-gib`` is the GPU's memory; the plan stays under it less
 longer than the model's ``max_position_embeddings`` are warned about (stderr, ``warnings`` in the
 JSON): the trainer would cut or refuse them.
 
+Host memory: ``--host-memory-gib`` is the host memory per GPU the plan may use (default 0: no
+host tier, the planner does not see the machine); with it the plan may keep layer inputs and K/V
+in host memory, and ``--state-offload`` puts model states there.  The table and the JSON
+(``host_peak_memory_bytes``, ``host_memory_budget_bytes``, ``state_offload``) give the host peak
+beside the GPU peak (``peak_memory_bytes`` stays the GPU's).
+
 ``--search-layout --world-size N`` (no ``--pp``) plans EPP on every ``pp x sp x dp x shard`` of
 N GPUs instead and recommends one (:mod:`infinipipe_hf.cli.plan_layouts`).
 
@@ -42,7 +48,10 @@ import sys
 from pathlib import Path
 
 from infinipipe_hf.cli.inputs import (
+    add_host_arguments,
     add_memory_arguments,
+    host_budget_bytes,
+    host_note,
     length_warnings,
     memory_budget,
     plan_options,
@@ -57,6 +66,12 @@ from infinipipe_hf.layout import SHARD_MODES, ParallelDims
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import default_profile
+from infinipipe_hf.planner.layout_search.host_tier import (
+    alternative_knobs,
+    host_peak_bytes,
+    offload_runs,
+    planned_alternatives,
+)
 from infinipipe_hf.planner.registry import ALTERNATIVES, PIPELINE_SCHEDULES, REFERENCE, get_schedule
 from infinipipe_hf.planner.schedules.base import ROUNDS
 from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step, resolve_sp_rounds
@@ -83,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=None,
                    help="total GPUs of the job: checked against pp x sp (x dp)")
     add_memory_arguments(p)
+    add_host_arguments(p)
     p.add_argument("--profile", default=None, help="cost profile JSON (default: shipped H100/bf16)")
     p.add_argument("--schedule", default=REFERENCE, choices=[*PIPELINE_SCHEDULES, *ALTERNATIVES, "all"],
                    help="a pipeline schedule, a non-pipeline alternative on the same GPUs, or all of them")
@@ -110,8 +126,10 @@ def run(args: argparse.Namespace) -> list[PlanResult]:
     dims = args.dims = resolve_layout(args, profile)
     args.budget = memory_budget(args)
     args.warnings = length_warnings(spec, lengths)
-    cost = CostModel(spec, profile, dims, memory_budget_bytes=args.budget.budget_bytes)
-    schedules = (*PIPELINE_SCHEDULES, *ALTERNATIVES) if args.schedule == "all" else (args.schedule,)
+    cost = CostModel(spec, profile, dims, memory_budget_bytes=args.budget.budget_bytes,
+                     host_budget_bytes=args.host_bytes)
+    schedules = ((*PIPELINE_SCHEDULES, *planned_alternatives(args.host_bytes)) if args.schedule == "all"
+                 else (args.schedule,))
     options = plan_options(args)
     results = []
     flat = None
@@ -120,7 +138,8 @@ def run(args: argparse.Namespace) -> list[PlanResult]:
             if flat is None:
                 flat = _flat_cost(args, spec, cost)
             results.append(plan_alternative(lengths, spec, s, world_size=flat.world_size, cost=flat,
-                                            checkpointing=args.checkpointing))
+                                            checkpointing=args.checkpointing,
+                                            **alternative_knobs(s, args.host_bytes)))
             continue
         results.extend(_plan_pipeline(lengths, spec, args, s, cost, options))
     return results
@@ -171,15 +190,26 @@ def resolve_layout(args: argparse.Namespace, profile) -> ParallelDims:
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     gpn = profile.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
+    args.host_bytes = host_budget_bytes(args)
+    offload = args.state_offload or "none"
+    # The trainer's checks of the layout and the host tier (state offload as the runtime runs it).
+    config = InfiniPipeConfig(pp_degree=args.pp, sp_degree=args.sp, dp_degree=args.dp, shard=args.shard,
+                              state_offload=offload, host_memory_gib=args.host_memory_gib)
     if args.world_size is None:
-        return ParallelDims(args.pp, args.sp, 1 if args.dp is None else args.dp, args.shard, gpn)
-    config = InfiniPipeConfig(pp_degree=args.pp, sp_degree=args.sp, dp_degree=args.dp, shard=args.shard)
-    return config.layout(args.world_size, gpn)
+        dims = ParallelDims(args.pp, args.sp, 1 if args.dp is None else args.dp, args.shard, gpn, offload)
+    else:
+        dims = config.layout(args.world_size, gpn)
+    if not offload_runs(dims):
+        raise ValueError(f"--state-offload states on unsharded stages runs FSDP2 on each GPU alone, which needs "
+                         f"--sp 1 and --dp 1 (got {dims.label}); shard the stages (--shard sp, dp...) or use "
+                         f"--state-offload optimizer")
+    return dims
 
 
 def _layout_title(dims: ParallelDims) -> str:
     return (f"pp={dims.pp_degree}, dp={dims.dp_degree}" + (f", sp={dims.sp_degree}" if dims.sp_degree != 1 else "")
-            + (f", shard={dims.shard.name}" if dims.shard.sharded else ""))
+            + (f", shard={dims.shard.name}" if dims.shard.sharded else "")
+            + (f", state_offload={dims.state_offload}" if dims.state_offload.offloaded else ""))
 
 
 def _sibling(path: str, schedule: str, first: bool) -> Path:
@@ -188,16 +218,17 @@ def _sibling(path: str, schedule: str, first: bool) -> Path:
 
 
 def format_table(results: list[PlanResult]) -> str:
-    rows = [("schedule", "fits", "step s", "tokens/s", "bubble", "recompute s", "peak GiB", "units", "pipes", "plan s")]
+    rows = [("schedule", "fits", "step s", "tokens/s", "bubble", "recompute s", "peak GiB", "host GiB", "units",
+             "pipes", "plan s")]
     for r in results:
         d = r.summary()
         if r.feasible:
             rows.append((r.name, "yes", f"{d['step_time_s']:.3f}", f"{d['tokens_per_s']:,.0f}",
                          f"{d['bubble_fraction']:.3f}", f"{d['recompute_time_s']:.3f}",
-                         f"{max(d['peak_memory_bytes']) / GIB:.1f}", str(d["num_units"]),
-                         str(d["num_pipelines"]), f"{r.planning_time_s:.2f}"))
+                         f"{max(d['peak_memory_bytes']) / GIB:.1f}", f"{host_peak_bytes(r) / GIB:.1f}",
+                         str(d["num_units"]), str(d["num_pipelines"]), f"{r.planning_time_s:.2f}"))
         else:
-            rows.append((r.name, "NO", "-", "0", "-", "-", "-", "-", "-", f"{r.planning_time_s:.2f}"))
+            rows.append((r.name, "NO", "-", "0", "-", "-", "-", "-", "-", "-", f"{r.planning_time_s:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     epp = next((r for r in results if get_schedule(r.schedule).reference and r.feasible), None)
@@ -256,18 +287,23 @@ def main(argv: list[str] | None = None) -> int:
     for warning in args.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if args.json:
-        out = [with_budget(r.summary(), args) for r in results]
+        out = [with_budget(r.summary(), args, r) for r in results]
         print(json.dumps(out if args.schedule == "all" else out[0], indent=1))
     else:
         print(format_table(results))
+        print(host_note(args.host_bytes) or f"host memory budget: {args.host_bytes / GIB:.4g} GiB per GPU "
+                                             f"(--host-memory-gib), state offload: {args.dims.state_offload}")
         print(f"memory budget planned to: {args.budget.describe()}")
     return 0
 
 
-def with_budget(summary: dict, args: argparse.Namespace) -> dict:
+def with_budget(summary: dict, args: argparse.Namespace, result: PlanResult | None = None) -> dict:
     """A schedule's ``--json`` object with the budget's keys (the budget planned to, also when no
-    plan fits; the GPU's memory, margin and reserve) and the input ``warnings`` when there are any."""
+    plan fits; the GPU's memory, margin and reserve), the host tier's (host peak, host budget,
+    state offload) and the input ``warnings`` when there are any."""
     d = {**summary, **{k: v for k, v in args.budget.to_dict().items() if k != "memory_budget_bytes"}}
+    d.setdefault("host_peak_memory_bytes", host_peak_bytes(result) if result is not None else 0.0)
+    d.update(host_memory_budget_bytes=args.host_bytes, state_offload=args.dims.state_offload.name)
     if d.get("memory_budget_bytes") is None:
         d["memory_budget_bytes"] = args.budget.budget_bytes
     if args.warnings:

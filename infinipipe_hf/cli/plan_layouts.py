@@ -9,7 +9,11 @@ in the trainer (the degrees, ``tokens_per_step``, ``memory_budget_gib``: the exa
 to, and every planning option given), and the planner command that replans it alone (same
 tokens/s).  The budget is the trainer's rule on ``--gpu-memory-gib`` (or ``--memory-budget-gib``),
 printed and in the JSON beside ``memory_budget_bytes`` (``device_memory_bytes``, ``memory_margin``,
-``memory_reserve_bytes``).  ``--sp`` / ``--shard`` restrict the search; ``--pp`` and
+``memory_reserve_bytes``).  With ``--host-memory-gib`` the layouts are also planned with their model
+states in host memory (``state_offload`` modes, like shard modes; ``--state-offload`` restricts
+them) and the host peak is printed beside the GPU peak; with one sequence in ``--lengths`` each
+layout's largest trainable length with and without the host tier is reported (``largest_length``,
+``largest_length_without_offload``).  ``--sp`` / ``--shard`` restrict the search; ``--pp`` and
 ``--dp`` are what it chooses and are refused.  ``--emit-plan`` / ``--plot`` write the recommended
 layout's plan / Gantt chart.  Exit status: 0, 2 for input errors, 1 when no layout fits (the
 message names each layout's largest trainable sequence; with ``--json`` the object still prints,
@@ -24,6 +28,9 @@ import sys
 from pathlib import Path
 
 from infinipipe_hf.cli.inputs import (
+    host_budget_bytes,
+    host_flags,
+    host_note,
     length_warnings,
     memory_budget,
     memory_flags,
@@ -33,8 +40,9 @@ from infinipipe_hf.cli.inputs import (
     read_model_spec,
     read_profile,
 )
-from infinipipe_hf.planner.layout_search.result import LayoutSearch, NoLayoutFits, format_search, plan_flags
+from infinipipe_hf.planner.layout_search.result import LayoutSearch, NoLayoutFits, plan_flags
 from infinipipe_hf.planner.layout_search.search import search_layouts
+from infinipipe_hf.planner.layout_search.table import format_search
 from infinipipe_hf.planner.registry import REFERENCE
 
 
@@ -71,6 +79,7 @@ def run_search(args: argparse.Namespace) -> LayoutSearch:
     spec = read_model_spec(args.model)
     lengths = read_lengths(args.lengths)
     budget = args.budget = memory_budget(args)
+    host = args.host_bytes = host_budget_bytes(args)
     args.warnings = length_warnings(spec, lengths)
     profile = read_profile(args.profile) if args.profile else None
     try:
@@ -78,16 +87,18 @@ def run_search(args: argparse.Namespace) -> LayoutSearch:
                                 memory_budget_bytes=budget.budget_bytes, profile=profile,
                                 sp_degrees=None if args.sp is None else (args.sp,),
                                 shards=None if args.shard is None else (args.shard,),
-                                plan_options=plan_options(args), workers=args.search_workers)
+                                plan_options=plan_options(args), workers=args.search_workers, host_budget_bytes=host,
+                                state_offloads=None if args.state_offload is None else (args.state_offload,))
     except NoLayoutFits as exc:
         _add_inputs(args, exc.search)
         exc.search.extra["error"] = str(exc)
         raise
     _add_inputs(args, search)
     best = search.recommended.layout
-    options = plan_option_flags(args)
+    options = " ".join(f for f in (host_flags(args), plan_option_flags(args)) if f)
+    offload = f" --state-offload {best.state_offload}" if best.state_offload.offloaded else ""
     search.extra["plan_command"] = (f"python -m infinipipe_hf.plan --model {args.model} --lengths {args.lengths} "
-                                    f"{plan_flags(best)} --world-size {search.world_size} --gpus-per-node "
+                                    f"{plan_flags(best)}{offload} --world-size {search.world_size} --gpus-per-node "
                                     f"{search.gpus_per_node} {memory_flags(args)} {options + ' ' if options else ''}"
                                     f"--schedule epp")
     return search
@@ -137,4 +148,7 @@ def _print(args: argparse.Namespace, search: LayoutSearch) -> None:
         print(json.dumps(search.to_dict(), indent=1))
     else:
         print(format_search(search))
+        note = host_note(getattr(args, "host_bytes", 0.0))
+        if note:
+            print(note)
         print(f"memory budget planned to: {args.budget.describe()}")

@@ -45,7 +45,7 @@ class Plan:
     shard: str = "none"
     """Model-state sharding the plan was costed with (``none``, ``sp``, ``dp``, ``sp+dp``, ``hybrid``)."""
     checkpoint_levels: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)
-    """stage -> unit id -> finer level -> layers (``{"mlp": n, "mlp_act": n}``), beside the whole
+    """stage -> unit id -> level -> layers (``{"offload": n, "mlp": n}``), beside the whole
     layers of ``checkpoint_layers``; missing entries are 0.  JSON key ``checkpoint_levels``,
     written only when some count is non-zero."""
     sp_groups: dict[int, SubGroup] = field(default_factory=dict)
@@ -54,6 +54,10 @@ class Plan:
     rounds: list[list[int]] = field(default_factory=list)
     """Unit ids that run at the same time on disjoint sub-groups covering the stage's SP ranks;
     empty: every unit is its own round.  JSON key ``rounds``, written when used."""
+    offload_kv: list[int] = field(default_factory=list)
+    """Stages whose KV store (context K/V of continuing sequences, their pending gradients) lives in
+    host memory, copied in layer by layer as slices need it.  JSON key ``offload_kv``, written
+    when used.  Offloaded layer inputs are the ``offload`` level of ``checkpoint_levels``."""
 
     def __post_init__(self) -> None:
         assert len(self.actions) == self.dp_degree, (len(self.actions), self.dp_degree)
@@ -130,6 +134,8 @@ class Plan:
             d["sp_groups"] = {str(u): [g.offset, g.size] for u, g in sorted(self.sp_groups.items())}
         if self.rounds:
             d["rounds"] = [list(r) for r in self.rounds]
+        if self.offload_kv:
+            d["offload_kv"] = sorted(int(s) for s in self.offload_kv)
         return d
 
     def _levels_dict(self) -> dict:
@@ -170,6 +176,7 @@ class Plan:
             },
             sp_groups={int(u): SubGroup(int(g[0]), int(g[1])) for u, g in d.get("sp_groups", {}).items()},
             rounds=[[int(u) for u in r] for r in d.get("rounds", [])],
+            offload_kv=[int(s) for s in d.get("offload_kv", [])],
         )
 
     @staticmethod
@@ -204,8 +211,9 @@ class Plan:
         return "\n".join(lines)
 
     def _ckpt_tag(self, stage_index: int, unit_id: int) -> str:
-        """``(c2)`` for two whole layers, ``(c2+k1+m1+a3)`` with finer levels (``k``: keep_attn), empty for none."""
+        """``(c2)`` for two whole layers, ``(o1+c2+k1+m1+a3)`` with other levels (``o``: offload,
+        ``k``: keep_attn), empty for none."""
         mix = self.checkpoint_mix(stage_index, unit_id)
-        parts = [f"{tag}{n}" for tag, n in (("c", mix.full), ("k", mix.keep_attn), ("m", mix.mlp),
-                                             ("a", mix.mlp_act)) if n]
+        tags = (("o", mix.offload), ("c", mix.full), ("k", mix.keep_attn), ("m", mix.mlp), ("a", mix.mlp_act))
+        parts = [f"{tag}{n}" for tag, n in tags if n]
         return f"({'+'.join(parts)})" if parts else ""

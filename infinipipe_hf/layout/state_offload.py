@@ -12,8 +12,8 @@ states     weights, gradients, AdamW moments     the layers running now, gathere
 ========== ===================================== ==============================================
 
 Like a shard mode this is a layout choice (the layout search picks it); what it costs is the
-cost model's (``planner/cost/host.py``).  Code asks a :class:`StateOffload` what it keeps where,
-never compares its name.
+cost model's (``planner/cost/states.py``, ``planner/cost/state_host.py``).  Code asks a
+:class:`StateOffload` what it keeps where, never compares its name.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ order of ``--schedule all`` within each kind.
 """
 from __future__ import annotations
 
+from infinipipe_hf.planner.alternatives.alst import ALSTSchedule
 from infinipipe_hf.planner.alternatives.flexsp import FlexSPSchedule
 from infinipipe_hf.planner.alternatives.ring_cp import RingCPSchedule
 from infinipipe_hf.planner.alternatives.ring_cp_packed import PackedRingCPSchedule
@@ -26,6 +27,7 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     RingCPSchedule(),
     PackedRingCPSchedule(),
     FlexSPSchedule(),
+    ALSTSchedule(),
 )}
 PIPELINE_SCHEDULES = tuple(name for name, s in SCHEDULES.items() if s.kind == PIPELINE)
 """Schedules the runtime runs: a ``Plan`` of per-stage action lists."""

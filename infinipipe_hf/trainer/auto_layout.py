@@ -11,7 +11,10 @@ table.  The choice is the layout with the most tokens per second over its batche
 / total step time) among those that fit every one of them.
 
 ``sp_degree`` and ``shard`` are searched when ``"auto"`` or left at their defaults (1,
-``"none"``); another value restricts the search to it.  Rank 0 searches and broadcasts the choice
+``"none"``); another value restricts the search to it.  ``state_offload`` likewise: with a host
+budget (``host_memory_gib``, by default the machine's share) the search also plans layouts with
+model states in host memory unless ``state_offload`` names one mode, and plans every layout with
+the host budget the engine will plan with.  Rank 0 searches and broadcasts the choice
 (or its error), so every rank builds the same layout even when a solver stops on its wall-clock
 limit, and an error is raised on every rank alike.
 """
@@ -67,6 +70,14 @@ def search_restrictions(args) -> tuple[tuple[int, ...] | None, tuple[str, ...] |
     return sp, shards
 
 
+def host_tier(args) -> tuple[float, tuple[str, ...] | None]:
+    """``(host budget bytes, state-offload modes)`` of the search: the engine's host budget, and
+    every mode unless ``state_offload`` names an offloading one."""
+    host = InfiniPipeConfig(**placeholder_kwargs(args)).host_budget_bytes()
+    mode = getattr(args, "state_offload", "none")
+    return host, None if mode in (None, "none") else (mode,)
+
+
 def first_batch_lengths(loader, count: int = SEARCH_BATCHES) -> list[list[int]]:
     """Sequence lengths of the first ``count`` global batches ``loader`` yields."""
     out = []
@@ -85,13 +96,15 @@ def choose(batches, spec, args, world_size: int, gpus_per_node: int | None, memo
     must fit every batch of its DP degree; the pick has the most tokens per second over them.
     ``ValueError`` (the search's message) when no layout can run or none fits."""
     from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
-    from infinipipe_hf.planner.layout_search.result import NoLayoutFits, format_search
+    from infinipipe_hf.planner.layout_search.result import NoLayoutFits
     from infinipipe_hf.planner.layout_search.search import enumerate_layouts, rank_key, search_layouts
+    from infinipipe_hf.planner.layout_search.table import format_search
 
     batches_for = batches if callable(batches) else (lambda dp: batches)
     profile = HardwareProfile.load(args.profile) if args.profile is not None else default_profile()
     gpn = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     sp_degrees, shards = search_restrictions(args)
+    host, offloads = host_tier(args)
     dps = sorted({lay.dp_degree for lay in enumerate_layouts(spec, world_size, gpn, sp_degrees=sp_degrees,
                                                              shards=shards)})
     options = {"max_tokens_per_unit": args.max_tokens_per_unit, "num_slices": args.num_slices,
@@ -106,7 +119,8 @@ def choose(batches, spec, args, world_size: int, gpus_per_node: int | None, memo
                 search = search_layouts(lengths, spec, world_size=world_size, gpus_per_node=gpn,
                                         memory_budget_bytes=memory_budget_bytes, profile=profile,
                                         sp_degrees=sp_degrees, shards=shards, alternatives=False,
-                                        plan_options=options, dp_degrees=(dp,))
+                                        plan_options=options, dp_degrees=(dp,), host_budget_bytes=host,
+                                        state_offloads=offloads, longest=False)
             except NoLayoutFits as exc:
                 search, no_fit = exc.search, no_fit or exc
             search.settings["tokens_per_step"] = args.tokens_per_step  # the run's, not this batch's count
@@ -190,4 +204,6 @@ def placeholder_kwargs(args) -> dict:
               shard="none" if kw["shard"] == AUTO else kw["shard"])
     if kw["sp_degree"] == 1 and kw["sp_rounds"]:
         kw["sp_rounds"] = None
+    if kw.get("state_offload") == "states" and kw["shard"] == "none":
+        kw["state_offload"] = "optimizer"  # the placeholder is unsharded; the search keeps 'states' sharded
     return kw

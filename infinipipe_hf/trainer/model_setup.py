@@ -23,6 +23,7 @@ from infinipipe_hf.layout import NO_SHARDING, ParallelDims, ShardMode
 from infinipipe_hf.runtime.engine.engine import PipelineEngine
 from infinipipe_hf.trainer import notices
 from infinipipe_hf.trainer.auto_layout import is_auto
+from infinipipe_hf.trainer.batches.fit_check import warn_if_too_long
 
 # Dense bf16 peak TFLOP/s per device, for the MFU estimate when peak_tflops is not given.
 _PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
@@ -86,7 +87,10 @@ def preflight(model, args) -> ParallelDims | None:
                          f"AutoModelForCausalLM model (Llama, Mistral, Qwen2, Qwen3) or a PeftModel of one")
     if is_auto(args):
         return None
-    return build_dims(args.to_infinipipe_config(), ModelSpec.from_hf_config(base.config), launched_world_size(), None)
+    spec = ModelSpec.from_hf_config(base.config)
+    dims = build_dims(args.to_infinipipe_config(), spec, launched_world_size(), None)
+    warn_if_too_long(args, spec, dims)  # the longest sequence a batch may hold against this layout
+    return dims
 
 
 def build_engine(model, args, planner=None, dims: ParallelDims | None = None) -> PipelineEngine:

@@ -28,6 +28,7 @@ import torch
 import transformers
 from transformers import Trainer
 
+from infinipipe_hf.runtime.offload.host_optimizer import offload_optimizer
 from infinipipe_hf.runtime.parallel.failures import reporting_failures
 from infinipipe_hf.trainer import notices
 from infinipipe_hf.trainer.arguments import EPPTrainingArguments
@@ -162,7 +163,9 @@ class EPPTrainer(Trainer):
         return self.engine.stage
 
     def create_optimizer(self, model=None):
-        return super().create_optimizer(self.engine.stage.hf_model)
+        optimizer = super().create_optimizer(self.engine.stage.hf_model)
+        self.optimizer = offload_optimizer(optimizer, self.engine.layout.dims, self.engine.host_tier)
+        return self.optimizer
 
     # --- data --------------------------------------------------------------------------------
     def _global_loader(self, dataset, shuffle: bool, what: str, dp_degree: int | None = None):

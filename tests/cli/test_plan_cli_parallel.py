@@ -5,7 +5,9 @@ import pytest
 
 from infinipipe_hf.cli.plan import main
 from infinipipe_hf.models.model_configs import config_path
-from infinipipe_hf.planner.registry import ALTERNATIVES
+from infinipipe_hf.planner.layout_search.host_tier import planned_alternatives
+
+ALTERNATIVES = planned_alternatives(0.0)  # without a host tier: alst needs one
 
 LENGTHS = [30000, 8000, 2000, 1500, 900, 600, 300, 200, 100, 50] * 2
 MODEL = str(config_path("llama2-7b"))

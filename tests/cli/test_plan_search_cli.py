@@ -5,7 +5,9 @@ import json
 import pytest
 
 from infinipipe_hf.cli.plan import main
-from infinipipe_hf.planner.registry import ALTERNATIVES
+from infinipipe_hf.planner.layout_search.host_tier import planned_alternatives
+
+ALTERNATIVES = planned_alternatives(0.0)  # without a host tier: alst needs one
 
 TINY = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 65536}

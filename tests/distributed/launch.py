@@ -126,6 +126,8 @@ SUITES = {
     "invalid_plans": (2, "invalid_plans.py", [], 240),
     "trainer_pp2": (2, "trainer_cases.py", ["pp2", "{refs}", "{out}", "default"], 200),
     "trainer_auto": (2, "trainer_auto.py", ["{refs}", "{out}"], 360),
+    "offload_pp2": (2, "offload_exact.py", ["pp2", "{out}"], 200),
+    "offload_sp2": (2, "offload_exact.py", ["sp2", "{out}"], 200),
     "exact_world4": (4, "exact_grads.py", ["world4"], 600),
     "sp_exact_world4": (4, "sp_exact.py", ["world4"], 600),
     "rounds_world4": (4, "sp_rounds.py", [], 600),

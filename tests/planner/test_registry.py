@@ -9,7 +9,7 @@ from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineSchedule
 
 def test_names_kinds_and_order():
     assert PIPELINE_SCHEDULES == ("epp", "packed-1f1b", "seq1f1b", "gpipe")
-    assert ALTERNATIVES == ("ulysses-zero3", "ring-cp", "ring-cp-packed", "flexsp")
+    assert ALTERNATIVES == ("ulysses-zero3", "ring-cp", "ring-cp-packed", "flexsp", "alst")
     assert list(SCHEDULES) == [*PIPELINE_SCHEDULES, *ALTERNATIVES]
     assert all(SCHEDULES[n].kind == PIPELINE for n in PIPELINE_SCHEDULES)
     assert all(SCHEDULES[n].kind == ROUNDS for n in ALTERNATIVES)
@@ -21,7 +21,7 @@ def test_get_schedule_errors_name_the_choices():
     assert get_schedule("flexsp").name == "flexsp"
     with pytest.raises(ValueError, match="schedule='flexsp' is not known; use one of epp, packed-1f1b, seq1f1b, gpipe$"):
         get_schedule("flexsp", PIPELINE)
-    with pytest.raises(ValueError, match="schedule='zb' is not known; use one of epp, .*, flexsp$"):
+    with pytest.raises(ValueError, match="schedule='zb' is not known; use one of epp, .*, flexsp, alst$"):
         get_schedule("zb")
     with pytest.raises(ValueError, match="schedule='ring-cp' is not known"):
         InfiniPipeConfig(schedule="ring-cp")

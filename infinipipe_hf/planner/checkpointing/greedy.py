@@ -88,7 +88,7 @@ def _raise_chained(prob, a_rows, a_cols, x, over, cost_s) -> bool:
             top = np.where(joined, safe, top)
         above = parent[top]
         limit = np.where(above >= 0, x[np.maximum(above, 0)], prob.var_ub[top])
-        room = limit - x[cols]
+        room = np.minimum(limit, prob.var_ub[cols]) - x[cols]  # a variable's own bound may be lower (capped)
         usable = (room > 0) & (gain > 0)
         dense[cols] = 0.0
         if not usable.any():

@@ -2,9 +2,10 @@
 
 Both take a :class:`~.problem.ReplicaProblem`'s covering rows ``rows @ y >= need`` (rows in GiB,
 costs in milliseconds, which keeps HiGHS well scaled) and the chain rows ``y_v <= y_parent(v)``
-of the finer levels.  Rounding the relaxation up keeps every row covered (non-negative
-coefficients); closing the chains only raises variables; the greedy then prunes what the
-rounding over-bought.
+of the finer levels, and with a host tier the host rows (packing: ``<= cap``, which rounding up
+may break; the solver repairs, :func:`.host_rows.fit_host`).  Rounding the relaxation up keeps
+every covering row covered (non-negative coefficients); closing the chains only raises
+variables; the greedy then prunes what the rounding over-bought.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
+from infinipipe_hf.planner.checkpointing.host_rows import host_var_rows
 from infinipipe_hf.planner.checkpointing.problem import ReplicaProblem
 from infinipipe_hf.planner.cost.model import GIB
 
@@ -51,6 +53,9 @@ def run_milp(prob: ReplicaProblem, time_limit_s: float, gap: float):
     if prob.chained:
         chain = _chain_rows(prob)
         constraints.append(LinearConstraint(chain, np.full(chain.shape[0], -np.inf), np.zeros(chain.shape[0])))
+    if prob.host is not None and len(prob.host.cap):
+        cap = np.maximum(prob.host.cap - _MILP_MARGIN_BYTES, np.minimum(prob.host.cap, 0.0)) / GIB
+        constraints.append(LinearConstraint(host_var_rows(prob) / GIB, np.full(len(cap), -np.inf), cap))
     return milp(c=prob.var_cost_s * 1e3, integrality=np.ones(prob.num_vars),
                 bounds=Bounds(np.zeros(prob.num_vars), prob.var_ub.astype(float)),
                 constraints=constraints,
@@ -87,6 +92,9 @@ def lp_rounding(prob: ReplicaProblem, time_limit_s: float) -> tuple[np.ndarray |
         keep = np.diff(chain.tocsr().indptr) > 0
         a_ub = sparse.vstack([a_ub, chain[keep]])
         b_ub = np.r_[b_ub, np.zeros(int(keep.sum()))]
+    if prob.host is not None and len(prob.host.cap):
+        a_ub = sparse.vstack([a_ub, host_var_rows(prob)[:, used] / GIB])
+        b_ub = np.r_[b_ub, prob.host.cap / GIB]
     # Interior point (with HiGHS' crossover to a vertex) is the fastest LP on these covering problems.
     res = linprog(prob.var_cost_s[used] * 1e3, A_ub=a_ub.tocsr(), b_ub=b_ub,
                   bounds=np.column_stack([np.zeros(len(used)), prob.var_ub[used]]), method="highs-ipm",

@@ -20,7 +20,9 @@ rank_views.rank_view`); each unit's bytes come from the cost of the sub-group it
 
 KV store: a segment whose sequence continues holds ``cost.acts.kv_bytes(stage, length)`` from its
 forward on the stage until the backward of the unit holding the sequence's first slice
-(``start == 0``) finishes there (backward runs last slice first, so that is the last user).
+(``start == 0``) finishes there (backward runs last slice first, so that is the last user).  On a
+stage in the plan's ``offload_kv`` the store is in host memory (``host_base``) and the device
+keeps ``cost.host.kv_device_share`` of it; offloaded layer inputs are :mod:`.host_peak`'s.
 
 Speed: the planner's hot paths (checkpoint problem, simulator, validator) never build per-point
 live tuples, which cost O(actions x units in flight) per stage.  A :class:`StageTimeline` holds
@@ -98,6 +100,8 @@ class StageTimeline:
     """``regular`` only: action index of each unit's backward."""
     slot_costs: dict[int, CostModel] = field(default_factory=dict)
     """Per unit slot run on an SP sub-group: that sub-group's cost (:meth:`CostModel.for_group`)."""
+    host_base: np.ndarray | None = None
+    """Per action: host bytes independent of checkpointing (states on the host, an offloaded KV store)."""
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -328,11 +332,14 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
     groups = cache["groups"] if cache is not None else unit_cost_map(plan, cost) if plan.sp_groups else {}
     facts = _unit_facts(plan, cost, stage, units, groups, None if cache is None else cache.setdefault("facts", {}))
     work = np.where(fwd, facts.work_f[slot], facts.work_b[slot])
-    base = cost.acts.static_bytes(stage) + _kv_store(facts, slot, fwd) + work
+    kv, host = _kv_store(facts, slot, fwd), getattr(cost, "host", None)
+    kv_host = stage in plan.offload_kv and host is not None  # the device keeps two layers' share
+    base = cost.acts.static_bytes(stage) + (kv * host.kv_device_share(stage) if kv_host else kv) + work
+    host_base = (kv if kv_host else np.zeros(n)) + (host.state_host_bytes(stage) if host is not None else 0.0)
     if phase_model(cost) is not None and n:
         ranks = np.array([plan.sub_group(u).size for u in units.tolist()])[slot] if groups else None
         base = base + cost.working.pipeline_buffers(stage, fwd, facts.tokens[slot], ranks)
     regular, fpos, bpos = _live_intervals(len(units), slot, fwd)
     slot_costs = {k: groups[u] for k, u in enumerate(units.tolist()) if u in groups}
     return StageTimeline(actions, units, facts.tokens, slot, fwd, base, regular, facts.context_bytes,
-                         facts.segments, fpos, bpos, slot_costs)
+                         facts.segments, fpos, bpos, slot_costs, host_base)

@@ -40,6 +40,9 @@ class MemoryPoint:
     """The unit of the action at this point (its working memory is part of ``base_bytes``)."""
     forward: bool = True
     """Whether that action is a forward."""
+    host_bytes: float = 0.0
+    """Host bytes independent of checkpointing (states on the host, an offloaded KV store); the live
+    units' offloaded inputs come on top (:mod:`.host_peak`)."""
 
 
 def memory_points(plan: Plan, cost: CostModel, dp_rank: int, stage: int, cache: dict | None = None) -> list[MemoryPoint]:
@@ -53,16 +56,17 @@ def timeline_points(tl: StageTimeline) -> list[MemoryPoint]:
     units = tl.units.tolist()
     live: dict[int, None] = {}  # insertion-ordered set: forwards arrive in time order
     points: list[MemoryPoint] = []
+    host = tl.host_base.tolist() if tl.host_base is not None else [0.0] * len(tl.actions)
     for i, (k, fw, base) in enumerate(zip(tl.slot.tolist(), tl.forward.tolist(), tl.base.tolist())):
         u = units[k]
         if fw:
             live[u] = None
-            points.append(MemoryPoint(i, base, tuple(live), u, True))
+            points.append(MemoryPoint(i, base, tuple(live), u, True, host[i]))
         else:
             # A backward without its forward is the validator's to report; count the unit live
             # while it runs so the point is still conservative.
             live.setdefault(u, None)
-            points.append(MemoryPoint(i, base, tuple(live), u, False))
+            points.append(MemoryPoint(i, base, tuple(live), u, False, host[i]))
             del live[u]
     return points
 

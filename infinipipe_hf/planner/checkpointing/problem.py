@@ -6,8 +6,9 @@ point of a stage's timeline (:mod:`.points`) is one row ``sum slope * c >= need`
 ``need = point bytes with nothing checkpointed - budget``.
 
 Finer levels inside a layer (:mod:`infinipipe_hf.ir.levels`) give a cell one *column* per level
-holding cumulative counts ``y_full <= y_keep_attn <= y_mlp <= y_mlp_act <= layers``; a row's coefficient of
-``y_l`` is what level ``l`` saves beyond the next finer one, positive, so the rows stay covering
+holding cumulative counts ``y_full <= y_keep_attn <= y_mlp <= y_mlp_act <= layers`` (a host tier puts
+``y_offload <= y_full`` first, bound by host rows: :mod:`.host_rows`); a row's coefficient of ``y_l``
+is what level ``l`` saves beyond the next finer one, positive, so the rows stay covering
 constraints (raising any count never breaks one) and rounding an LP answer up keeps it feasible
 once each chain is closed upwards.  The chains are the only other constraints.
 
@@ -28,7 +29,7 @@ units of a round share their variables -- and every distinct SP rank gets the ro
 units (:mod:`.sp_round_cells`).
 
 Only points that can bind are kept: a point whose live set is contained in another's and whose
-base bytes are not larger is dominated for every choice of counts (:mod:`.dominance`).
+base bytes (device or host) are not larger is dominated for every choice of counts (:mod:`.dominance`).
 """
 from __future__ import annotations
 
@@ -39,10 +40,11 @@ import numpy as np
 from scipy import sparse
 
 from infinipipe_hf.ir.actions import Action
-from infinipipe_hf.ir.levels import FULL, check_levels
+from infinipipe_hf.ir.levels import FULL, OFFLOAD, check_levels
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import rank_classes, rank_view
 from infinipipe_hf.planner.checkpointing.dominance import undominated
+from infinipipe_hf.planner.checkpointing.host_rows import HostRows, build_host_rows
 from infinipipe_hf.planner.checkpointing.live_windows import live_windows
 from infinipipe_hf.planner.checkpointing.points import MemoryPoint, memory_points
 from infinipipe_hf.planner.checkpointing.sp_round_cells import RoundCells, slowest_member_pays
@@ -64,7 +66,7 @@ class ReplicaProblem:
     """
 
     dp_rank: int
-    levels: tuple[str, ...]  # the levels of a cell's columns, heaviest first ("full" always first)
+    levels: tuple[str, ...]  # the levels of a cell's columns, heaviest first (offload, if any, then full)
     cell_stage: np.ndarray  # int, per cell
     cell_unit: np.ndarray  # int, per cell
     cell_layers: np.ndarray  # layers of the cell's stage (upper bound of its counts)
@@ -85,6 +87,7 @@ class ReplicaProblem:
     stage_points: dict[int, list[MemoryPoint]]  # every point of every stage, for verification
     view_points: dict[int, list[tuple[Plan, list[MemoryPoint]]]] = field(default_factory=dict)
     """SP rounds: per stage, every rank view with its points (``stage_points`` is then empty)."""
+    host: HostRows | None = None  # with a host tier: packing rows ``host.matrix @ columns <= host.cap``
 
     @property
     def num_vars(self) -> int:
@@ -142,10 +145,11 @@ class ReplicaProblem:
                 col_cost_s=self.col_cost_s[cols], var_ub=self.var_ub[vars_], var_cost_s=self.var_cost_s[vars_],
                 var_parent=np.where(parent >= 0, var_new[np.maximum(parent, 0)], -1),
                 rows=self.rows[rows][:, cols].tocsr(), need=self.need[rows], row_stage=self.row_stage[rows],
-                row_action=[self.row_action[i] for i in rows.tolist()],
-                row_action_index=self.row_action_index[rows], budget=self.budget,
-                stage_points={stage: self.stage_points.get(stage, [])},
-                view_points={stage: self.view_points.get(stage, [])}), vars_))
+                row_action=[self.row_action[i] for i in rows.tolist()], row_action_index=self.row_action_index[rows],
+                budget=self.budget, stage_points={stage: self.stage_points.get(stage, [])},
+                view_points={stage: self.view_points.get(stage, [])},
+                host=None if self.host is None else self.host.block(np.flatnonzero(self.host.stage == stage), cols)),
+                vars_))
         return blocks
 
     def counts_per_level(self, columns: np.ndarray) -> np.ndarray:
@@ -155,7 +159,6 @@ class ReplicaProblem:
         out = y.copy()
         out[:, 1:] -= y[:, :-1]
         return out
-
 
 
 @dataclass
@@ -174,6 +177,8 @@ class _Cells:
     """Seconds one layer at each level costs to redo."""
     zero_act: list[float] = field(default_factory=list)
     """Activation bytes with nothing checkpointed."""
+    host: list[float] = field(default_factory=list)
+    """Host bytes one offloaded layer keeps (0 without a host tier)."""
 
 
 @dataclass
@@ -185,16 +190,18 @@ class _Rows:
     base_chunks: list[np.ndarray] = field(default_factory=list)
     stage_chunks: list[np.ndarray] = field(default_factory=list)
     index_chunks: list[np.ndarray] = field(default_factory=list)
+    host_chunks: list[np.ndarray] = field(default_factory=list)
     action: list[Action] = field(default_factory=list)
     count: int = 0
 
 
-def _add_cells(plan: Plan, base_cost: CostModel, dp_rank: int, p: int, finer: tuple[str, ...], sharing: str,
+def _add_cells(plan: Plan, base_cost: CostModel, dp_rank: int, p: int, levels: tuple[str, ...], sharing: str,
                cells: _Cells, unit_facts: dict[int, tuple], cell_here: dict[int, int],
                rounds: RoundCells) -> dict[int, int]:
     """Append the cells of stage ``p`` not in ``cell_here`` yet (unit id -> cell index there,
     updated and returned).  ``unit_facts`` caches each unit's segments, shape and one layer's
-    recompute seconds across stages; ``rounds`` gives the units of one round one variable."""
+    recompute seconds across stages; ``rounds`` gives the units of one round one variable;
+    ``levels``: a cell's column levels, heaviest first."""
     actions = plan.stage_actions(dp_rank, p)
     pp = plan.pp_degree
     layers = base_cost.num_layers(p)
@@ -206,7 +213,7 @@ def _add_cells(plan: Plan, base_cost: CostModel, dp_rank: int, p: int, finer: tu
         if uid in cell_here:
             continue
         cost = rounds.costs.get(uid, base_cost)
-        lc = cost.levels if finer else None
+        lc = cost.levels if len(levels) > 1 else None
         if uid not in unit_facts:
             unit = plan.unit_by_id[uid]
             shape = UnitShape.of(unit.segments)
@@ -225,9 +232,10 @@ def _add_cells(plan: Plan, base_cost: CostModel, dp_rank: int, p: int, finer: tu
             cells.key.append(("d", k + (pp - 1 - p), layers) if k is not None else ("orphan", p, uid))
         a0 = cost.acts.unit_activation_bytes(p, segments, 0)
         cells.zero_act.append(a0)
-        cells.saves.append([a0 - cost.acts.unit_activation_bytes(p, segments, 1)]
-                           + [lc.layer_saved_bytes(lv, p, segments) for lv in finer])
-        cells.redos.append([layer_s] + [lc.layer_recompute_s(lv, shape) for lv in finer])
+        full_save = a0 - cost.acts.unit_activation_bytes(p, segments, 1)
+        cells.saves.append([full_save if lv == FULL else lc.layer_saved_bytes(lv, p, segments) for lv in levels])
+        cells.redos.append([layer_s if lv == FULL else lc.layer_recompute_s(lv, shape) for lv in levels])
+        cells.host.append(cost.host.layer_offload_bytes(p, segments) if OFFLOAD in levels else 0.0)
     return cell_here
 
 
@@ -236,13 +244,18 @@ def _add_rows(points: list[MemoryPoint], actions: list[Action], p: int, cell_her
     """Append stage ``p``'s undominated points as rows over the cells live there."""
     firsts, lasts = live_windows(points, actions)
     base = np.array([pt.base_bytes for pt in points])
-    kept = np.flatnonzero(undominated(base, np.array(firsts), np.array(lasts)))
+    host = np.array([pt.host_bytes for pt in points])
+    kept_mask = undominated(base, np.array(firsts), np.array(lasts))
+    if len(host) and host.max() > host.min():  # a moving host base: keep its binding points too
+        kept_mask |= undominated(host, np.array(firsts), np.array(lasts))
+    kept = np.flatnonzero(kept_mask)
     lives = [points[i].live_units for i in kept]
     counts = np.fromiter(map(len, lives), dtype=np.int64, count=len(lives))
     rows.cell_chunks.append(np.fromiter((cell_here[u] for live in lives for u in live), dtype=np.int64,
                                         count=int(counts.sum())))
     rows.row_chunks.append(np.repeat(np.arange(rows.count, rows.count + len(kept)), counts))
     rows.base_chunks.append(base[kept])
+    rows.host_chunks.append(host[kept])
     rows.stage_chunks.append(np.full(len(kept), p, dtype=np.int64))
     rows.index_chunks.append(np.array([points[i].action_index for i in kept], dtype=np.int64))
     rows.action.extend(actions[points[i].action_index] for i in kept)
@@ -254,14 +267,15 @@ def _cat(chunks: list[np.ndarray], dtype) -> np.ndarray:
 
 
 def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence[str] = (),
-                  sharing: str = "diagonal") -> ReplicaProblem:
-    """The replica's problem; ``levels``: finer levels allowed beside whole layers (in any order);
-    ``sharing``: ``diagonal`` (one variable per backward diagonal and layer count, paper Alg. 2)
-    or ``cell`` (one per cell)."""
+                  sharing: str = "diagonal", offload: bool | None = None) -> ReplicaProblem:
+    """The replica's problem; ``levels``: finer levels allowed beside whole layers (any order); ``offload``:
+    whether ``offload`` heads each chain (None: when the host tier is on); ``sharing``: ``diagonal``
+    (a variable per backward diagonal and layer count, paper Alg. 2) or ``cell`` (one per cell)."""
     if sharing not in SHARING:
         raise ValueError(f"sharing={sharing!r} is not known; use one of {', '.join(SHARING)}")
     finer = check_levels(levels)
-    all_levels = (FULL, *finer)
+    offload = getattr(cost, "host_budget_bytes", 0.0) > 0 if offload is None else offload  # the host tier's level
+    all_levels = ((OFFLOAD,) if offload else ()) + (FULL, *finer)
     nl = len(all_levels)
     budget = cost.memory_budget_bytes
     cells, rows = _Cells(), _Rows()
@@ -275,7 +289,7 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
         cell_here: dict[int, int] = {}
         cache: dict | None = {} if rounds.first else None
         for view in views:
-            _add_cells(view, cost, dp_rank, p, finer, sharing, cells, unit_facts, cell_here, rounds)
+            _add_cells(view, cost, dp_rank, p, all_levels, sharing, cells, unit_facts, cell_here, rounds)
             points = memory_points(view, cost, dp_rank, p, cache)
             stage_points[p] = points if view is plan else []
             if view is not plan:  # rank views: verified per rank
@@ -297,20 +311,21 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
     var_cost = np.bincount(col_var, weights=col_cost, minlength=len(var_ub)).astype(float)
     r_row, r_cell = _cat(rows.row_chunks, np.int64), _cat(rows.cell_chunks, np.int64)
     zero_arr = np.array(cells.zero_act, dtype=float)
-    need = _cat(rows.base_chunks, float) - budget + np.bincount(r_row, weights=zero_arr[r_cell],
-                                                                 minlength=rows.count)
+    need = _cat(rows.base_chunks, float) - budget + np.bincount(r_row, weights=zero_arr[r_cell], minlength=rows.count)
     # Every live cell contributes all its columns to the row.
     rr = np.repeat(r_row, nl)
     rc = (r_cell[:, None] * nl + np.arange(nl)).reshape(-1)
     matrix = sparse.csr_matrix((col_save.reshape(-1)[rc], (rr, rc)), shape=(rows.count, n_cells * nl))
+    row_stage, row_index = _cat(rows.stage_chunks, np.int64), _cat(rows.index_chunks, np.int64)
+    host = build_host_rows(cost.host_budget_bytes, np.array(cells.host), nl, r_row, r_cell, _cat(rows.host_chunks, float),
+                           row_stage, rows.action, row_index, np.array(cells.layers)) if offload else None
     return ReplicaProblem(
         dp_rank=dp_rank, levels=all_levels, cell_stage=np.array(cells.stage, dtype=np.int64),
         cell_unit=np.array(cells.unit, dtype=np.int64), cell_layers=np.array(cells.layers, dtype=np.int64),
         cell_layer_s=np.array(cells.layer_s, dtype=float), col_cell=col_cell, col_level=col_level,
         col_var=col_var, col_cost_s=col_cost, var_ub=var_ub, var_cost_s=var_cost, var_parent=var_parent,
-        rows=matrix, need=need, row_stage=_cat(rows.stage_chunks, np.int64), row_action=rows.action,
-        row_action_index=_cat(rows.index_chunks, np.int64), budget=budget, stage_points=stage_points,
-        view_points=view_points)
+        rows=matrix, need=need, row_stage=row_stage, row_action=rows.action, row_action_index=row_index,
+        budget=budget, stage_points=stage_points, view_points=view_points, host=host)
 
 
 def _variables(cells: _Cells, col_cell: np.ndarray, col_level: np.ndarray,

@@ -19,6 +19,10 @@ recompute seconds, per independent block (a stage, with per-cell counts):
 grouping, where speed matters more than the last percent.  ``none``, ``full`` and ``uniform``
 are the static whole-layer settings baselines use.
 
+With a host tier (``cost.host_budget_bytes > 0``) the adaptive and greedy policies may also
+offload (:mod:`.host_rows`: every answer is repaired to fit the host rows), and a stage whose
+device rows fail even then gets its KV store in host memory (the plan's ``offload_kv``).
+
 Trade-off (docs/algorithms.md): the rounded LP lands within a few percent of the LP
 bound, so the LP always runs (up to ``lp.LP_TIME_LIMIT_S``) and ``time_limit_s`` bounds only the
 branch and bound: a short limit trades a little recompute for planning speed.  The formulation
@@ -33,14 +37,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from infinipipe_hf.ir.levels import CheckpointMix, check_levels
+from infinipipe_hf.ir.levels import FULL, OFFLOAD, CheckpointMix, check_levels
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import has_sub_groups
 from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
+from infinipipe_hf.planner.checkpointing.host_peak import stage_host_peak_bytes
+from infinipipe_hf.planner.checkpointing.host_rows import HOST_SLACK_BYTES, fit_host, kv_offload_stages
 from infinipipe_hf.planner.checkpointing.lp import LP_TIME_LIMIT_S, lp_rounding, milp_counts
 from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
 from infinipipe_hf.planner.checkpointing.problem import SHARING, ReplicaProblem, build_problem
 from infinipipe_hf.planner.checkpointing.sp_round_cells import round_recompute_seconds
+from infinipipe_hf.planner.checkpointing.static_policies import static_cells
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 
@@ -61,11 +68,22 @@ class CheckpointSolution:
     message: str = ""
     checkpoint_levels: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)
     """stage -> unit id -> finer level -> layers, non-zero entries only (the plan's key)."""
+    offload_kv: list[int] = field(default_factory=list)
+    """Stages whose KV store the answer keeps in host memory (also set on the plan solved)."""
 
+
+
+def _device_fits(prob: ReplicaProblem, columns: np.ndarray) -> bool:
+    return len(prob.need) == 0 or bool((prob.overshoot(columns) <= _SLACK_BYTES).all())
 
 
 def _fits(prob: ReplicaProblem, columns: np.ndarray) -> bool:
-    return len(prob.need) == 0 or bool((prob.overshoot(columns) <= _SLACK_BYTES).all())
+    return _device_fits(prob, columns) and (prob.host is None or prob.host.fits(columns))
+
+
+def _heaviest(prob: ReplicaProblem) -> str:
+    offload = prob.levels[0] == OFFLOAD
+    return "every layer checkpointed" + (" and its input in host memory" if offload else "")
 
 
 def _infeasible_message(prob: ReplicaProblem, columns: np.ndarray, what: str) -> str:
@@ -75,25 +93,35 @@ def _infeasible_message(prob: ReplicaProblem, columns: np.ndarray, what: str) ->
     return (f"dp replica {prob.dp_rank}, stage {int(prob.row_stage[i])} does not fit with {what}: at action "
             f"{prob.row_action[i]} (index {int(prob.row_action_index[i])}) it needs {needed / GIB:.2f} GiB "
             f"({needed:.0f} bytes) but the budget is {prob.budget / GIB:.2f} GiB ({prob.budget:.0f} bytes); "
-            f"use more pipeline stages, smaller units (more slices per long sequence) or a larger memory budget")
+            f"use more pipeline stages, smaller units (more slices per long sequence) or a larger memory budget"
+            + ("" if prob.host is not None else
+               ", or give a host memory budget (--host-memory-gib, host_memory_gib) to offload layer inputs"))
 
 
 def _adaptive(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np.ndarray, bool, str, str]:
     """Variable values, feasible, method, message for one replica."""
     zeros = np.zeros(prob.num_vars, dtype=np.int64)
+    stop = _unfit(prob)
+    if stop is not None:
+        return stop
     if not (prob.need > 0).any():
         return zeros, True, "none-needed", ""
-    if not _fits(prob, prob.columns_from_vars(prob.var_ub)):
-        return prob.var_ub.copy(), False, "infeasible", _infeasible_message(
-            prob, prob.columns_from_vars(prob.var_ub), "every layer checkpointed")
     deadline = time.perf_counter() + time_limit_s
     rounded, bound = lp_rounding(prob, max(time_limit_s, LP_TIME_LIMIT_S))
+    rounded = fit_host(prob, rounded, greedy_counts)
     candidates = [] if rounded is None else [("lp-rounding", rounded)]
     if rounded is None or not prob.chained:
         # The plain greedy is vectorised and cheap; the chained one (finer levels) moves one
         # variable per Python iteration and the LP rounding does better, so with levels it is
         # the fallback only.
-        candidates.append(("greedy", greedy_counts(prob)))
+        greedy = fit_host(prob, greedy_counts(prob), greedy_counts)
+        candidates += [] if greedy is None else [("greedy", greedy)]
+    if not candidates:  # the host rows defeated the repairs: only the MILP can still find a mix
+        x, note = milp_counts(prob, max(deadline - time.perf_counter(), LP_TIME_LIMIT_S), gap)
+        if x is not None and _fits(prob, prob.columns_from_vars(x)):
+            return x, True, "milp", note
+        return prob.var_ub.copy(), False, "infeasible", prob.host.message(prob.columns_from_vars(prob.var_ub),
+                                                                           prob.dp_rank)
     name, best = min(candidates, key=lambda c: float(c[1] @ prob.var_cost_s))
     best_s = float(best @ prob.var_cost_s)
     assert best is not None and _fits(prob, prob.columns_from_vars(best))
@@ -104,13 +132,24 @@ def _adaptive(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np
     x, note = milp_counts(prob, deadline - time.perf_counter(), gap)
     if x is not None and not _fits(prob, prob.columns_from_vars(x)):
         # Solver tolerance left a point over budget: repair from its answer.
-        x = greedy_counts(prob, x)
+        x = fit_host(prob, greedy_counts(prob, x), greedy_counts)
         note = (note + "; " if note else "") + "repaired after rounding"
     if x is not None and float(x @ prob.var_cost_s) <= best_s:
         return x, True, "milp", note
     why = "no solver solution" if x is None else "better than the solver's incumbent"
     note = (note + "; " if note else "") + f"{name} solution used ({why})"
     return best, True, name, note
+
+
+def _unfit(prob: ReplicaProblem):
+    """The infeasible answer of a replica that cannot fit at all (device rows with every layer at
+    the heaviest level, host rows with nothing offloaded), else None."""
+    top = prob.columns_from_vars(prob.var_ub)
+    if not _device_fits(prob, top):
+        return prob.var_ub.copy(), False, "infeasible", _infeasible_message(prob, top, _heaviest(prob))
+    if prob.host is not None and not prob.host.fits(np.zeros_like(top)):
+        return prob.var_ub.copy(), False, "infeasible", prob.host.message(np.zeros_like(top), prob.dp_rank)
+    return None
 
 
 def _adaptive_blocks(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np.ndarray, bool, str, str]:
@@ -120,46 +159,37 @@ def _adaptive_blocks(prob: ReplicaProblem, time_limit_s: float, gap: float) -> t
         return _adaptive(prob, time_limit_s, gap)
     deadline = time.perf_counter() + time_limit_s
     x = np.zeros(prob.num_vars, dtype=np.int64)
-    methods, notes, feasible = [], [], True
+    methods, notes, failed = [], [], []
     sizes = np.array([max(b.num_vars, 1) for b, _ in blocks], dtype=float)
     for i, (block, index) in enumerate(blocks):
         left = max(deadline - time.perf_counter(), 1e-3) * sizes[i] / sizes[i:].sum()
         xb, ok, method, note = _adaptive(block, left, gap)
         x[index] = xb
-        feasible &= ok
         methods.append(method)
-        if note:
+        if not ok:
+            failed.append(note)
+        elif note:
             notes.append(f"stage {int(block.cell_stage[0])}: {note}")
-    if not feasible:
-        return prob.var_ub.copy(), False, "infeasible", _infeasible_message(
-            prob, prob.columns_from_vars(prob.var_ub), "every layer checkpointed")
+    if failed:
+        return prob.var_ub.copy(), False, "infeasible", "; ".join(failed)
     method = next((m for m in ("greedy", "lp-rounding", "milp") if m in methods), "none-needed")
     return x, True, method, "; ".join(notes)
 
 
 def _greedy_only(prob: ReplicaProblem) -> tuple[np.ndarray, bool, str, str]:
+    stop = _unfit(prob)
+    if stop is not None:
+        return stop
     if not (prob.need > 0).any():
         return np.zeros(prob.num_vars, dtype=np.int64), True, "none-needed", ""
-    x = greedy_counts(prob)
-    if x is None:
-        return prob.var_ub.copy(), False, "infeasible", _infeasible_message(
-            prob, prob.columns_from_vars(prob.var_ub), "every layer checkpointed")
+    x = fit_host(prob, greedy_counts(prob), greedy_counts)
+    if x is None:  # the repair is a heuristic: the MILP may still find a mix within both budgets
+        x, _ = milp_counts(prob, LP_TIME_LIMIT_S, 0.05)
+        if x is not None and _fits(prob, prob.columns_from_vars(x)):
+            return x, True, "milp", "greedy could not fit the host rows"
+        top = prob.columns_from_vars(prob.var_ub)
+        return prob.var_ub.copy(), False, "infeasible", prob.host.message(top, prob.dp_rank)
     return x, True, "greedy", ""
-
-
-def _least_uniform(prob: ReplicaProblem) -> int | None:
-    """Least single count that fits this replica (monotone: more checkpointing, less memory)."""
-    top = int(prob.cell_layers.max()) if len(prob.cell_layers) else 0
-    lo, hi = 0, top
-    if not _fits(prob, np.minimum(hi, prob.cell_layers)):
-        return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _fits(prob, np.minimum(mid, prob.cell_layers)):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive", time_limit_s: float = 2.0,
@@ -171,17 +201,26 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
     layers (``keep_attn``, ``mlp``, ``mlp_act``; :mod:`infinipipe_hf.ir.levels`); the static
     policies use whole layers only.  ``sharing``: ``diagonal`` shares counts along backward
     diagonals (paper Alg. 2), ``cell`` gives every (stage, unit) its own (:mod:`.problem`).
+
+    With a host tier the adaptive and greedy policies may offload layer inputs, and when the plan
+    does not fit otherwise they set ``plan.offload_kv`` to the stages whose KV store must go to host
+    memory (the solution's ``offload_kv``; the plan is left as it was when that does not fit either).
     """
     levels = _check_arguments(plan, cost, policy, levels, sharing, time_limit_s, mip_rel_gap)
     deadline = time.perf_counter() + time_limit_s
-    if policy not in ("adaptive", "greedy"):
-        levels = ()  # static settings are whole layers (Megatron / Seq1F1B style)
-    problems = [build_problem(plan, cost, r, levels=levels, sharing=sharing) for r in sorted(plan.actions)]
-    if policy in ("adaptive", "greedy"):
-        cells, feasible, methods, messages = _solved_cells(problems, policy, deadline, mip_rel_gap)
-    else:
-        cells, methods = _static_cells(problems, policy)
-        feasible, messages = _static_fits(problems, cells, policy)
+    adaptive = policy in ("adaptive", "greedy")
+    levels = levels if adaptive else ()  # static settings are whole layers (Megatron / Seq1F1B style)
+    offload = adaptive and getattr(cost, "host_budget_bytes", 0.0) > 0
+    problems, cells, feasible, methods, messages = _solve(plan, cost, policy, levels, sharing, offload, deadline,
+                                                          mip_rel_gap)
+    kv = kv_offload_stages(plan, problems, _SLACK_BYTES) if offload and not feasible and not plan.offload_kv else []
+    if kv:
+        plan.offload_kv = kv
+        second = _solve(plan, cost, policy, levels, sharing, offload, deadline, mip_rel_gap)
+        if second[2]:
+            problems, cells, feasible, methods, messages = second
+        else:
+            plan.offload_kv = []
     checkpoint_layers, checkpoint_levels = _assemble(plan, problems, cells)
     recompute = recompute_seconds(plan, cost, checkpoint_layers, checkpoint_levels)
     if feasible:
@@ -192,7 +231,20 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
     else:
         method = "infeasible"
     return CheckpointSolution(checkpoint_layers, recompute, feasible, method, "; ".join(messages),
-                              checkpoint_levels)
+                              checkpoint_levels, list(plan.offload_kv))
+
+
+def _solve(plan: Plan, cost: CostModel, policy: str, levels: tuple[str, ...], sharing: str, offload: bool,
+           deadline: float, gap: float):
+    """Problems, column values, feasible, methods and messages of ``policy`` on ``plan`` as it is."""
+    problems = [build_problem(plan, cost, r, levels=levels, sharing=sharing, offload=offload)
+                for r in sorted(plan.actions)]
+    if policy in ("adaptive", "greedy"):
+        cells, feasible, methods, messages = _solved_cells(problems, policy, deadline, gap)
+    else:
+        cells, methods = static_cells(problems, policy)
+        feasible, messages = _static_fits(problems, cells, policy)
+    return problems, cells, feasible, methods, messages
 
 
 def _check_arguments(plan: Plan, cost: CostModel, policy: str, levels, sharing: str, time_limit_s: float,
@@ -234,19 +286,6 @@ def _solved_cells(problems: list[ReplicaProblem], policy: str, deadline: float, 
     return cells, feasible, methods, messages
 
 
-def _static_cells(problems: list[ReplicaProblem], policy: str) -> tuple[list[np.ndarray], list[str]]:
-    """Column values and method of the static policies (whole layers: one column per cell)."""
-    if policy == "uniform":
-        least = [_least_uniform(p) for p in problems]
-        if any(c is None for c in least):
-            c = max((int(p.cell_layers.max()) for p in problems if len(p.cell_layers)), default=0)
-        else:
-            c = max(least, default=0)
-        return [np.minimum(c, p.cell_layers) for p in problems], ["uniform"]
-    cells = [p.cell_layers.copy() if policy == "full" else np.zeros_like(p.cell_layers) for p in problems]
-    return cells, ["full" if policy == "full" else "none-needed"]
-
-
 def _static_fits(problems: list[ReplicaProblem], cells: list[np.ndarray], policy: str) -> tuple[bool, list[str]]:
     """Whether a static setting fits every replica, and a message for each that does not."""
     what = {"none": "no checkpointing", "full": "every layer checkpointed",
@@ -265,9 +304,10 @@ def _assemble(plan: Plan, problems: list[ReplicaProblem], columns: list[np.ndarr
     finer: dict[int, dict[int, dict[str, int]]] = {}
     for prob, cc in zip(problems, columns):
         per_level = prob.counts_per_level(cc)
+        full = prob.levels.index(FULL)
         for s, u, row in zip(prob.cell_stage.tolist(), prob.cell_unit.tolist(), per_level.tolist()):
-            out[s][u] = int(row[0])
-            extra = {lv: int(n) for lv, n in zip(prob.levels[1:], row[1:]) if n}
+            out[s][u] = int(row[full])
+            extra = {lv: int(n) for lv, n in zip(prob.levels, row) if n and lv != FULL}
             if extra:
                 finer.setdefault(s, {})[u] = extra
     return out, finer
@@ -298,3 +338,6 @@ def _verify(plan: Plan, cost: CostModel, problems: list[ReplicaProblem], ck: dic
             peak = max(stage_peak_bytes(view, cost, prob.dp_rank, s, ck[s], checkpoint_levels=levels.get(s, {}),
                                         points=pts) for view, pts in views)
             assert peak <= cost.memory_budget_bytes + _SLACK_BYTES, (prob.dp_rank, s, peak, cost.memory_budget_bytes)
+            if prob.host is not None:
+                host = stage_host_peak_bytes(plan, cost, prob.dp_rank, s, levels.get(s, {}))
+                assert host <= cost.host_budget_bytes + HOST_SLACK_BYTES, (prob.dp_rank, s, host, cost.host_budget_bytes)

@@ -96,7 +96,7 @@ class StageActivations:
     def static_bytes(self, stage_index: int) -> float:
         """Model states: weights, gradients and optimizer states of the stage (per GPU: sharded
         ones with FSDP2's unsharded gradients and working copies, see :mod:`states`)."""
-        if self.states.sharded:
+        if self.states.sharded or self.states.offloaded:
             return self.states.peak_static_bytes(stage_index)
         return self.stage_params(stage_index) * self.profile.state_bytes_per_param
 

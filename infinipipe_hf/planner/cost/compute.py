@@ -137,7 +137,7 @@ class StageCompute:
             t += self.embedding_token_s * shape.tokens
         if stage_index == self.pp_degree - 1:
             t += self.head_fwd(0, shape.tokens)
-        if self.states.sharded:
+        if self.states.gathered:
             t = self.states.overlapped(stage_index, t)
         return t
 
@@ -150,7 +150,7 @@ class StageCompute:
         if stage_index == self.pp_degree - 1:
             # The chunked loss recomputes its logits in backward.
             t += self.head_bwd(0, shape.tokens) + self.head_fwd(0, shape.tokens)
-        if self.states.sharded:
+        if self.states.gathered:
             t = self.states.overlapped(stage_index, t, backward=True)
         return t
 
@@ -174,7 +174,7 @@ class StageCompute:
             if stage_index == last:
                 fwd += hf
                 bwd += hb + hf
-            if self.states.sharded:
+            if self.states.gathered:
                 fwd = self.states.overlapped(stage_index, fwd)
                 bwd = self.states.overlapped(stage_index, bwd, backward=True)
             best = max(best, fwd + bwd)

@@ -17,13 +17,15 @@ moves ``5 * intermediate`` elements per token at the profile's ``elementwise_byt
 ``keep_attn`` is ``full`` less the fit's attention-core (pair) term.  Trade-off: a FLOP share is
 exact for GEMM-bound layers and optimistic where small GEMMs run below peak; the attention term
 never enters a level below ``full``, which is what makes them cheap for long slices.  Every level
-costs at most the next heavier one (clamped), so upgrading a layer never lowers cost.
+costs at most the next heavier one (clamped), so upgrading a layer never lowers cost.  ``offload``
+is ``full`` whose input waits in host memory: it saves the input too and adds the exposed seconds
+of its copies (:mod:`.host`).
 """
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from infinipipe_hf.ir.levels import FINER_LEVELS, FULL, KEEP_ATTN, LEVELS, MLP, MLP_ACT, CheckpointMix
+from infinipipe_hf.ir.levels import FULL, KEEP_ATTN, LEVELS, MLP, MLP_ACT, OFFLOAD, PLAN_LEVELS, CheckpointMix
 from infinipipe_hf.ir.units import Segment
 from infinipipe_hf.planner.cost.activations import StageActivations, act_elements
 from infinipipe_hf.planner.cost.compute import StageCompute, UnitShape
@@ -35,12 +37,14 @@ class LevelCosts:
     @staticmethod
     def from_stage(ctx, cost) -> "LevelCosts":
         """The stage's part (:mod:`.model`)."""
-        return LevelCosts(cost.compute, cost.acts)
+        return LevelCosts(cost.compute, cost.acts, cost.host)
 
-    def __init__(self, compute: StageCompute, acts: StageActivations):
+    def __init__(self, compute: StageCompute, acts: StageActivations, host=None):
         spec, p = acts.spec, acts.profile
         self.compute = compute
         self.acts = acts
+        self.host = host
+        """The stage's :class:`~.host.HostTierCost` (prices ``offload``; None: the level is unknown)."""
         inter = spec.intermediate_size
         elements = act_elements(spec.hidden_size, inter, spec.kv_dim, p.bytes_per_element)
         self.saved_share = {MLP: 4 * inter / elements, MLP_ACT: 2 * inter / elements}
@@ -76,6 +80,8 @@ class LevelCosts:
         full = self.compute.layer_fwd(shape.pairs, shape.tokens) - self.down_share * linear
         if level == FULL:
             return full
+        if level == OFFLOAD and self.host is not None:
+            return full + self.host.layer_exposed_s(shape)
         act = min(self.act_s_per_token * tokens, full)
         if level == MLP_ACT:
             return act
@@ -94,6 +100,9 @@ class LevelCosts:
         leave the attention's saved tensors as they are."""
         if level == FULL:
             return self.acts.unit_checkpoint_saving(stage_index, segments)
+        if level == OFFLOAD and self.host is not None:  # nothing on the device: the input is on the host
+            return (self.acts.unit_checkpoint_saving(stage_index, segments)
+                    + self.host.layer_offload_bytes(stage_index, segments))
         tokens = self.acts.gpu_tokens(sum(s.end - s.start for s in segments))
         if level in (MLP, MLP_ACT):
             return tokens * self.saved_bytes_per_token[level]
@@ -104,13 +113,14 @@ class LevelCosts:
         raise ValueError(f"unknown checkpoint level {level!r}; use one of {', '.join(LEVELS)}")
 
     def finer_recompute_s(self, shape: UnitShape, mix: CheckpointMix) -> float:
-        """Recompute seconds of the mix's finer levels (its whole layers: :meth:`recompute_time`)."""
-        return sum(n * self.layer_recompute_s(lv, shape) for lv in FINER_LEVELS if (n := getattr(mix, lv)))
+        """Recompute (and exposed copy) seconds of the mix's levels but whole layers (those:
+        :meth:`recompute_time`)."""
+        return sum(n * self.layer_recompute_s(lv, shape) for lv in PLAN_LEVELS if (n := getattr(mix, lv)))
 
     def finer_saved_bytes(self, stage_index: int, segments: Sequence[Segment], mix: CheckpointMix) -> float:
-        """Bytes the mix's finer levels drop from a unit with these segments."""
+        """Bytes the mix's levels but whole layers drop from a unit with these segments."""
         return sum(n * self.layer_saved_bytes(lv, stage_index, segments)
-                   for lv in FINER_LEVELS if (n := getattr(mix, lv)))
+                   for lv in PLAN_LEVELS if (n := getattr(mix, lv)))
 
     def unit_activation_bytes(self, stage_index: int, segments: Iterable[Segment], mix: CheckpointMix) -> float:
         """:meth:`StageActivations.unit_activation_bytes` of a unit under ``mix``."""

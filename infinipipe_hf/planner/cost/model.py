@@ -4,9 +4,11 @@
 the job's :class:`~infinipipe_hf.layout.ParallelDims`, the layer split, the memory budget, the SP
 ranks a unit runs on.  :class:`CostModel` holds one context and builds its *parts* from it, each
 on first use: ``coefficients`` (the per-layer time fits), ``ulysses`` (SP all-to-alls, ``None``
-on one rank), ``states`` (model states, sharded or not: :mod:`states`), ``acts`` (activation,
+on one rank), ``states`` (model states, sharded or not: :mod:`states`), ``state_host`` (their
+host memory and CPU optimizer step when offloaded: :mod:`state_host`), ``acts`` (activation,
 KV and working bytes), ``compute`` (seconds per action), ``levels`` (checkpoint levels inside a
-layer) and ``working`` (the phase model of working memory, when the profile measured it).  A part
+layer), ``working`` (the phase model of working memory, when the profile measured it) and
+``host`` (offloaded layer inputs and KV stores in host memory: :mod:`host`).  A part
 is a class with a ``from_stage(ctx, cost)`` constructor; adding a mechanism is its module plus
 one :func:`stage_part` line here.  Callers ask the part (``cost.compute.forward_time``,
 ``cost.acts.static_bytes``); the model itself only composes what spans parts
@@ -29,8 +31,10 @@ from infinipipe_hf.ir.partition import balanced_layer_split
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.activations import StageActivations
 from infinipipe_hf.planner.cost.compute import ComputeCoefficients, StageCompute, UnitShape
+from infinipipe_hf.planner.cost.host import HostTierCost
 from infinipipe_hf.planner.cost.levels import LevelCosts
 from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+from infinipipe_hf.planner.cost.state_host import StateHostCost
 from infinipipe_hf.planner.cost.states import GRAD_REDUCE_MODES, ShardedStates, StatePrecision
 from infinipipe_hf.planner.cost.ulysses import UlyssesCost
 from infinipipe_hf.planner.cost.working import WorkingMemory
@@ -60,6 +64,8 @@ class StageContext:
     """SP ranks a unit runs on: the stage's whole SP group, or an aligned sub-group of it."""
     grad_reduce: str = "step"
     """When sharded gradients are reduced: ``step`` (the runtime) or ``unit`` (a what-if)."""
+    host_budget_bytes: float = 0.0
+    """Host memory per GPU a plan may hold (offloaded activations, KV store, states); 0: no host tier."""
 
     def __post_init__(self) -> None:
         layers = self.layers_per_stage
@@ -73,6 +79,8 @@ class StageContext:
         if self.grad_reduce not in GRAD_REDUCE_MODES:
             raise ValueError(f"grad_reduce={self.grad_reduce!r} is not known; use 'step' (reduce-scatter once "
                              f"per step, what the runtime does) or 'unit' (after every backward; a what-if)")
+        if not self.host_budget_bytes >= 0:
+            raise ValueError(f"host_budget_bytes={self.host_budget_bytes!r} must be >= 0 (0: no host tier)")
 
 
 def stage_part(build: Callable[[StageContext, "CostModel"], object]) -> cached_property:
@@ -102,11 +110,13 @@ class CostModel:
     compute = stage_part(StageCompute.from_stage)
     levels = stage_part(LevelCosts.from_stage)
     working = stage_part(WorkingMemory.from_stage)
+    host = stage_part(HostTierCost.from_stage)
+    state_host = stage_part(StateHostCost.from_stage)
 
     def __init__(self, spec: ModelSpec, profile: HardwareProfile | None = None, dims: ParallelDims | None = None,
                  *, layers_per_stage=None, memory_budget_bytes: float | None = None, loss_chunk_tokens: int = 4096,
                  reference_tokens: int = 4096, state_precision: StatePrecision | None = None,
-                 grad_reduce: str = "step"):
+                 grad_reduce: str = "step", host_budget_bytes: float = 0.0):
         p = profile or default_profile()
         dims = ParallelDims() if dims is None else dims
         if layers_per_stage is None:
@@ -116,7 +126,7 @@ class CostModel:
         self.ctx = StageContext(spec, p, dims, tuple(int(n) for n in layers_per_stage),
                                 float(p.memory_gib * GIB if memory_budget_bytes is None else memory_budget_bytes),
                                 state_precision or StatePrecision.from_profile(p), loss_chunk_tokens,
-                                dims.sp_degree, grad_reduce)
+                                dims.sp_degree, grad_reduce, float(host_budget_bytes or 0.0))
         self._family: dict[int, CostModel] = {dims.sp_degree: self}
 
     @classmethod
@@ -156,6 +166,11 @@ class CostModel:
     @property
     def memory_budget_bytes(self) -> float:
         return self.ctx.memory_budget_bytes
+
+    @property
+    def host_budget_bytes(self) -> float:
+        """Host memory per GPU a plan may hold (0: no host tier)."""
+        return self.ctx.host_budget_bytes
 
     @property
     def loss_chunk_tokens(self) -> int:

@@ -45,6 +45,15 @@ gradient accumulation): every backward reduce-scatters its gradients, so no unsh
 outlives a unit (one unit's fp32 gradient is the reduce-scatter's input) at the price of a
 reduce-scatter per unit and layer, overlapped with the backward like the gathers, the last one
 exposed.  Benchmarks use it to show what per-step reduction costs in memory.
+
+State offload (``dims.state_offload``; host bytes and the CPU optimizer step: :mod:`state_host`).
+``optimizer``: the device keeps weights and gradients, not the ``optimizer_bytes_per_param``.
+``states``: it keeps no shard; every action copies each unit's weight shard up before gathering it
+(``fetch_s``, at ``host_bandwidth_bytes_per_s``), every backward reduces each unit's gradient and
+copies its shard down to be added to the host's accumulated gradient (``drain_s``; the add at the
+CPU optimizer's rate, an upper bound), in the chain the gathers overlap compute in.  So it holds
+the three working copies, one unit's gradient and one fetched shard (:func:`unit_reduced_state_bytes`).
+Shard groups that span DP replicas fetch and gather once per step instead.
 """
 from __future__ import annotations
 
@@ -53,7 +62,7 @@ from functools import cached_property
 from typing import Sequence
 
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.layout import ParallelDims
+from infinipipe_hf.layout import ParallelDims, StateOffload
 from infinipipe_hf.planner.cost.calibration import overlapped
 from infinipipe_hf.planner.cost.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
 from infinipipe_hf.planner.cost.profile import HardwareProfile
@@ -73,6 +82,9 @@ class StatePrecision:
     """The unsharded copy a sharded unit is gathered into (4 in fp32, 2 under bf16 mixed precision)."""
     reduce_bytes_per_param: float = 4.0
     """Gradients as they are accumulated and reduced (fp32 reduction)."""
+    optimizer_bytes_per_param: float = 8.0
+    """The optimizer's part of ``state_bytes_per_param`` (AdamW's two fp32 moments: 8): what the
+    ``optimizer`` state offload moves to host memory besides the fp32 master weights."""
 
     def __post_init__(self) -> None:
         for name in ("state_bytes_per_param", "grad_bytes_per_param", "compute_bytes_per_param",
@@ -82,11 +94,30 @@ class StatePrecision:
         if self.grad_bytes_per_param > self.state_bytes_per_param:
             raise ValueError(f"grad_bytes_per_param={self.grad_bytes_per_param} exceeds "
                              f"state_bytes_per_param={self.state_bytes_per_param}")
+        if not 0 <= self.optimizer_bytes_per_param <= self.state_bytes_per_param - self.grad_bytes_per_param:
+            raise ValueError(f"optimizer_bytes_per_param={self.optimizer_bytes_per_param} must be in [0, "
+                             f"state_bytes_per_param - grad_bytes_per_param = "
+                             f"{self.state_bytes_per_param - self.grad_bytes_per_param}]")
+
+    @property
+    def weight_bytes_per_param(self) -> float:
+        """The weights' part of the states (what is neither gradient nor optimizer state: fp32, 4)."""
+        return self.state_bytes_per_param - self.grad_bytes_per_param - self.optimizer_bytes_per_param
+
+    def kept_bytes_per_param(self, offload: StateOffload) -> float:
+        """Device bytes per parameter of a rank's shard kept through a step, gradients apart: weights
+        and optimizer states; weights (``optimizer`` offload); nothing (``states`` offload)."""
+        if offload.weights_on_host:
+            return 0.0
+        kept = self.state_bytes_per_param - self.grad_bytes_per_param
+        return kept - self.optimizer_bytes_per_param if offload.optimizer_on_host else kept
 
     @staticmethod
     def from_profile(profile: HardwareProfile) -> "StatePrecision":
-        """The profile's states (``state_bytes_per_param``), gathered in its activation dtype."""
-        return StatePrecision(profile.state_bytes_per_param, 4.0, float(profile.bytes_per_element), 4.0)
+        """The profile's states (``state_bytes_per_param``), gathered in its activation dtype; AdamW's
+        8 bytes of moments, or less when the profile's states leave less beside the gradient."""
+        state = profile.state_bytes_per_param
+        return StatePrecision(state, 4.0, float(profile.bytes_per_element), 4.0, min(8.0, max(0.0, state - 4.0)))
 
 
 FP32_ADAM = StatePrecision(16.0, 4.0, 4.0, 4.0)
@@ -122,6 +153,33 @@ def sharded_numel(shapes: Sequence[tuple[int, ...]], shard_degree: int) -> int:
             rest *= d
         total += -(-shape[0] // shard_degree) * rest
     return total
+
+
+def unit_reduced_state_bytes(offload: StateOffload, shard: Sequence[int], numel: Sequence[int],
+                              precision: StatePrecision, working: float | None = None) -> float:
+    """Device bytes of a rank's states during a step when every backward reduces its units'
+    gradients (``grad_reduce="unit"``, ZeRO-3, ``states`` offload), ``shard`` / ``numel`` the elements
+    of each FSDP unit on the rank / unsharded: the kept shard (:meth:`StatePrecision.kept_bytes_per_param`)
+    and its gradient (on host with ``states`` offload), the gathered copies (``working``; default
+    three of the largest unit in the compute dtype), the largest unit's gradient in the reduce
+    dtype and, with ``states`` offload, one shard fetched up in the weights' dtype."""
+    p, on_host, largest = precision, offload.weights_on_host, max(numel)
+    kept = sum(shard) * (p.kept_bytes_per_param(offload) + (0.0 if on_host else p.grad_bytes_per_param))
+    working = 3 * largest * p.compute_bytes_per_param if working is None else working
+    return kept + working + largest * p.reduce_bytes_per_param + (max(shard) * p.weight_bytes_per_param
+                                                                 if on_host else 0.0)
+
+
+def host_fetch_s(shard: Sequence[int], precision: StatePrecision, profile: HardwareProfile) -> list[float]:
+    """Seconds to copy each unit's shard of weights (``shard``: elements) up from host memory."""
+    return [n * precision.weight_bytes_per_param / profile.host_bandwidth_bytes_per_s for n in shard]
+
+
+def host_drain_s(shard: Sequence[int], precision: StatePrecision, profile: HardwareProfile) -> list[float]:
+    """Seconds to copy each unit's reduced gradient shard down and add it to the host's accumulated
+    gradient (the add at the CPU optimizer's rate: an upper bound, module docstring)."""
+    bw, rate = profile.host_bandwidth_bytes_per_s, profile.host_optimizer_params_per_s
+    return [n * precision.reduce_bytes_per_param / bw + n / rate for n in shard]
 
 
 def stage_state_bytes_per_rank(spec: ModelSpec, num_layers: int, *, embedding: bool, head: bool,
@@ -177,6 +235,24 @@ class ShardedStates:
         # Unsharded: one all-reduce of the stage's gradient over its SP x DP ranks.
         self.allreduce_s = [all_reduce_time(sum(numel) * p.reduce_bytes_per_param, dims.replica_degree,
                                             rep_bw, lat) for numel in self.unit_numel]
+        self.offload = dims.state_offload
+        self.shard_numel = [[sharded_numel(u, g) for u in units] for units in self.units]
+        """Elements of each FSDP unit one rank holds (all of them unsharded)."""
+        self._host_copies(profile)
+
+    def _host_copies(self, profile: HardwareProfile) -> None:
+        """Per-unit host copies of ``states`` offload (module docstring) and the chains an action
+        overlaps with its compute: ``action_gathers`` (gathers, after fetches), ``action_reduces``."""
+        on_host = self.offload.weights_on_host
+        self.fetch_s = [host_fetch_s(shard, self.precision, profile) if on_host else [0.0] * len(shard)
+                        for shard in self.shard_numel]
+        self.drain_s = [host_drain_s(shard, self.precision, profile) if on_host else [0.0] * len(shard)
+                        for shard in self.shard_numel]
+        if not on_host:
+            self.action_gathers, self.action_reduces = self.gather_s, self.reduce_s
+            return
+        self.action_gathers = [[a + b for a, b in zip(g, f)] for g, f in zip(self.gather_s, self.fetch_s)]
+        self.action_reduces = [[a + b for a, b in zip(r, d)] for r, d in zip(self.reduce_s, self.drain_s)]
 
     @staticmethod
     def from_stage(ctx, cost) -> "ShardedStates":
@@ -194,10 +270,26 @@ class ShardedStates:
         """The shard group spans DP replicas: parameters are gathered once per step, not per unit."""
         return self.sharded and self.dims.shard.per_step_gather
 
+    @cached_property
+    def offloaded(self) -> bool:
+        """Some of the states live in host memory (``optimizer`` or ``states`` offload)."""
+        return self.offload.offloaded
+
+    @cached_property
+    def gathered(self) -> bool:
+        """Layers run from a copy gathered for them: sharded, or copied up from host memory."""
+        return self.sharded or self.offload.weights_on_host
+
+    @cached_property
+    def reduces_per_unit(self) -> bool:
+        """Every backward reduces its units' gradients (``grad_reduce="unit"``; ``states`` offload,
+        whose gradients accumulate in host memory) instead of once after the stage's last backward."""
+        return (self.sharded and self.grad_reduce == "unit") or (self.offload.weights_on_host
+                                                                  and not self.gathers_per_step)
+
     def state_bytes_per_rank(self, stage_index: int) -> float:
         """:func:`stage_state_bytes_per_rank` of the stage (between steps)."""
-        g = self.dims.shard_degree
-        return sum(sharded_numel(u, g) for u in self.units[stage_index]) * self.precision.state_bytes_per_param
+        return sum(self.shard_numel[stage_index]) * self.precision.state_bytes_per_param
 
     def peak_static_bytes(self, stage_index: int) -> float:
         """States alive during a step on one rank of the stage (module docstring)."""
@@ -207,35 +299,33 @@ class ShardedStates:
 
     def _peak_static_bytes(self, stage_index: int) -> float:
         p = self.precision
-        numel = self.unit_numel[stage_index]
-        if not self.sharded:
-            return sum(numel) * p.state_bytes_per_param
-        g = self.dims.shard_degree
-        shard = sum(sharded_numel(u, g) for u in self.units[stage_index])
+        numel, shard = self.unit_numel[stage_index], self.shard_numel[stage_index]
+        if not self.gathered:  # every state on the device, less the optimizer's when it is on host
+            on_host = p.optimizer_bytes_per_param if self.offload.optimizer_on_host else 0.0
+            return sum(numel) * (p.state_bytes_per_param - on_host)
         working = (sum(numel) if self.gathers_per_step else 3 * max(numel)) * p.compute_bytes_per_param
-        if self.grad_reduce == "unit":
-            return shard * p.state_bytes_per_param + working + max(numel) * p.reduce_bytes_per_param
-        kept = shard * (p.state_bytes_per_param - p.grad_bytes_per_param)
-        accumulated = sum(numel) * p.reduce_bytes_per_param
-        return kept + accumulated + working
+        if self.reduces_per_unit:
+            return unit_reduced_state_bytes(self.offload, shard, numel, p, working)
+        accumulated = sum(numel) * p.reduce_bytes_per_param  # unsharded gradients until the reduction
+        return sum(shard) * p.kept_bytes_per_param(self.offload) + accumulated + working
 
     def overlapped(self, stage_index: int, compute_s: float, backward: bool = False) -> float:
         """An action's time when its ``compute_s`` overlaps the stage's all-gathers (and, reducing
-        per unit, a backward's reduce-scatters); sharded stages only."""
-        gathers = self.gather_s[stage_index]
+        per unit, a backward's reduce-scatters; with ``states`` offload the host copies too);
+        :attr:`gathered` stages only."""
         if self.gathers_per_step:
             return compute_s  # gathered once when the step starts (gradient_sync_time counts it)
-        reduces = self.reduce_s[stage_index] if backward and self.grad_reduce == "unit" else ()
-        return overlapped(compute_s, gathers, reduces, self.calibration)
+        reduces = self.action_reduces[stage_index] if backward and self.reduces_per_unit else ()
+        return overlapped(compute_s, self.action_gathers[stage_index], reduces, self.calibration)
 
     def gradient_sync_time(self, stage_index: int, last_backward_s: float) -> float:
         """Exposed seconds of the step's gradient reduction after the stage's last backward (and,
         when parameters are gathered once per step, of that gather before the first forward)."""
+        upfront = sum(self.action_gathers[stage_index]) if self.gathers_per_step else 0.0
+        if self.reduces_per_unit:
+            return upfront  # reduced inside every backward (overlapped)
         if not self.sharded:
             return self.allreduce_s[stage_index]
-        upfront = sum(self.gather_s[stage_index]) if self.gathers_per_step else 0.0
-        if self.grad_reduce == "unit":
-            return upfront  # reduced inside every backward (overlapped)
         r = self.reduce_s[stage_index]
         n = len(r)
         per_unit_compute = last_backward_s / n

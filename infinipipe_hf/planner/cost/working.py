@@ -18,7 +18,9 @@ forward
     ``mlp_act``) and ``F(l)`` the temporaries a layer at level ``l`` holds beyond what it keeps
     (``forward_full`` / ``forward_mlp`` / ``forward_mlp_act``; the profile's
     ``layer_working_bytes_per_token`` for a layer that keeps everything).  A checkpointed layer
-    also holds its context copies (and SDPA mask) while it runs.
+    also holds its context copies (and SDPA mask) while it runs.  An ``offload`` layer keeps
+    nothing; its input stays through its forward (until its copy to the host is done) and comes
+    back beside what its backward rebuilds.
 backward
     last layer first: ``max_j (kept_0 + ... + kept_j + rebuilt_j + T * G)``, the layers after
     ``j`` already freed; ``rebuilt_j`` is what the level recomputes (the whole layer's activations
@@ -47,7 +49,7 @@ from typing import Sequence
 
 import numpy as np
 
-from infinipipe_hf.ir.levels import FULL, KEEP_ATTN, MLP, MLP_ACT, CheckpointMix
+from infinipipe_hf.ir.levels import FULL, KEEP_ATTN, MLP, MLP_ACT, OFFLOAD, CheckpointMix
 from infinipipe_hf.ir.units import Segment
 from infinipipe_hf.planner.cost.activations import StageActivations, norm_elements
 from infinipipe_hf.planner.cost.levels import LevelCosts
@@ -64,9 +66,11 @@ class WorkingMemory:
     def from_stage(ctx, cost) -> "WorkingMemory | None":
         """The stage's part (:mod:`.model`): ``None`` unless the profile measured the phases (then
         ``acts.working_bytes`` is the model)."""
-        return WorkingMemory(cost.acts, cost.levels) if ctx.profile.working_bytes_per_token else None
+        if not ctx.profile.working_bytes_per_token:
+            return None
+        return WorkingMemory(cost.acts, cost.levels, offload=ctx.host_budget_bytes > 0)
 
-    def __init__(self, acts: StageActivations, levels: LevelCosts):
+    def __init__(self, acts: StageActivations, levels: LevelCosts, offload: bool = False):
         p = acts.profile
         check_working_fields(p.working_bytes_per_token)
         self.acts = acts
@@ -77,6 +81,8 @@ class WorkingMemory:
         self.forward = {None: acts.layer_working_bytes_per_token, FULL: w["forward_full"],
                         MLP: w["forward_mlp"], MLP_ACT: w["forward_mlp_act"]}
         self.level_saved = {None: 0.0, **levels.saved_bytes_per_token}
+        self.offload = offload
+        """Whether ``offload`` layers may occur (the host tier is on): :meth:`bound` covers them."""
 
     def _logits(self, stage: int, tokens: int) -> float:
         c = self.acts
@@ -95,7 +101,11 @@ class WorkingMemory:
         a, h = c.act_bytes_per_token, c.hidden_bytes_per_token
         out = []
         for level in mix.layer_levels(c.layers_per_stage[stage]):
-            if level in (FULL, KEEP_ATTN):
+            if level == OFFLOAD:
+                # Keeps nothing; its input lives on through the forward until its copy is out, and
+                # comes back beside what the replay rebuilds.
+                out.append((0.0, tokens * (self.forward[FULL] + h) + ctx - mask, tokens * a + ctx))
+            elif level in (FULL, KEEP_ATTN):
                 # Measured: the context K/V copy is still alive at the forward's peak, the mask not.
                 # keep_attn's first forward runs like a whole layer's; what it keeps is counted as kept.
                 k = h + (self.levels.keep_attn_bytes_per_token if level == KEEP_ATTN else 0.0)
@@ -142,11 +152,12 @@ class WorkingMemory:
         c = self.acts
         t = c.gpu_tokens(tokens)
         a, h = c.act_bytes_per_token, c.hidden_bytes_per_token
+        held = h if self.offload else 0.0  # an offloaded layer's input, beside a whole layer's bytes
         if backward:
-            rebuilt = max(t * (a - h) + ctx, t * max(self.level_saved.values()))
+            rebuilt = max(t * (a - h + held) + ctx, t * max(self.level_saved.values()))
             worst = max(self._logits(stage, t), rebuilt + t * self.gradients)
         else:
-            worst = max(self._logits(stage, t), t * max(self.forward.values()) + ctx)
+            worst = max(self._logits(stage, t), t * max(max(self.forward.values()), self.forward[FULL] + held) + ctx)
         return worst + self._unit_extra(t)
 
     def pipeline_buffers(self, stage: int, forward: np.ndarray, tokens: np.ndarray,

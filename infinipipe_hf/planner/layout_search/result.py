@@ -2,7 +2,7 @@
 
 :class:`LayoutSearch.to_dict` is the ``--search-layout --json`` object of the planner CLI
 (docs/contracts.md): ``{"recommended": {"pp_degree", "sp_degree", "dp_degree", "shard",
-"tokens_per_s", ...}, "layouts": [...], "alternatives": [...], ...}``; :func:`format_search`
+"tokens_per_s", ...}, "layouts": [...], "alternatives": [...], ...}``; :func:`~.table.format_search`
 is its table (the CLI without ``--json``, and the trainer's log with ``pp_degree="auto"``).
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping, Sequence
 
 from infinipipe_hf.layout import ParallelDims
+from infinipipe_hf.planner.layout_search.host_tier import host_peak_bytes
 from infinipipe_hf.planner.search.api import PlanOptions
 from infinipipe_hf.planner.search.result import PlanResult
 
@@ -92,6 +93,11 @@ class LayoutOutcome:
     """Ruled out because the batch has fewer sequences than the layout's DP replicas."""
     states_bytes: float | None = None
     """Model states per GPU on the fullest stage (computed when no layout fits the batch)."""
+    largest_length: int | None = None
+    """Longest single sequence ``plan_step`` fits on this layout with the search's host tier
+    (found for a one-sequence batch)."""
+    largest_length_without_offload: int | None = None
+    """The same without the host tier: no state offload, no host memory."""
 
     @property
     def feasible(self) -> bool:
@@ -107,6 +113,10 @@ class LayoutOutcome:
         return max(sim.peak_memory_bytes) if sim is not None and sim.peak_memory_bytes else 0.0
 
     @property
+    def host_peak_memory_bytes(self) -> float:
+        return host_peak_bytes(self.result)
+
+    @property
     def error(self) -> str | None:
         if self.ruled_out:
             return self.ruled_out
@@ -117,10 +127,12 @@ class LayoutOutcome:
         return replace(self, layout=layout, priced_as=self.layout.shard.name, search_time_s=0.0)
 
     def to_dict(self) -> dict:
-        d = {**self.layout.degrees(), "feasible": self.feasible, "tokens_per_s": self.tokens_per_s}
+        d = {**self.layout.degrees(), "state_offload": self.layout.state_offload.name, "feasible": self.feasible,
+             "tokens_per_s": self.tokens_per_s}
         sim = self.result.simulation if self.result is not None else None
         if sim is not None:
             d.update(step_time_s=sim.step_time_s, peak_memory_bytes=list(sim.peak_memory_bytes),
+                     host_peak_memory_bytes=self.host_peak_memory_bytes,
                      bubble_fraction=sim.bubble_fraction, recompute_fraction=sim.recompute_fraction,
                      num_units=len(self.result.plan.units) if self.result.plan is not None else 0,
                      num_pipelines=self.result.plan.num_pipelines if self.result.plan is not None else 0)
@@ -132,6 +144,9 @@ class LayoutOutcome:
             d["largest_trainable_length"] = self.largest_trainable
         if self.states_bytes is not None:
             d["model_states_bytes"] = self.states_bytes
+        if self.largest_length is not None:
+            d.update(largest_length=self.largest_length,
+                     largest_length_without_offload=self.largest_length_without_offload)
         if self.error:
             d["error"] = self.error
         return d
@@ -157,6 +172,8 @@ class LayoutSearch:
     settings: dict = field(default_factory=dict)
     """``EPPTrainingArguments`` fields besides the degrees that reproduce the plans
     (:func:`recipe_settings`; the CLI adds ``profile``)."""
+    host_budget_bytes: float = 0.0
+    """Host memory per GPU the plans may use (0: no host tier)."""
 
     def recommended_settings(self) -> dict:
         """``settings`` for the pick: ``sp_rounds=True`` is dropped at sp 1, as its plan ran without."""
@@ -189,10 +206,17 @@ class LayoutSearch:
         return {"recommended": self.recommended_dict(), "layouts": [o.to_dict() for o in self.layouts],
                 "alternatives": [r.summary() for r in self.alternatives.values()],
                 "world_size": self.world_size, "gpus_per_node": self.gpus_per_node,
-                "memory_budget_bytes": self.memory_budget_bytes, "tie_break": self.tie_break,
+                "memory_budget_bytes": self.memory_budget_bytes, "host_memory_budget_bytes": self.host_budget_bytes,
+                "tie_break": self.tie_break,
                 "num_layouts": len(self.layouts),
                 "num_planned": sum(o.result is not None and o.priced_as is None for o in self.layouts),
                 "search_time_s": self.search_time_s, **self.extra}
+
+
+def layout_name(dims: ParallelDims) -> str:
+    """A layout in messages: degrees, shard mode and, when any, state offload."""
+    offload = f", state offload {dims.state_offload}" if dims.state_offload.offloaded else ""
+    return f"{dims.label} shard {dims.shard}{offload}"
 
 
 class NoLayoutFits(ValueError):
@@ -203,7 +227,7 @@ class NoLayoutFits(ValueError):
     def __init__(self, search: LayoutSearch, lengths: Sequence[int], states_remedies: str = ""):
         self.search = search
         ranked = sorted(search.layouts, key=lambda o: -(o.largest_trainable or 0))  # stable: search order on ties
-        per = "; ".join(f"{o.layout.label} shard {o.layout.shard}: {o.largest_trainable}" for o in ranked)
+        per = "; ".join(f"{layout_name(o.layout)}: {o.largest_trainable}" for o in ranked)
         gpus = f"{search.world_size} GPU{'s' if search.world_size != 1 else ''}"
         super().__init__(f"no layout of {gpus} fits {gib(search.memory_budget_bytes)} GiB per GPU "
                          f"for this batch; {no_fit_cause(search, lengths, states_remedies)}. Largest trainable "
@@ -218,77 +242,18 @@ def no_fit_cause(search: LayoutSearch, lengths: Sequence[int], states_remedies: 
     best = max(outcomes, key=lambda o: o.largest_trainable or 0)
     if not best.largest_trainable:
         least = min(outcomes, key=lambda o: o.states_bytes if o.states_bytes is not None else float("inf"))
-        states = f" (the least: {gib(least.states_bytes)} GiB per GPU, {least.layout.label} shard " \
-                 f"{least.layout.shard})" if least.states_bytes is not None else ""
+        states = f" (the least: {gib(least.states_bytes)} GiB per GPU, {layout_name(least.layout)})" \
+            if least.states_bytes is not None else ""
         return (f"the model states (weights, gradients, optimizer states) leave no room for any sequence on any "
                 f"layout{states}" + (f"; {states_remedies}" if states_remedies else ""))
     fits_alone = [o for o in outcomes if (o.largest_trainable or 0) >= longest]
     if not fits_alone:
         return (f"the longest sequence has {longest} tokens but the largest any layout trains is "
-                f"{best.largest_trainable} ({best.layout.label} shard {best.layout.shard}): split or truncate "
+                f"{best.largest_trainable} ({layout_name(best.layout)}): split or truncate "
                 f"longer documents (the trainer cuts documents longer than tokens_per_step into pieces), use more "
-                f"GPUs (more stages, a larger sp group) or a larger memory budget")
+                f"GPUs (more stages, a larger sp group) or a larger memory budget"
+                + ("" if search.host_budget_bytes else ", or give the plan host memory (--host-memory-gib / "
+                   "host_memory_gib: layer inputs, K/V and model states in host memory)"))
     return (f"the longest sequence ({longest} tokens) fits alone on {len(fits_alone)} of them but the whole batch "
             f"({len(lengths)} sequences, {sum(lengths)} tokens) does not: its activations do not fit beside the "
             f"model states; use fewer tokens per step (tokens_per_step), more GPUs or a larger memory budget")
-
-
-def _row(o: LayoutOutcome) -> tuple[str, ...]:
-    lay = o.layout
-    head = (lay.label, lay.shard.name)
-    note = f"priced as shard {o.priced_as}" if o.priced_as else ""
-    if not o.feasible:
-        return (*head, "NO", "0", "-", "-", "-", "-", f"{o.search_time_s:.2f}", o.error or note)
-    sim = o.result.simulation
-    return (*head, "yes", f"{o.tokens_per_s:,.0f}", f"{sim.step_time_s:.3f}", gib(o.peak_memory_bytes),
-            f"{sim.bubble_fraction:.3f}", f"{sim.recompute_fraction:.3f}", f"{o.search_time_s:.2f}", note)
-
-
-def _alternative_row(name: str, r) -> tuple[str, ...]:
-    if not r.feasible:
-        return (name, "(best)", "NO", "0", "-", "-", "-", "-", f"{r.planning_time_s:.2f}", r.error or "")
-    sim, knobs = r.simulation, dict(r.plan.knobs)
-    knobs["ckpt"] = r.plan.checkpoint_layers
-    return (name, "(best)", "yes", f"{sim.tokens_per_s:,.0f}", f"{sim.step_time_s:.3f}",
-            gib(sim.peak_memory_bytes), f"{sim.bubble_fraction:.3f}", "-", f"{r.planning_time_s:.2f}",
-            ", ".join(f"{k} {v}" for k, v in knobs.items()))
-
-
-def _columns(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows]
-
-
-def format_search(search: LayoutSearch) -> str:
-    """The table of every layout (ranked), the alternatives at their best and the recommendation."""
-    header = ("layout", "shard", "fits", "tokens/s", "step s", "peak GiB", "bubble", "recompute", "plan s", "note")
-    rows = [header, *(_row(o) for o in search.layouts),
-            *(_alternative_row(n, r) for n, r in search.alternatives.items())]
-    lines = [f"EPP on every layout of {search.world_size} GPUs ({search.gpus_per_node} per node), "
-             f"{gib(search.memory_budget_bytes)} GiB per GPU; alternatives on the same GPUs at their best "
-             f"knobs; bubble and recompute are shares of the step's GPU time", *_columns(rows)]
-    best = search.recommended
-    if best is None:
-        lines.append(f"no layout fits: {search.extra.get('error', '')}")
-    else:
-        lay = best.layout
-        lines.append(f"recommended: {lay.label}, shard {lay.shard}: {best.tokens_per_s:,.0f} tokens/s, peak "
-                     f"{gib(best.peak_memory_bytes)} GiB per GPU")
-        whole = search.without_sp_rounds
-        if whole is not None:
-            lines.append(f"  with elastic SP rounds; without them (--no-sp-rounds) this layout plans "
-                         f"{whole.summary()['tokens_per_s']:,.0f} tokens/s")
-        for name, ratio in search.recommended_dict()["over_alternatives"].items():
-            lines.append(f"  {ratio:.2f}x {name} at its best")
-        settings = search.recommended_settings()
-        lines += [f"  EPPTrainingArguments({training_arguments(lay, settings)}, ...)",
-                  f"  recipe flags: {recipe_flags(lay, settings)} (recipes/train.py; launch {search.world_size} "
-                  f"processes)"]
-        if flagless(settings):
-            lines.append(f"  (no command-line form for {', '.join(flagless(settings))}: set it in Python)")
-        if "plan_command" in search.extra:
-            lines.append(f"  replan it alone: {search.extra['plan_command']}")
-    lines.append(f"tie-break: {search.tie_break}")
-    planned = sum(o.result is not None and o.priced_as is None for o in search.layouts)
-    lines.append(f"search: {len(search.layouts)} layouts, {planned} planned, {search.search_time_s:.1f} s")
-    return "\n".join(lines)

@@ -16,9 +16,15 @@ modes that shard and replicate over the same mesh dims (``sp`` and ``hybrid``: t
 in who reduces over DP) are priced identically and planned once.  No layout that fits is skipped
 for speed, so the pick equals a brute force over every layout.
 
+Host memory (``host_budget_bytes`` per GPU, 0: none): every layout may keep layer inputs and K/V
+in host memory, and is also planned with its model states there, per state-offload mode
+(:mod:`.host_tier`: a heavier mode only where the lighter one leaves the states large).  With a
+batch of one sequence each layout reports its largest trainable length with and without the
+host tier (:mod:`.longest`).
+
 Tie-break (stated in the output): the highest tokens/s; on equal tokens/s (relative 1e-9) the
 lower peak memory per GPU, then fewer stages, then the smaller SP degree, then the shard mode's
-place in ``SHARD_MODES``.
+place in ``SHARD_MODES``, then the lighter state offload.
 """
 from __future__ import annotations
 
@@ -33,27 +39,38 @@ from typing import Any, Mapping, Sequence
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import SHARD_MODES, ParallelDims, divisors, shard_mode
+from infinipipe_hf.layout.state_offload import STATE_OFFLOADS
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.batch.select import check_batch
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+from infinipipe_hf.planner.layout_search.host_tier import (
+    alternative_knobs,
+    offload_modes,
+    planned_alternatives,
+    with_offload_modes,
+)
+from infinipipe_hf.planner.layout_search.longest import (
+    add_largest_lengths,
+    fill_without_offload,
+    fits_alone,
+    no_fit_error,
+)
 from infinipipe_hf.planner.layout_search.result import (
     LayoutOutcome,
     LayoutSearch,
-    NoLayoutFits,
     gib,
     recipe_settings,
 )
-from infinipipe_hf.planner.pipeline.grids import DEFAULT_SLICE_COUNTS, slice_count_candidates
-from infinipipe_hf.planner.registry import ALTERNATIVES, REFERENCE, get_schedule
-from infinipipe_hf.planner.schedules.base import PIPELINE
+from infinipipe_hf.planner.pipeline.grids import DEFAULT_SLICE_COUNTS
+from infinipipe_hf.planner.registry import REFERENCE
 from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step, resolve_sp_rounds
-from infinipipe_hf.planner.search.limits import largest_trainable_length, states_per_gpu, states_remedies
+from infinipipe_hf.planner.search.limits import states_per_gpu
 from infinipipe_hf.planner.search.result import PlanResult
-from infinipipe_hf.planner.simulate.simulator import simulate
 
 TIE_BREAK = ("highest tokens/s; on equal tokens/s (relative 1e-9) the lower peak memory per GPU, then fewer "
-             "stages (pp), then the smaller sp, then the shard mode's order " + " < ".join(SHARD_MODES))
+             "stages (pp), then the smaller sp, then the shard mode's order " + " < ".join(SHARD_MODES)
+             + ", then the state offload's " + " < ".join(STATE_OFFLOADS))
 
 
 def _passes(check, *args) -> bool:
@@ -132,28 +149,6 @@ def _no_layout_message(spec, world_size, gpus_per_node, sps, sp_degrees, shards)
               f"relax the restriction or change the world size")
 
 
-def fits_alone(cost: CostModel, tokens: int, num_slices: Sequence[int] | None = None) -> bool:
-    """True when one sequence of ``tokens`` fits EPP's plan of it alone, every layer checkpointed,
-    at one of the slice counts EPP would try.  Every count is tried: more slices are not always
-    leaner (at pp 1 all slices of a sequence run forward before any backward, so their K/V store
-    and saved layer inputs add up, while one slice fits)."""
-    leanest = get_schedule(REFERENCE, PIPELINE).leanest_plan
-    ks = slice_count_candidates([tokens], num_slices, cost.dims.sp_degree)
-    for k in (ks[-1], *ks[:-1]):  # the most slices first: the leanest wherever pp > 1
-        try:
-            if simulate(leanest(cost, tokens, k), cost).feasible:
-                return True
-        except ValueError:
-            continue
-    return False
-
-
-def largest_alone(cost: CostModel) -> int:
-    """The longest single sequence ``cost``'s layout trains: the largest over slice counts of
-    :func:`~infinipipe_hf.planner.search.limits.largest_trainable_length`."""
-    return max(largest_trainable_length(cost, k) for k in (1, max(DEFAULT_SLICE_COUNTS)))
-
-
 def plan_layouts(inputs: SearchInputs, layouts: Sequence[ParallelDims], workers: int = 1) -> list[LayoutOutcome]:
     """Each layout's outcome, in order; layouts priced alike are planned once, the distinct ones in
     ``workers`` processes (spawned: safe under a process that runs threads or torch)."""
@@ -187,7 +182,7 @@ def _in_pool(inputs: SearchInputs, todo: list[ParallelDims], workers: int) -> li
 
 def pricing_key(layout: ParallelDims) -> tuple:
     """Layouts with equal keys get the same plan: the cost model reads the shard mode's dims only."""
-    return (layout.pp_degree, layout.sp_degree, layout.dp_degree, layout.shard.pricing_key)
+    return (layout.pp_degree, layout.sp_degree, layout.dp_degree, layout.shard.pricing_key, layout.state_offload.name)
 
 
 @dataclass(frozen=True)
@@ -201,9 +196,15 @@ class SearchInputs:
     gpus_per_node: int
     plan_options: Mapping[str, Any]
     """Keyword arguments passed to every ``plan_step`` (checkpointing, levels, unit cap...)."""
+    host_budget_bytes: float = 0.0
+    """Host memory per GPU a plan may use (0: no host tier)."""
+    longest: bool = False
+    """Also find each layout's largest one-sequence length with and without the host tier."""
 
-    def cost(self, layout: ParallelDims) -> CostModel:
-        return CostModel(self.spec, self.profile, layout, memory_budget_bytes=self.memory_budget_bytes)
+    def cost(self, layout: ParallelDims, host_budget_bytes: float | None = None) -> CostModel:
+        host = self.host_budget_bytes if host_budget_bytes is None else host_budget_bytes
+        return CostModel(self.spec, self.profile, layout, memory_budget_bytes=self.memory_budget_bytes,
+                         host_budget_bytes=host)
 
     def options(self, layout: ParallelDims, **override) -> PlanOptions:
         """EPP's plan options for ``layout``: ``sp_rounds=True`` asks for rounds where a stage has SP
@@ -215,19 +216,29 @@ class SearchInputs:
 
 
 def plan_layout(inputs: SearchInputs, layout: ParallelDims) -> LayoutOutcome:
-    """One layout's outcome: ruled out before planning (states, longest sequence) or planned."""
+    """One layout's outcome: ruled out before planning (states, longest sequence) or planned; with
+    ``inputs.longest`` also its largest one-sequence lengths."""
     t0 = time.perf_counter()
     if len(inputs.lengths) < layout.dp_degree:
         return LayoutOutcome(layout, None, unfed_replicas_reason(len(inputs.lengths), layout.dp_degree), 0.0,
                              unfed_replicas=True)
+    outcome = _plan_fed_layout(inputs, layout, t0)
+    if inputs.longest:
+        add_largest_lengths(inputs, outcome, pricing_key)
+        outcome.search_time_s = time.perf_counter() - t0
+    return outcome
+
+
+def _plan_fed_layout(inputs: SearchInputs, layout: ParallelDims, t0: float) -> LayoutOutcome:
     cost = inputs.cost(layout)
-    states = max(cost.acts.static_bytes(s) for s in range(layout.pp_degree))
+    states = states_per_gpu(cost)
     budget = inputs.memory_budget_bytes
     if states > budget:
         return LayoutOutcome(layout, None, f"model states alone need {gib(states)} GiB per GPU, over the "
                                            f"{gib(budget)} GiB budget", time.perf_counter() - t0)
     longest = max(inputs.lengths)
-    if not fits_alone(cost, longest, inputs.plan_options.get("num_slices")):
+    # The leanest plan keeps every checkpoint on the device: a bound only without a host tier.
+    if not inputs.host_budget_bytes and not fits_alone(cost, longest, inputs.plan_options.get("num_slices")):
         return LayoutOutcome(layout, None, f"the longest sequence ({longest} tokens) does not fit even alone, "
                                            f"fully checkpointed, in any of 1 to {max(DEFAULT_SLICE_COUNTS)} slices",
                              time.perf_counter() - t0)
@@ -257,13 +268,14 @@ def plan_alternatives(inputs: SearchInputs, world_size: int) -> dict:
     flat = FlatCost.of(inputs.spec, world_size, inputs.memory_budget_bytes, inputs.profile, inputs.gpus_per_node)
     checkpointing = inputs.plan_options.get("checkpointing", "adaptive")
     return {name: plan_alternative(inputs.lengths, inputs.spec, name, world_size=world_size, cost=flat,
-                                   checkpointing=checkpointing) for name in ALTERNATIVES}
+                                   checkpointing=checkpointing, **alternative_knobs(name, inputs.host_budget_bytes))
+            for name in planned_alternatives(inputs.host_budget_bytes)}
 
 
 def rank_key(outcome: LayoutOutcome) -> tuple:
     """Sort key of the tie-break (``TIE_BREAK``): feasible first, fastest first."""
     lay = outcome.layout
-    order = (lay.pp_degree, lay.sp_degree, SHARD_MODES.index(lay.shard.name))
+    order = (lay.pp_degree, lay.sp_degree, SHARD_MODES.index(lay.shard.name), STATE_OFFLOADS.index(lay.state_offload.name))
     if not outcome.feasible:
         return (1, 0.0, 0.0, *order)
     return (0, -outcome.tokens_per_s, outcome.peak_memory_bytes, *order)
@@ -283,48 +295,45 @@ def search_layouts(lengths: Sequence[int], spec: ModelSpec, *, world_size: int, 
                    memory_budget_bytes: float | None = None, profile: HardwareProfile | None = None,
                    sp_degrees: Sequence[int] | None = None, shards: Sequence[str] | None = None,
                    alternatives: bool = True, plan_options: Mapping[str, Any] | None = None,
-                   workers: int = 1, dp_degrees: Sequence[int] | None = None) -> LayoutSearch:
+                   workers: int = 1, dp_degrees: Sequence[int] | None = None, host_budget_bytes: float = 0.0,
+                   state_offloads: Sequence[str] | None = None, longest: bool | None = None) -> LayoutSearch:
     """Plan ``lengths`` (one global batch) with EPP on every layout of ``world_size`` GPUs and
     recommend the fastest that fits (module docstring).
 
     ``gpus_per_node`` and ``memory_budget_bytes`` default to the profile's; ``sp_degrees`` /
     ``shards`` (and ``dp_degrees``) restrict the layouts; ``alternatives`` also plans ulysses-zero3, ring-cp and flexsp
     on the same GPUs; ``plan_options`` go to every ``plan_step``; ``workers`` > 1 plans the layouts
-    in that many processes (same results, the planning is deterministic).  ``ValueError`` when no layout
-    can run; :class:`NoLayoutFits` (with the search attached) when none fits the budget.
+    in that many processes (same results, the planning is deterministic).  ``host_budget_bytes``:
+    host memory per GPU (0: no host tier); ``state_offloads`` restricts the state-offload modes;
+    ``longest`` finds each layout's largest one-sequence length (default: for a one-sequence
+    batch).  ``ValueError`` when no layout can run; :class:`NoLayoutFits` (with the search attached)
+    when none fits the budget.
     """
     t0 = time.perf_counter()
     check_batch(lengths)
     profile = profile or default_profile()
     gpn = profile.gpus_per_node if gpus_per_node is None else gpus_per_node
     budget = profile.memory_gib * GIB if memory_budget_bytes is None else float(memory_budget_bytes)
+    modes = offload_modes(host_budget_bytes, state_offloads)
     layouts = enumerate_layouts(spec, world_size, gpn, sp_degrees=sp_degrees, shards=shards, dp_degrees=dp_degrees)
-    inputs = SearchInputs([int(n) for n in lengths], spec, profile, budget, gpn, dict(plan_options or {}))
+    inputs = SearchInputs([int(n) for n in lengths], spec, profile, budget, gpn, dict(plan_options or {}),
+                          float(host_budget_bytes), len(lengths) == 1 if longest is None else bool(longest))
+    fed = [lay for lay in layouts if lay.dp_degree <= len(lengths)]  # unfed ones are ruled out once
+    layouts = with_offload_modes(fed, modes, lambda lay: states_per_gpu(inputs.cost(lay)), budget) + [
+        lay for lay in layouts if lay.dp_degree > len(lengths)]
     outcomes = plan_layouts(inputs, layouts, workers)
+    if inputs.longest:
+        fill_without_offload(inputs, outcomes, pricing_key)
     alts = plan_alternatives(inputs, world_size) if alternatives else {}
     best = pick(outcomes)
+    settings = recipe_settings(inputs.lengths, budget, inputs.plan_options)
+    if host_budget_bytes:
+        settings["host_memory_gib"] = host_budget_bytes / GIB
     search = LayoutSearch(world_size, gpn, budget, sorted(outcomes, key=rank_key), alts, best, TIE_BREAK,
-                          time.perf_counter() - t0, settings=recipe_settings(inputs.lengths, budget, inputs.plan_options))
+                          time.perf_counter() - t0, settings=settings, host_budget_bytes=float(host_budget_bytes))
     if best is not None:
         search.without_sp_rounds = whole_group_replan(inputs, best)
         search.search_time_s = time.perf_counter() - t0
     if best is None:
-        raise no_fit_error(inputs, search, t0)
+        raise no_fit_error(inputs, search, t0, pricing_key)
     return search
-
-
-def no_fit_error(inputs: SearchInputs, search: LayoutSearch, t0: float) -> NoLayoutFits:
-    """The error of a search where no layout fits: each layout's largest trainable sequence and
-    model states per GPU and, when the states leave no room anywhere, what would fit them."""
-    limits: dict[tuple, tuple[int, float]] = {}
-    for o in search.layouts:
-        key = pricing_key(o.layout)
-        if key not in limits:
-            cost = inputs.cost(o.layout)
-            limits[key] = (largest_alone(cost), states_per_gpu(cost))
-        o.largest_trainable, o.states_bytes = limits[key]
-    remedies = ""
-    if not any(o.largest_trainable for o in search.layouts):
-        remedies = states_remedies(inputs.cost(ParallelDims(gpus_per_node=inputs.gpus_per_node)))  # GPU counts from one GPU up
-    search.search_time_s = time.perf_counter() - t0
-    return NoLayoutFits(search, inputs.lengths, remedies)

@@ -32,7 +32,7 @@ from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
 from infinipipe_hf.planner.registry import ALTERNATIVES, PIPELINE_SCHEDULES, SCHEDULES
 from infinipipe_hf.planner.schedules.base import ROUNDS
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
-from infinipipe_hf.planner.search.finish import finish_pipeline
+from infinipipe_hf.planner.search.finish import finish_pipeline, host_states_message
 from infinipipe_hf.planner.search.loop import run_search
 from infinipipe_hf.planner.search.result import PlanResult
 
@@ -69,11 +69,21 @@ class PlanOptions:
     sp_rounds: bool | None = None
     """Elastic SP rounds (short sequences on SP sub-groups, docs/algorithms.md); ``None`` uses them
     whenever the schedule has them and ``sp_degree > 1`` (:func:`resolve_sp_rounds`)."""
+    host_memory_budget_bytes: float | None = None
+    """Host memory per GPU a plan may hold: offloaded layer inputs, KV stores, model states
+    (``None`` or 0: no host tier, nothing is offloaded)."""
+
+    def __post_init__(self) -> None:
+        host = self.host_memory_budget_bytes
+        if host is not None and not host >= 0:
+            raise ValueError(f"host_memory_budget_bytes={host!r} must be >= 0 bytes per GPU (0 or None: no host "
+                             f"tier); pass the host memory a GPU may use, e.g. 256 * 2**30")
 
     def cost(self, spec: ModelSpec, dims: ParallelDims) -> CostModel:
         """The cost model these options plan with on ``dims``."""
         return CostModel(spec, self.profile, dims, layers_per_stage=self.layers_per_stage,
-                         memory_budget_bytes=self.memory_budget_bytes, loss_chunk_tokens=self.loss_chunk_tokens)
+                         memory_budget_bytes=self.memory_budget_bytes, loss_chunk_tokens=self.loss_chunk_tokens,
+                         host_budget_bytes=self.host_memory_budget_bytes or 0.0)
 
 
 def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None = None,
@@ -98,6 +108,10 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None
         raise ValueError(f"the cost model passed to plan_step was built for {cost.dims}, not {dims}; build the "
                          f"CostModel with the layout you plan")
     dims = cost.dims
+    stop = host_states_message(cost, o.schedule)
+    if stop is not None:
+        return PlanResult(o.schedule, None, None, False, stop, time.perf_counter() - t0, [], dims.sp_degree,
+                          dims.shard.name)
     replicas = assign_sequences(lengths, dims.dp_degree, cost)
     sched = SCHEDULES[o.schedule]
     rounds = resolve_sp_rounds(o.sp_rounds, dims.sp_degree, o.schedule)

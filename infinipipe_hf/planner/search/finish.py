@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.planner.checkpointing.host_peak import host_peak_bytes_per_stage
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.pipeline.grids import DEFAULT_SLICE_COUNTS
@@ -34,8 +35,12 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
     plan, sim = state.best
     if ctx.policy == "adaptive":
         sim = final_solve(plan, sim, cost, ctx.time_limit_s, levels, sharing)
+        sim = kv_offload_trial(plan, sim, cost, ctx.time_limit_s, levels, sharing)
     validate(plan, cost, max_tokens_per_unit=ctx.max_tokens_per_unit)
     plan.info["candidates_tried"] = len(state.tried)
+    host = host_peak_bytes_per_stage(plan, cost)
+    plan.info["host_peak_bytes_per_stage"] = host
+    plan.info["host_peak_memory_bytes"] = max(host, default=0.0)
     return PlanResult(schedule.name, plan, sim, True, None, time.perf_counter() - t0, state.tried,
                       cost.dims.sp_degree, cost.dims.shard.name)
 
@@ -43,22 +48,61 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
 def final_solve(plan: Plan, sim: SimulationResult, cost: CostModel, time_limit_s: float,
                 levels: tuple[str, ...], sharing: str) -> SimulationResult:
     """Re-solve ``plan``'s checkpointing adaptively (in place); returns the kept plan's simulation."""
+    kv = list(plan.offload_kv)  # the solve may move KV stores to host memory
     sol = solve_checkpointing(plan, cost, policy="adaptive", time_limit_s=time_limit_s, levels=levels,
                               sharing=sharing)
-    if sol.feasible and sol.recompute_time_s < plan.info.get("recompute_time_s", float("inf")):
-        before = (plan.checkpoint_layers, plan.checkpoint_levels, dict(plan.info))
-        plan.checkpoint_layers = sol.checkpoint_layers
-        plan.checkpoint_levels = sol.checkpoint_levels
-        plan.info["checkpoint_method"] = sol.method
-        plan.info["recompute_time_s"] = sol.recompute_time_s  # the info describes the kept plan
-        solved = simulate(plan, cost)
-        if solved.step_time_s <= sim.step_time_s:
-            sim = solved
-        else:
-            plan.checkpoint_layers, plan.checkpoint_levels, plan.info = before
-            plan.info["checkpoint_note"] = (f"final solve ({sol.method}) saved recompute but simulated "
-                                            f"{solved.step_time_s:.4g} s > {sim.step_time_s:.4g} s; kept the greedy")
+    if not (sol.feasible and sol.recompute_time_s < plan.info.get("recompute_time_s", float("inf"))):
+        plan.offload_kv = kv
+        return sim
+    before = (plan.checkpoint_layers, plan.checkpoint_levels, dict(plan.info), kv)
+    plan.checkpoint_layers = sol.checkpoint_layers
+    plan.checkpoint_levels = sol.checkpoint_levels
+    plan.info["checkpoint_method"] = sol.method
+    plan.info["recompute_time_s"] = sol.recompute_time_s  # the info describes the kept plan
+    solved = simulate(plan, cost)
+    if solved.step_time_s <= sim.step_time_s:
+        return solved
+    plan.checkpoint_layers, plan.checkpoint_levels, plan.info, plan.offload_kv = before
+    plan.info["checkpoint_note"] = (f"final solve ({sol.method}) saved recompute but simulated "
+                                    f"{solved.step_time_s:.4g} s > {sim.step_time_s:.4g} s; kept the greedy")
     return sim
+
+
+def kv_offload_trial(plan: Plan, sim: SimulationResult, cost: CostModel, time_limit_s: float,
+                     levels: tuple[str, ...], sharing: str) -> SimulationResult:
+    """With a host tier, a plan that recomputes and keeps KV stores on the device tries them in host
+    memory (every stage's ``offload_kv``): the device room it frees may save recompute.  Kept (in
+    place) when it simulates faster; returns the kept plan's simulation."""
+    if not (cost.host_budget_bytes > 0 and not plan.offload_kv and plan.info.get("recompute_time_s", 0.0) > 0
+            and any(plan.continues_after(s) for u in plan.units for s in u.segments)):
+        return sim
+    before = (plan.checkpoint_layers, plan.checkpoint_levels, dict(plan.info))
+    plan.offload_kv = list(range(plan.pp_degree))
+    sol = solve_checkpointing(plan, cost, policy="adaptive", time_limit_s=time_limit_s, levels=levels,
+                              sharing=sharing)
+    if sol.feasible and sol.recompute_time_s < plan.info["recompute_time_s"]:
+        plan.checkpoint_layers, plan.checkpoint_levels = sol.checkpoint_layers, sol.checkpoint_levels
+        plan.info.update(checkpoint_method=sol.method, recompute_time_s=sol.recompute_time_s)
+        solved = simulate(plan, cost)
+        if solved.step_time_s < sim.step_time_s:
+            return solved
+    plan.checkpoint_layers, plan.checkpoint_levels, plan.info = before
+    plan.offload_kv = []
+    return sim
+
+
+def host_states_message(cost: CostModel, schedule: str) -> str | None:
+    """Why no plan can fit when the model states a stage keeps on the host exceed the host budget
+    alone (0 without a host tier), else None."""
+    host = [cost.host.state_host_bytes(s) for s in range(cost.dims.pp_degree)]
+    s = max(range(len(host)), key=host.__getitem__)
+    if host[s] <= cost.host_budget_bytes:
+        return None
+    budget = cost.host_budget_bytes
+    return (f"no {schedule} plan fits: state_offload={cost.dims.state_offload.name!r} keeps {host[s] / 2**30:.3g} GiB "
+            f"of stage {s}'s model states in host memory per GPU but the host budget is {budget / 2**30:.3g} GiB"
+            + (" (no host tier)" if not budget else "") + "; give a host budget of at least that (--host-memory-gib, "
+            "host_memory_gib), shard the states over more GPUs or use more pipeline stages")
 
 
 def infeasible_message(lengths: list[int], cost: CostModel, schedule: str, last_error: str | None,
@@ -76,6 +120,8 @@ def infeasible_message(lengths: list[int], cost: CostModel, schedule: str, last_
     more = "sp_degree, " if cost.dims.sp_degree < cost.spec.num_attention_heads else ""
     reference = REFERENCE
     other = "" if schedule == reference else f", or schedule={reference!r}"
+    if not cost.host_budget_bytes:
+        other += ", or a host memory budget to offload to (--host-memory-gib, host_memory_gib)"
     if longest > limit:
         how = (f"and cut into {max(DEFAULT_SLICE_COUNTS)} slices" if schedule == reference
                else f"in {schedule}'s leanest plan of it")

@@ -36,6 +36,12 @@ class PlanResult:
         return self.label or self.schedule
 
     @property
+    def host_peak_memory_bytes(self) -> float:
+        """Peak host bytes per GPU of the plan (0.0 without a plan or without a host tier)."""
+        info = getattr(self.plan, "info", None) or {}
+        return float(info.get("host_peak_memory_bytes") or 0.0)
+
+    @property
     def file_name(self) -> str:
         """``name`` as a file-name part (``epp-whole-group-sp``)."""
         return re.sub(r"[^A-Za-z0-9.]+", "-", self.name).strip("-")
@@ -44,6 +50,10 @@ class PlanResult:
         """The ``--json`` object of the planner CLI (docs/contracts.md), as the schedule reports it
         (with ``label`` when set)."""
         d = get_schedule(self.schedule).summary(self)
+        info = getattr(self.plan, "info", None) or {}
+        for key in ("host_peak_memory_bytes", "host_peak_bytes_per_stage"):  # a pipeline plan's host tier
+            if key in info:
+                d.setdefault(key, info[key])
         if self.label:
             d["label"] = self.label
         return d

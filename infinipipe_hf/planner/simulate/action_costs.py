@@ -48,10 +48,18 @@ class ActionCosts:
         shape = self._shape(a.unit)
         cost = self.groups.get(a.unit, self.cost)
         fixed = self.group_fixed_s if self.group_fixed_s and self.plan.sub_group(a.unit).size > 1 else 0.0
+        if stage in self.plan.offload_kv:  # the host KV store's copies that outlast the compute
+            fixed += self.kv_exposed(stage, a)
         if a.is_forward:
             return cost.compute.forward_time(stage, shape) + fixed
         t = cost.backward_time(stage, shape, self.plan.checkpointed(stage, a.unit))
         return t + self.finer_recompute(stage, a.unit) + fixed
+
+    def kv_exposed(self, stage: int, a: Action) -> float:
+        """Exposed copy seconds of the action on a stage whose KV store is in host memory."""
+        segments = self.plan.unit_by_id[a.unit].segments
+        return self.groups.get(a.unit, self.cost).host.kv_exposed_s(
+            stage, segments, [self.plan.continues_after(s) for s in segments], not a.is_forward)
 
     def recompute(self, stage: int, uid: int) -> float:
         """Seconds the unit's backward on the stage spends recomputing (whole layers and finer levels)."""

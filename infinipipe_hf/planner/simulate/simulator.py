@@ -8,8 +8,9 @@ backward includes the recompute, of whole layers and of the finer levels inside 
 run in parallel, so the step ends with the slowest.  A stage's step ends after its last
 action plus the exposed part of the step's gradient reduction (``cost.compute.gradient_sync_time``: the
 all-reduce over SP x DP ranks, or FSDP2's reduce-scatters behind the last backward; zero for a
-stage of one GPU in one replica).  All times are per GPU: with sequence parallelism a stage is
-a group of GPUs working on each unit in lockstep.
+stage of one GPU in one replica), then, with optimizer states in host memory, the exposed CPU
+optimizer step (``cost.state_host.step_tail_s``: gradients down, AdamW, weights up).  All times
+are per GPU: with sequence parallelism a stage is a group of GPUs working on each unit in lockstep.
 Memory per action comes from the stage's memory timeline
 (:mod:`infinipipe_hf.planner.checkpointing.memory_walk`, the same points the checkpoint solver
 constrains), so simulator, solver and validator agree on what "fits" means.
@@ -57,6 +58,7 @@ class _Totals:
     step: float = 0.0
     recompute: float = 0.0
     sync: float = 0.0
+    tail: float = 0.0
 
 
 def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
@@ -95,7 +97,8 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
         memory_timeline=totals.timeline,
         feasible=all(x <= budget for x in totals.peaks),
         info={"num_pipelines": plan.num_pipelines, "num_units": len(plan.units),
-              **({"gradient_sync_s": totals.sync} if totals.sync else {})},
+              **({"gradient_sync_s": totals.sync} if totals.sync else {}),
+              **({"state_step_tail_s": totals.tail} if totals.tail else {})},
         recompute_fraction=totals.recompute / capacity if capacity > 0 else 0.0,
     )
 
@@ -160,10 +163,12 @@ def _add_round_replica(plan: Plan, cost: CostModel, costs: ActionCosts, steps: R
 
 
 def _stage_end(cost: CostModel, rep: ReplayResult, s: int, acts: list, totals: _Totals) -> None:
-    """The stage's end: its last action plus the exposed part of the step's gradient reduction."""
+    """The stage's end: its last action plus the exposed part of the step's gradient reduction and
+    of an optimizer step in host memory."""
     if not acts:
         return
     sync_time = getattr(cost.compute, "gradient_sync_time", None)
+    state_host = getattr(cost, "state_host", None)  # stand-in cost models in tests carry none
     end = rep.end[s][-1]
     last_b = max((i for i, a in enumerate(acts) if not a.is_forward), default=None)
     if last_b is not None and sync_time is not None:
@@ -171,6 +176,11 @@ def _stage_end(cost: CostModel, rep: ReplayResult, s: int, acts: list, totals: _
         if sync:
             end += sync
             totals.sync = max(totals.sync, sync)
+    if last_b is not None and state_host is not None:
+        tail = state_host.step_tail_s(s)
+        if tail:
+            end += tail
+            totals.tail = max(totals.tail, tail)
     totals.step = max(totals.step, end)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from infinipipe_hf.ir.actions import Action, ActionKind, B, F
-from infinipipe_hf.ir.levels import FINER_LEVELS
+from infinipipe_hf.ir.levels import PLAN_LEVELS
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import rank_classes, rank_view
 from infinipipe_hf.ir.units import Segment, Unit
@@ -27,7 +27,7 @@ from infinipipe_hf.planner.checkpointing.points import memory_points, point_byte
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.registry import SCHEDULES
 from infinipipe_hf.planner.simulate.grid import format_grid, slot_replay
-from infinipipe_hf.planner.validate import sp_round_checks
+from infinipipe_hf.planner.validate import host_checks, sp_round_checks
 
 
 class PlanValidationError(ValueError):
@@ -90,9 +90,11 @@ class _Checker:
             self.deadlock(r)
         self.checkpoints()
         self.report(sp_round_checks.one_mix_per_round(self.plan))
+        self.report(host_checks.offload_kv_stages(self.plan))
         if self.check_memory and self.cost is not None:
             for r in sorted(self.plan.actions):
                 self.memory(r)
+                self.report(host_checks.host_memory(self.plan, self.cost, r))
 
     def structure(self) -> None:
         plan = self.plan
@@ -273,10 +275,10 @@ class _Checker:
         """Finer levels: known names, counts >= 0, whole + finer layers within the stage's layers."""
         plan = self.plan
         for s, uid, unit, per in self.stage_units(plan.checkpoint_levels, "checkpoint_levels"):
-            bad = sorted(set(per) - set(FINER_LEVELS))
+            bad = sorted(set(per) - set(PLAN_LEVELS))
             if bad:
-                self.fail_unit(f"checkpoint_levels[{s}][{uid}] has unknown level(s) {bad}; the levels "
-                               f"inside a layer are {', '.join(FINER_LEVELS)} (whole layers go in "
+                self.fail_unit(f"checkpoint_levels[{s}][{uid}] has unknown level(s) {bad}; the entry holds "
+                               f"{', '.join(PLAN_LEVELS)} (whole layers go in "
                                f"checkpoint_layers)", unit, ActionKind.BACKWARD, s)
             for lv, n in sorted(per.items()):
                 if isinstance(n, bool) or not isinstance(n, int) or n < 0:

@@ -13,12 +13,21 @@ per ``(layer, seq, start)``: the recompute of a checkpointed layer during backwa
 stored leaves (and their accumulated grads) instead of replacing them.  The trade-off of leaves
 over recomputing context K/V is memory: K/V of in-flight sequences (and their grads) stay on the
 stage until the sequence's first slice finished backward; ``bytes()`` reports it for accounting.
+
+K/V offload (``offload = True``, set per step from the plan's ``offload_kv``): entries keep their
+K/V in the store's ``HostTier`` instead (:class:`HostKVEntry`).  A later slice reading its context
+gets the K/V back on the device (on CUDA the next layer's are prefetched meanwhile) through an
+autograd function that adds their gradients to the entry's accumulators (on the host as well), so the
+earlier slice's backward collects exactly what the device leaves would have held.  The store also
+carries the stage's host tier for the ``offload`` checkpoint level (``recompute/layers.py``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from infinipipe_hf.runtime.offload.host_tier import HostTensor, HostTier
 
 
 @dataclass
@@ -29,6 +38,12 @@ class KVEntry:
     end: int
     k: torch.Tensor
     v: torch.Tensor
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k, self.v
+
+    def release(self) -> None:
+        pass
 
     def pending_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
         gk = self.k.grad if self.k.grad is not None else torch.zeros_like(self.k)
@@ -44,22 +59,107 @@ class KVEntry:
         return n
 
 
+@dataclass
+class HostKVEntry:
+    """K/V of tokens [start, end) of one sequence in the host tier, and the gradients later
+    slices sent back to them (on the host too, brought back to add each new part)."""
+
+    start: int
+    end: int
+    k: HostTensor
+    v: HostTensor
+    tier: HostTier
+    requires_grad: bool
+    gk: HostTensor | None = None
+    gv: HostTensor | None = None
+
+    anchor: torch.Tensor | None = None
+    """An empty tensor that requires grad, so the K/V brought back join the graph (no leaf of
+    theirs is kept by it: the device copies go as soon as the attention is done with them)."""
+
+    def __post_init__(self) -> None:
+        if self.requires_grad:
+            self.anchor = torch.empty(0, requires_grad=True)
+
+    def _back(self, h: HostTensor, which: str) -> torch.Tensor:
+        if not self.requires_grad:
+            return self.tier.get(h, keep=True)
+        return _FromHost.apply(self.anchor, self, h, which)
+
+    def _accumulate(self, which: str, g: torch.Tensor) -> None:
+        have = getattr(self, which)
+        total = g if have is None else self.tier.get(have) + g
+        setattr(self, which, self.tier.put(total, self.k.tag))
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V back on the device; their gradients add to this entry's."""
+        return self._back(self.k, "gk"), self._back(self.v, "gv")
+
+    def prefetch(self) -> None:
+        """Start bringing the K/V back (CUDA side stream), for the next layer's read."""
+        self.tier.prefetch(self.k)
+        self.tier.prefetch(self.v)
+
+    def release(self) -> None:
+        for h in (self.k, self.v, self.gk, self.gv):
+            if h is not None:
+                self.tier.release(h)
+
+    def pending_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        def back(g: HostTensor | None, h: HostTensor) -> torch.Tensor:
+            if g is None:
+                return torch.zeros(h.host.shape, dtype=h.host.dtype, device=h.device)
+            return self.tier.get(g)
+
+        gk, gv = back(self.gk, self.k), back(self.gv, self.v)
+        self.gk = self.gv = None
+        return gk, gv
+
+    def bytes(self) -> int:
+        """Device bytes: none (K/V and their gradients wait on the host)."""
+        return 0
+
+
+class _FromHost(torch.autograd.Function):
+    """A host K/V brought back to the device; its gradient goes to the entry's accumulator."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, entry: HostKVEntry, h: HostTensor, which: str):
+        ctx.entry, ctx.which = entry, which
+        return entry.tier.get(h, keep=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.entry._accumulate(ctx.which, grad)
+        return None, None, None, None
+
+
 class KVStore:
     """K/V of earlier slices on one stage, keyed by (layer_idx, seq), ordered by slice start."""
 
-    def __init__(self) -> None:
-        self._entries: dict[tuple[int, int], dict[int, KVEntry]] = {}
+    def __init__(self, host_tier: HostTier | None = None) -> None:
+        self._entries: dict[tuple[int, int], dict[int, KVEntry | HostKVEntry]] = {}
+        self.host_tier = host_tier if host_tier is not None else HostTier()
+        """The stage's host memory (K/V offload, the ``offload`` checkpoint level)."""
+        self.offload = False
+        """Keep new entries in ``host_tier`` (the plan's ``offload_kv`` names this stage)."""
 
     def put(self, layer_idx: int, seq: int, start: int, end: int, k: torch.Tensor,
-            v: torch.Tensor) -> KVEntry:
-        """Store the slice's own K/V as leaves; return the existing entry when already stored."""
+            v: torch.Tensor) -> KVEntry | HostKVEntry:
+        """Store the slice's own K/V as leaves (in the host tier when ``offload``); return the
+        existing entry when already stored."""
         per_seq = self._entries.setdefault((layer_idx, seq), {})
         entry = per_seq.get(start)
         if entry is not None:
-            assert entry.end == end and entry.k.shape == k.shape, (layer_idx, seq, start, end)
+            assert entry.end == end, (layer_idx, seq, start, end)
             return entry
         grad = torch.is_grad_enabled()
-        entry = KVEntry(start, end, k.detach().requires_grad_(grad), v.detach().requires_grad_(grad))
+        if self.offload:
+            tag = ("kv", seq)
+            entry = HostKVEntry(start, end, self.host_tier.put(k, tag), self.host_tier.put(v, tag),
+                                self.host_tier, grad)
+        else:
+            entry = KVEntry(start, end, k.detach().requires_grad_(grad), v.detach().requires_grad_(grad))
         per_seq[start] = entry
         return entry
 
@@ -80,22 +180,29 @@ class KVStore:
                 f"KV store has tokens [0, {pos}) of sequence {seq} at layer {layer_idx} but a slice "
                 f"starting at {start} needs [0, {start}): an earlier slice of the sequence did not run "
                 f"forward on this stage first (check the plan's action order)")
-        if len(pieces) == 1:
-            return pieces[0].k, pieces[0].v
-        return torch.cat([e.k for e in pieces], dim=2), torch.cat([e.v for e in pieces], dim=2)
+        kvs = [e.kv() for e in pieces]
+        for e in self._entries.get((layer_idx + 1, seq), {}).values():  # the next layer's, ahead (CUDA)
+            if isinstance(e, HostKVEntry) and e.start < start:
+                e.prefetch()
+        if len(kvs) == 1:
+            return kvs[0]
+        return torch.cat([k for k, _ in kvs], dim=2), torch.cat([v for _, v in kvs], dim=2)
 
     def free_sequence(self, seq: int) -> None:
         for key in [key for key in self._entries if key[1] == seq]:
-            del self._entries[key]
+            for e in self._entries.pop(key).values():
+                e.release()
 
     def sequences(self) -> set[int]:
         return {key[1] for key in self._entries}
 
     def clear(self) -> None:
+        """Drop every entry and every host-tier tensor of the step (the tier's resident bytes stay)."""
         self._entries.clear()
+        self.host_tier.clear()
 
     def bytes(self) -> int:
-        """Bytes held by stored K/V and their accumulated gradients."""
+        """Device bytes held by stored K/V and their accumulated gradients."""
         return sum(e.bytes() for per_seq in self._entries.values() for e in per_seq.values())
 
     def __len__(self) -> int:

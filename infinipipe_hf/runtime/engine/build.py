@@ -13,7 +13,7 @@ import torch
 
 from infinipipe_hf.config import InfiniPipeConfig
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.layout import ParallelDims, shard_mode
+from infinipipe_hf.layout import ParallelDims, shard_mode, state_offload
 from infinipipe_hf.runtime.parallel.fsdp import StageSharding
 from infinipipe_hf.runtime.parallel.fsdp_api import fsdp2_api
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
@@ -59,10 +59,11 @@ def build_dims(config: InfiniPipeConfig, spec: ModelSpec, world: int, compute_dt
     """The job's layout, built once: the degrees against the world and the model
     (``ParallelDims``' checks), and the shard mode against this torch."""
     mode = shard_mode(config.shard)
-    if mode.sharded:
+    fsdp = mode.sharded or state_offload(config.state_offload).weights_on_host
+    if fsdp:
         fsdp2_api(mode.name)  # first: without FSDP2 no world makes the shard mode run
     dims = config.layout(world, model=spec)
-    if not mode.sharded and compute_dtype is not None:
+    if not fsdp and compute_dtype is not None:
         raise ValueError(f"compute_dtype={compute_dtype} is FSDP2 mixed precision and needs "
                          f"shard != 'none'; without sharding cast the model (model.to(dtype))")
     return dims
@@ -78,8 +79,9 @@ def build_stage(model, config: InfiniPipeConfig, spec: ModelSpec, layout: Parall
                               last_stage_extra=spec.embedding_params / spec.layer_params)
     stage = cut_stage(model, layout.stage_index, ranges[layout.stage_index])
     sharding = None
-    if layout.dims.shard.sharded:
-        # Sharded on the host/meta device: only this rank's shards are put on the device.
+    if layout.dims.shard.sharded or layout.dims.state_offload.weights_on_host:
+        # Sharded on the host/meta device: only this rank's shards are put on the device (with
+        # state_offload='states': kept in host memory, an unsharded stage sharded over its rank alone).
         sharding = StageSharding(stage, layout, device, compute_dtype=compute_dtype)
     else:
         stage.to(device)

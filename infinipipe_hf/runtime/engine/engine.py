@@ -23,6 +23,10 @@ head (``sp_degree`` above the model's head count).  A plan with SP sub-groups an
 sub-group of one with no all-to-all, and the same all-reduce sums the ranks' gradients
 (the plan validator and ``rounds.py`` check such a plan first).
 
+Host memory (``runtime/offload``): the stage's ``HostTier`` (``engine.host_tier``) holds the inputs
+of the plan's ``offload`` layers between forward and backward, the KV store of a stage in the
+plan's ``offload_kv``, and, under ``state_offload='optimizer'``, the ``HostOptimizer`` states.
+
 Trade-offs: the planner is called synchronously (planning one step ahead in a background worker
 is the trainer's job).  A planner can be injected (``planning.py``), or a plan passed to
 ``train_step(batch, plan=...)``.  Construction and its checks live in ``build.py``.
@@ -113,7 +117,9 @@ class PipelineEngine:
                                   sequence_parallel=self.sequence_parallel)
         comm = (StageComm(self.layout, timeout_s=config.p2p_timeout_s, device=self.device,
                           dtype=self.dtype) if dims.pp_degree > 1 else None)
-        self.executor = PipelineExecutor(self.runner, self.layout, comm)
+        self.host_tier = self.runner.kv_store.host_tier
+        """This stage's host memory: offloaded activations and K/V, host optimizer states."""
+        self.executor = PipelineExecutor(self.runner, self.layout, comm, host_tier=self.host_tier)
         self.plan_agreement = PlanAgreement(self.layout, self.device, config.p2p_timeout_s)
         self.grad_sync = GradientSync(self.layout, self.device, config.p2p_timeout_s,
                                       trainable=self._trainable, tied=self._tied_params,
@@ -176,6 +182,11 @@ class PipelineEngine:
         check_runnable(plan, self.layout.sp_degree)
         return batch, lengths, n_labels, plan, sim
 
+    def _begin_step(self, plan: Plan, batch, label_tokens: int) -> None:
+        self.runner.begin_step(plan, batch, label_tokens)
+        # K/V offload: the plan's ``offload_kv`` lists the stages whose KV store lives on the host.
+        self.runner.kv_store.offload = self.layout.stage_index in plan.offload_kv
+
     def train_step(self, batch, *, plan: Plan | None = None,
                    num_label_tokens: int | None = None) -> StepOutput:
         """Forward + backward of the global ``batch``; gradients accumulate into ``.grad``.
@@ -202,7 +213,7 @@ class PipelineEngine:
         try:
             if self.sharding is not None:
                 self.sharding.begin_step()
-            self.runner.begin_step(plan, batch, normaliser)
+            self._begin_step(plan, batch, normaliser)
             result = self.executor.run(plan, step=self.step_count, train=True)
             self.runner.end_step()
             self.grad_sync.sync(self.step_count)
@@ -230,7 +241,7 @@ class PipelineEngine:
         try:
             if self.sharding is not None:
                 self.sharding.begin_forward_only()
-            self.runner.begin_step(plan, batch, n_labels)
+            self._begin_step(plan, batch, n_labels)
             result = self.executor.run(plan, step=self.step_count, train=False)
             self.runner.end_step()
         finally:

@@ -42,7 +42,7 @@ class PipelineExecutor:
     """Executes ``plan.stage_actions(dp_rank, stage_index)`` for one rank."""
 
     def __init__(self, runner, layout: ParallelLayout, comm: StageComm | None, *,
-                 lookahead: int = 2) -> None:
+                 lookahead: int = 2, host_tier=None) -> None:
         if lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {lookahead}")
         assert comm is not None or layout.pp_degree == 1, "pp > 1 needs a StageComm"
@@ -50,6 +50,8 @@ class PipelineExecutor:
         self.layout = layout
         self.comm = comm
         self.lookahead = lookahead
+        self.host_tier = host_tier
+        """Where offloaded activations wait: a unit's are prefetched when its backward starts."""
 
     def _recv_kind(self, action) -> int | None:
         if action.is_forward:
@@ -124,6 +126,8 @@ class PipelineExecutor:
                 else:
                     sends.append(self.comm.post_send(out, HIDDEN, action.unit))
             else:
+                if self.host_tier is not None:
+                    self.host_tier.prefetch_tag(action.unit)  # CUDA: copies back overlap the backward
                 grad_in = self.runner.backward(action.unit, data)
                 if not lay.is_first_stage:
                     assert grad_in is not None, f"stage {lay.stage_index} returned no input grad"

@@ -1,7 +1,8 @@
 """Plans for an engine's steps: the default planner, and the agreement of every rank on one plan.
 
 The default planner calls the planner's ``plan_step`` with the engine's degrees, layer split,
-memory budget and the checkpoint levels its stage can run.  This is the runtime's one seam into
+memory budget, host memory budget (``InfiniPipeConfig.host_budget_bytes``) and the checkpoint
+levels its stage can run.  This is the runtime's one seam into
 the planner; the imports are lazy, so the engine imports without it.  A planner can be injected
 instead (``planner=callable(lengths, engine) -> Plan | PlanResult``) so tests and baselines do
 not depend on the default one.  Plans must be identical on every rank: ``make_plan`` checks that
@@ -75,7 +76,8 @@ class DefaultPlanner:
                               profile=self.profile, layers_per_stage=list(engine.layers_per_stage),
                               max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
                               checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
-                              sp_rounds=c.sp_rounds, checkpoint_levels=runnable_checkpoint_levels(engine))
+                              sp_rounds=c.sp_rounds, checkpoint_levels=runnable_checkpoint_levels(engine),
+                              host_memory_budget_bytes=c.host_budget_bytes())
         return dict(spec=engine.spec, dims=engine.layout.dims, options=options)
 
     def __call__(self, lengths: list[int], engine):

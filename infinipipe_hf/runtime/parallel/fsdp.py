@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infinipipe_hf.layout import ShardMode
+from infinipipe_hf.layout import SHARD_TABLE, ShardMode
 from infinipipe_hf.runtime.parallel.fsdp_api import copy_full_, fsdp2_api, is_dtensor
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 
@@ -56,14 +56,18 @@ class StageSharding:
     def __init__(self, stage, layout: ParallelLayout, device: torch.device, *,
                  compute_dtype: torch.dtype | None = None) -> None:
         self.mode = layout.dims.shard
-        """The layout's shard mode (checked runnable when the layout was built)."""
+        """The layout's shard mode (checked runnable when the layout was built); unsharded stages
+        with ``state_offload='states'`` run FSDP2 over their rank alone (``alone_mesh``)."""
         fully_shard, MixedPrecisionPolicy, self._fsdp_module_type = fsdp2_api(self.mode.name)
-        if layout.mesh is None:
-            raise ValueError(f"shard={self.mode.name!r} needs the layout's DeviceMesh (a world of more than one "
-                             f"rank with process groups)")
         self.layout = layout
         self.device = device
-        self.mesh = self._shard_mesh(layout, self.mode)
+        if not self.mode.sharded:
+            self.mode, self.mesh = SHARD_TABLE["sp"], alone_mesh(layout, device)
+        elif layout.mesh is None:
+            raise ValueError(f"shard={self.mode.name!r} needs the layout's DeviceMesh (a world of more than one "
+                             f"rank with process groups)")
+        else:
+            self.mesh = self._shard_mesh(layout, self.mode)
         self.extra_group, self.extra_ranks = self._extra_group(layout, self.mode)
         self.gather_per_step = self.mode.per_step_gather
         """Gather every module once per step (shard group spans DP replicas, whose unit lists
@@ -74,9 +78,18 @@ class StageSharding:
         if compute_dtype is not None:
             # Low-precision compute, float32 reduction; shards keep the model's dtype.
             mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        self.offload = layout.dims.state_offload.weights_on_host
+        """``state_offload='states'``: shards, gradients and optimizer states live in host memory
+        (FSDP2's ``CPUOffloadPolicy``; pinned on CUDA), gathered to the device to run."""
+        kw = dict(mesh=self.mesh, mp_policy=mp)
+        if self.offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+            stage.compute_device = device  # the parameters say "cpu"; the stage runs here
         host = self._to_meta(stage.hf_model)
-        self.modules, self.keep_gathered = self._wrap(stage, fully_shard, mp)
-        self.root = fully_shard(stage.hf_model, mesh=self.mesh, mp_policy=mp)
+        self.modules, self.keep_gathered = self._wrap(stage, fully_shard, kw)
+        self.root = fully_shard(stage.hf_model, **kw)
         leftover = [n for n, p in stage.hf_model.named_parameters() if not is_dtensor(p)]
         if leftover:
             raise ValueError(f"parameters outside the embeddings, decoder layers, final norm and LM head "
@@ -131,10 +144,9 @@ class StageSharding:
                 module._parameters[name] = memo[id(p)]
         return host
 
-    def _wrap(self, stage, fully_shard, mp) -> tuple[list, set]:
+    def _wrap(self, stage, fully_shard, kw) -> tuple[list, set]:
         hf = stage.hf_model
         inner = hf.model
-        kw = dict(mesh=self.mesh, mp_policy=mp)
         modules, keep = [], set()
         embed_with_head = stage.is_first and stage.is_last and stage.tie_word_embeddings
         if stage.is_first and not embed_with_head:
@@ -152,8 +164,13 @@ class StageSharding:
 
     def _materialize(self, model: nn.Module, host: dict[str, torch.Tensor]) -> None:
         buffers = {n: b for n, b in model.named_buffers(remove_duplicate=False)}
-        model.to_empty(device=self.device)  # allocates local shards (and buffers) only
+        # Allocates local shards (and buffers) only; host-offloaded shards in host memory.
+        model.to_empty(device="cpu" if self.offload else self.device)
         with torch.no_grad():
+            for module in model.modules():
+                for name, b in list(module._buffers.items()):
+                    if b is not None and b.device != self.device:
+                        module._buffers[name] = b.to(self.device)
             for name, b in model.named_buffers(remove_duplicate=False):
                 b.copy_(buffers[name])
             for name, p in model.named_parameters():
@@ -231,3 +248,22 @@ class StageSharding:
         spans_dp = "dp" in self.mode.shard_dims
         spans_sp = "sp" in self.mode.shard_dims
         return (spans_dp or lay.dp_rank == 0) and (spans_sp or lay.sp_rank == 0)
+
+
+def alone_mesh(layout: ParallelLayout, device: torch.device):
+    """A one-rank mesh of this rank (FSDP2's CPU offload of an unsharded stage): the layout's SP
+    dim when the rank is alone on it and in its DP dim, else ``ValueError``.  A world of one rank
+    gets a process group of its own (``HashStore``) when none is initialised."""
+    if layout.dims.sp_degree > 1 or layout.dims.dp_degree > 1:
+        raise ValueError(f"state_offload='states' on unsharded stages ({layout.dims.label}) runs FSDP2 on each "
+                         f"rank alone, which needs sp_degree = dp_degree = 1; shard the stages (shard='sp', "
+                         f"'dp', ...) or use state_offload='optimizer'")
+    if layout.mesh is not None:
+        return layout.mesh["sp"]
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+    return init_device_mesh(device.type, (1,), mesh_dim_names=("sp",))

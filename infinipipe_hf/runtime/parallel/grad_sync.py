@@ -78,10 +78,10 @@ class GradientSync:
     def sync(self, step: int) -> None:
         """Tied-embedding sum, then the all-reduce over the stage's DP x SP ranks."""
         lay = self.layout
+        if self.sharding is not None:  # also alone (state_offload='states' on one rank)
+            self.sharding.reduce_gradients()
         if lay.world_size == 1:
             return
-        if self.sharding is not None:
-            self.sharding.reduce_gradients()
         params = self._trainable()
         for p in params:  # every rank of a group must reduce the same tensors
             if p.grad is None:

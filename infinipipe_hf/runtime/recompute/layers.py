@@ -9,6 +9,8 @@ and the rest normally.  The planner's solver chooses the counts per unit: long u
 memory, short ones keep everything.  Heaviest level first (rather than last) means the layers
 whose activations are kept are the ones backward needs first, so they are freed earliest, and the
 layers that rebuild the most rebuild when the most has been freed.
+An ``offload`` layer is a ``full`` one whose saved input waits in the stage's host tier (the KV
+store's, ``runtime/offload/activation_hooks.py``) between the forward and the backward.
 The KV store's ``put`` is idempotent, so a checkpointed slice's recompute reuses its stored K/V.
 HF's own ``gradient_checkpointing`` stays off on stage models (the stage builder turns it off);
 nesting both would recompute twice.
@@ -22,7 +24,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from infinipipe_hf.ir.levels import FULL, KEEP_ATTN, CheckpointMix
+from infinipipe_hf.ir.levels import FULL, KEEP_ATTN, OFFLOAD, CheckpointMix
+from infinipipe_hf.runtime.offload.activation_hooks import offload_saved
 from infinipipe_hf.runtime.recompute.keep_attn import KeptAttention
 from infinipipe_hf.runtime.recompute.mlp_levels import mlp_level
 
@@ -31,7 +34,8 @@ def run_decoder_layers(layers: Sequence[tuple[int, nn.Module]], hidden: torch.Te
                        num_checkpointed: int, position_ids: torch.Tensor,
                        position_embeddings: tuple[torch.Tensor, torch.Tensor], unit_ctx,
                        finer_levels: Mapping[str, int] | None = None) -> torch.Tensor:
-    """Run ``layers`` in order; the first ``num_checkpointed`` under activation checkpointing, the
+    """Run ``layers`` in order: the first ``finer_levels["offload"]`` checkpointed with their input
+    in the host tier, the next ``num_checkpointed`` under activation checkpointing, the
     next ``finer_levels["keep_attn"]``, ``finer_levels["mlp"]`` and ``finer_levels["mlp_act"]``
     at those levels."""
     if not 0 <= num_checkpointed <= len(layers):
@@ -48,6 +52,9 @@ def run_decoder_layers(layers: Sequence[tuple[int, nn.Module]], hidden: torch.Te
     for (_, layer), level in zip(layers, per_layer):
         if grad and level == FULL:
             hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+        elif level == OFFLOAD:
+            with offload_saved(unit_ctx.store.host_tier, unit_ctx.unit_id):
+                hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
         elif level == KEEP_ATTN:
             hidden = checkpoint(layer, hidden, use_reentrant=False, **kept_kwargs)
         else:
@@ -69,7 +76,9 @@ def runnable_levels(levels: Sequence[str], layers: Sequence[nn.Module], device: 
 
     kept, why = [], []
     for level in levels:
-        if level == KEEP_ATTN:
+        if level == OFFLOAD:
+            reason = None  # a whole-layer checkpoint: runs wherever ``full`` does
+        elif level == KEEP_ATTN:
             attns = [getattr(layer, "self_attn", None) for layer in layers]
             dropout = max((float(getattr(a, "attention_dropout", 0.0) or 0.0) for a in attns), default=0.0)
             head_dim = max((int(getattr(a, "head_dim", 0) or 0) for a in attns), default=0) or None

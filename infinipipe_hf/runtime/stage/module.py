@@ -102,7 +102,8 @@ class StageModule(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.hf_model.parameters()).device
+        # Set when the parameters live in host memory between uses (state_offload='states').
+        return getattr(self, "compute_device", None) or next(self.hf_model.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:

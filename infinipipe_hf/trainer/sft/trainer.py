@@ -63,12 +63,26 @@ def _warn_ignored(args: EPPSFTConfig) -> None:
     ignored = {
         "packing": (args.packing, "the token-budget sampler packs and the planner slices every batch"),
         "padding_free": (args.padding_free, "the pipeline never pads"),
-        "activation_offloading": (args.activation_offloading, "the planner's checkpointing fits memory"),
         "use_liger_kernel": (args.use_liger_kernel, "stages run the model's own layers"),
     }
     for name, (value, why) in ignored.items():
         if value:
             notices.warn(f"{name}=True is ignored by EPPSFTTrainer: {why}")
+    _map_activation_offloading(args)
+
+
+def _map_activation_offloading(args: EPPSFTConfig) -> None:
+    """TRL's ``activation_offloading`` is the pipeline's host tier: the planner may keep layer
+    inputs and carried K/V in host memory where recompute alone would not fit or cost more."""
+    if not args.activation_offloading:
+        return
+    if args.host_memory_gib == 0:
+        notices.warn("activation_offloading=True, but host_memory_gib=0 turns the host tier off, so "
+                     "nothing is offloaded; leave host_memory_gib unset (the machine's memory over its "
+                     "ranks) or give a budget in GiB per rank")
+    else:
+        notices.info("activation_offloading=True: the planner may offload layer inputs and K/V to host "
+                     "memory (host_memory_gib) where that beats recomputing")
 
 
 def _refuse_unsupported(args: EPPSFTConfig, compute_loss_func, quantization_config) -> None:

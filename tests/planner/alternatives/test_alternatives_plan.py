@@ -14,8 +14,10 @@ from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.alternatives.round_plan import check_plan
 from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.registry import ALTERNATIVES
+from infinipipe_hf.planner.layout_search.host_tier import planned_alternatives
 from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step
+
+ALTERNATIVES = planned_alternatives(0.0)  # without a host tier: alst needs one
 
 SPEC = ModelSpec.from_json_file(config_path("llama2-7b"))
 MODEL = str(config_path("llama2-7b"))

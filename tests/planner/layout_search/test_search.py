@@ -7,9 +7,10 @@ import pytest
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import SHARD_MODES, ParallelDims
 from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.layout_search.host_tier import planned_alternatives
 from infinipipe_hf.planner.layout_search.result import LayoutOutcome, NoLayoutFits
 from infinipipe_hf.planner.layout_search.search import enumerate_layouts, fits_alone, pick, search_layouts
-from infinipipe_hf.planner.registry import ALTERNATIVES, get_schedule
+from infinipipe_hf.planner.registry import get_schedule
 from infinipipe_hf.planner.schedules.base import PIPELINE
 from infinipipe_hf.planner.search.api import PlanOptions, plan_step
 from infinipipe_hf.planner.search.limits import largest_trainable_length
@@ -86,7 +87,7 @@ def test_pick_is_the_fastest_of_a_brute_force(budget_gib):
         if o.feasible:
             assert o.tokens_per_s == pytest.approx(brute[o.layout].simulation.tokens_per_s, rel=1e-12)
     assert [o.tokens_per_s for o in search.layouts] == sorted((o.tokens_per_s for o in search.layouts), reverse=True)
-    assert set(search.alternatives) == set(ALTERNATIVES)
+    assert set(search.alternatives) == set(planned_alternatives(0.0))  # alst only with a host tier
 
 
 def test_rules_out_layouts_before_planning_and_prices_hybrid_as_sp():

@@ -1,0 +1,101 @@
+"""Host memory as a tier of one stage: what offloaded layer inputs and an offloaded KV store hold
+there, and the copy seconds they add.
+
+Bytes.  An ``offload`` layer (:mod:`infinipipe_hf.ir.levels`) keeps its input in pinned host
+memory between its forward and its backward: ``hidden_bytes_per_token`` per GPU token, per layer.
+A stage in the plan's ``offload_kv`` keeps its KV store (context K/V of continuing sequences and
+their pending gradients) in host memory: the whole store there, on the device only the layer
+running and the next one (prefetched): ``min(2, L) / L`` of it.  The host peak of a stage adds the
+model states the stage keeps on the host (``cost.state_host.host_bytes``, when that part exists).
+
+Seconds.  Copies run on a side stream at ``profile.host_bandwidth_bytes_per_s`` (per direction,
+per GPU) beside the layer's compute; only the part of a copy longer than the compute it overlaps
+is exposed.  An offloaded layer copies its input out during its own forward and back during the
+backward of the layer after it (in backward order, the same shape), so its exposed seconds are
+``max(0, copy - forward) + max(0, copy - backward with replay)`` per layer, linear in the layer
+count (the checkpoint solver needs that).  With ``offload_kv`` a slice with context copies its
+context K/V in per layer (forward: to attend; backward: to replay, plus the pending K/V gradients
+in and out) and its own new K/V out, each overlapping that layer's compute.  Trade-off: the
+copies share no bandwidth with other copies (state offload's, the other direction's) in this
+model, and the forward's exposed part is charged to the backward (one place, same step time).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.planner.cost.activations import StageActivations
+from infinipipe_hf.planner.cost.compute import StageCompute, UnitShape
+
+
+class HostTierCost:
+    """Host bytes and copy seconds of one stage's offloaded activations and KV store (per GPU)."""
+
+    @staticmethod
+    def from_stage(ctx, cost) -> "HostTierCost":
+        """The stage's part (:mod:`.model`)."""
+        return HostTierCost(ctx.host_budget_bytes, cost.compute, cost.acts, getattr(cost, "state_host", None))
+
+    def __init__(self, budget_bytes: float, compute: StageCompute, acts: StageActivations, state_host=None):
+        if not budget_bytes >= 0:
+            raise ValueError(f"host_budget_bytes={budget_bytes!r} must be >= 0 (0: no host tier)")
+        self.budget_bytes = float(budget_bytes)
+        """Host memory per GPU a plan may hold (0: nothing is offloaded)."""
+        self.compute = compute
+        self.acts = acts
+        self.state_host = state_host
+        self.bandwidth = acts.profile.host_bandwidth_bytes_per_s
+        """Bytes per second one direction of a GPU's host link copies."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the stage has a host tier at all."""
+        return self.budget_bytes > 0
+
+    def copy_s(self, nbytes: float) -> float:
+        """Seconds one direction of the host link takes for ``nbytes``."""
+        return nbytes / self.bandwidth
+
+    def state_host_bytes(self, stage_index: int) -> float:
+        """Model-state bytes the stage keeps on the host (the state-offload part's; 0 without it)."""
+        return float(self.state_host.host_bytes(stage_index)) if self.state_host is not None else 0.0
+
+    # --- offloaded layer inputs ----------------------------------------------------------------
+    def layer_offload_bytes(self, stage_index: int, segments: Sequence[Segment]) -> float:
+        """Host bytes one offloaded layer of a unit with these segments holds: its input."""
+        tokens = self.acts.gpu_tokens(sum(s.end - s.start for s in segments))
+        return tokens * self.acts.hidden_bytes_per_token
+
+    def layer_exposed_s(self, shape: UnitShape) -> float:
+        """Exposed copy seconds per offloaded layer of a unit of ``shape`` (module docstring)."""
+        copy = self.copy_s(self.compute.gpu_tokens(shape.tokens) * self.acts.hidden_bytes_per_token)
+        fwd = self.compute.layer_fwd(shape.pairs, shape.tokens)
+        bwd = self.compute.layer_bwd(shape.pairs, shape.tokens) + fwd
+        return max(0.0, copy - fwd) + max(0.0, copy - bwd)
+
+    # --- the KV store in host memory -----------------------------------------------------------
+    def kv_device_share(self, stage_index: int) -> float:
+        """Share of an offloaded KV store the device still holds: the running layer's and the next's."""
+        layers = self.acts.layers_per_stage[stage_index]
+        return min(2, layers) / layers
+
+    def kv_copy_bytes(self, segments: Sequence[Segment], continuing: Sequence[bool], backward: bool) -> float:
+        """Bytes one layer copies for an offloaded KV store while a unit with these segments runs
+        (``continuing``: per segment, whether later slices need its K/V)."""
+        per = self.acts.kv_bytes_per_token_per_layer
+        context = sum(s.start for s in segments)
+        if backward:  # context K/V in to replay; pending K/V gradients in and back out
+            return 3 * context * per
+        own = sum(s.end - s.start for s, c in zip(segments, continuing) if c)
+        return (context + own) * per
+
+    def kv_exposed_s(self, stage_index: int, segments: Sequence[Segment], continuing: Sequence[bool],
+                     backward: bool) -> float:
+        """Exposed copy seconds of one action of a unit on a stage whose KV store is offloaded."""
+        shape = UnitShape.of(segments)
+        per_layer = self.copy_s(self.kv_copy_bytes(segments, continuing, backward))
+        if not per_layer:
+            return 0.0
+        fwd = self.compute.layer_fwd(shape.pairs, shape.tokens)
+        overlap = fwd + self.compute.layer_bwd(shape.pairs, shape.tokens) if backward else fwd
+        return self.acts.layers_per_stage[stage_index] * max(0.0, per_layer - overlap)
