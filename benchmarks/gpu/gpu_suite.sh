@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one run on one CUDA GPU, most valuable first, sized for a
-# short lease (about 5 minutes on an H100, at most 8.5 with every step at its limit):
+# short lease (about 6 minutes on an H100, at most 8.75 with every step at its limit):
 #   bash benchmarks/gpu/gpu_suite.sh [--dry-run] [OUTDIR]     (OUTDIR: $OUT if set, else out/gpu_suite)
 #   SUITE_STEPS="2 5" bash benchmarks/gpu/gpu_suite.sh        (rerun only some steps)
-# 1 tests/gpu                  -> gpu_tests.json          pass/fail per test
+# 1 tests/gpu                  -> gpu_suite.json's gpu_tests: pass/fail per test
 # 2 profile 1B and 7B layers   -> gpu_profile.json        fits vs the shipped profile
 # 3 memory model, 4 plans      -> memory_model_check.json predicted / measured peak
 # 4 single GPU, 8K-128K        -> single_gpu.json         EPP vs HF (+ checkpointing)
 # 5 simulator vs real          -> gpu_sim_vs_real.json    one plan, per action
 # 6 demo in bf16               -> gpu_demo.json           loss curve beside CPU float32
+# 7 host tier, longest length  -> offload_reach_gpu.json  predicted / measured device and host peak,
+#                                 step time; tokens/s beside the run without the host tier
+#                                 (Llama-3.2-1B shape, optimizer states on the host, the machine's
+#                                 host memory, the device budget capped at 10 GiB so that the
+#                                 longest length, about 64K, runs two steps inside its 90 s)
 # Each step runs under `set -euo pipefail` with its own time limit, writes its JSON as soon as it
 # has it, and a failing step does not stop the next; gpu_suite.json records every step's status
-# and gpu_suite.log everything printed (8 files in all: what the device tool brings back).
+# and gpu_suite.log everything printed (8 files in all: what the device tool brings back; the GPU
+# tests' results go into gpu_suite.json for that reason).
 # --dry-run runs every step's Python on the CPU with tiny shapes (tests/benchmarks/gpu/test_gpu_suite_script.py
 # runs it), so a typo cannot waste a lease. Needs only what the lent machine has (torch, transformers,
 # scipy, pytest); the fitted profiles live in a scratch folder, not OUTDIR.
@@ -27,14 +33,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMER
 # expandable segments unless the caller sets its own configuration.
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}"
 LOG="$OUTDIR/gpu_suite.log"
-SUITE="$OUTDIR/gpu_suite.json"
-STEPS="${SUITE_STEPS:-1 2 3 4 5 6}"
+export SUITE="$OUTDIR/gpu_suite.json"
+STEPS="${SUITE_STEPS:-1 2 3 4 5 6 7}"
 if [ "$DRY" = 1 ]; then
   export DEV="--tiny --device cpu --dtype fp32" PROFILED=tiny
-  LIMITS=(0 240 240 240 240 240 240)
+  LIMITS=(0 240 240 240 240 240 240 240)
 else
   export DEV="" PROFILED=llama3.2-1b
-  LIMITS=(0 90 75 75 150 45 60)
+  LIMITS=(0 75 60 60 150 45 45 90)
 fi
 export PROFILE="$WORK/$PROFILED.profile.json"
 prof_arg() { if [ -f "$PROFILE" ]; then echo "--profile $PROFILE"; fi; }
@@ -43,7 +49,7 @@ export -f prof_arg
 step_1() {  # the CUDA attention backends, keep_attn's flash pair, the engine on CUDA
   local rc=0
   $PY -m pytest -q -rs -p no:cacheprovider --timeout 60 tests/gpu --junitxml "$WORK/gpu_tests.xml" || rc=$?
-  $PY -m benchmarks.gpu.gpu_suite_report tests "$WORK/gpu_tests.xml" "$OUTDIR/gpu_tests.json"
+  $PY -m benchmarks.gpu.gpu_suite_report tests "$WORK/gpu_tests.xml" "$SUITE"
   return $rc
 }
 step_2() {  # the profiler on two layer shapes; fitted profiles saved in WORK for steps 3-5
@@ -82,15 +88,23 @@ step_6() {  # the demo's run as one bf16 EPPTrainer job, beside the committed CP
     $PY -m benchmarks.gpu.gpu_demo --device cuda --dtype bf16 --out "$OUTDIR/gpu_demo.json"
   fi
 }
-NAMES=(none tests_gpu profile memory_model single_gpu sim_vs_real demo_bf16)
-export -f step_1 step_2 step_3 step_4 step_5 step_6
+step_7() {  # the longest sequence with optimizer states, inputs and K/V in host memory, and without
+  if [ "$DRY" = 1 ]; then
+    $PY -m benchmarks.gpu.offload_reach_gpu $DEV --out "$OUTDIR/offload_reach_gpu.json"
+  else
+    $PY -m benchmarks.gpu.offload_reach_gpu --state-offload optimizer --memory-budget-gib 10 $(prof_arg) \
+      --out "$OUTDIR/offload_reach_gpu.json"
+  fi
+}
+NAMES=(none tests_gpu profile memory_model single_gpu sim_vs_real demo_bf16 offload_reach)
+export -f step_1 step_2 step_3 step_4 step_5 step_6 step_7
 
 { echo "gpu_suite: $(date -u +%FT%TZ) dry_run=$DRY steps='$STEPS' out=$OUTDIR"
   $PY -m benchmarks.gpu.gpu_suite_report env "$SUITE"; } 2>&1 | tee -a "$LOG"
 failed=0
 for s in $STEPS; do
-  if ! [[ "$s" =~ ^[1-6]$ ]]; then
-    echo "gpu_suite: unknown step '$s' in SUITE_STEPS (use 1 to 6)" | tee -a "$LOG" >&2
+  if ! [[ "$s" =~ ^[1-7]$ ]]; then
+    echo "gpu_suite: unknown step '$s' in SUITE_STEPS (use 1 to 7)" | tee -a "$LOG" >&2
     exit 2
   fi
   echo "== step $s ${NAMES[$s]} (limit ${LIMITS[$s]} s)" | tee -a "$LOG"

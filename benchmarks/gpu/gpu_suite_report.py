@@ -2,7 +2,7 @@
 
     python -m benchmarks.gpu.gpu_suite_report env SUITE.json            # start the file: machine and versions
     python -m benchmarks.gpu.gpu_suite_report step SUITE.json N NAME RC SECONDS LIMIT
-    python -m benchmarks.gpu.gpu_suite_report tests JUNIT.xml OUT.json  # pass/fail per test
+    python -m benchmarks.gpu.gpu_suite_report tests JUNIT.xml SUITE.json  # pass/fail per test, as gpu_tests
 
 Torch-free except ``env`` (which imports torch and transformers for their versions), so a step's
 record costs a fraction of a second and is written even when the step's own Python died.
@@ -62,7 +62,9 @@ def step(path: Path, number: str, name: str, rc: str, seconds: str, limit: str) 
 
 
 def tests(junit: Path, out: Path) -> int:
-    """Per-test outcome from pytest's JUnit XML; returns the number of failed or errored tests."""
+    """Per-test outcome from pytest's JUnit XML into ``out``'s ``gpu_tests`` (the suite's status
+    file: one file fewer for the device tool to bring back); returns the number of failed or
+    errored tests."""
     rows = []
     for case in ET.parse(junit).getroot().iter("testcase"):
         outcome, message = "passed", ""
@@ -75,7 +77,9 @@ def tests(junit: Path, out: Path) -> int:
         rows.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                      "time_s": float(case.get("time") or 0.0), "message": message})
     counts = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
-    out.write_text(json.dumps({"counts": counts, "tests": rows}, indent=1))
+    doc = _load(out)
+    doc["gpu_tests"] = {"counts": counts, "tests": rows}
+    out.write_text(json.dumps(doc, indent=1))
     print(json.dumps(counts))
     return counts["failed"] + counts["error"]
 

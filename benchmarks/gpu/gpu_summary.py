@@ -63,15 +63,25 @@ def unit_kind_runs(lease: Path) -> list[dict]:
     return out
 
 
+def gpu_test_counts(run: Path) -> dict | None:
+    """The GPU tests' counts of a run: ``gpu_suite.json``'s ``gpu_tests``, or (earlier runs) ``gpu_tests.json``."""
+    suite = _load(run / "gpu_suite.json" if (run / "gpu_suite.json").is_file() else None)
+    if "gpu_tests" in suite:
+        return suite["gpu_tests"]["counts"]
+    old = run / "gpu_tests.json"
+    return json.loads(old.read_text())["counts"] if old.is_file() else None
+
+
 def summarise(lease: Path) -> dict:
     suite = _load(_first(lease, "gpu_suite.json"))
-    tests = {r.name: json.loads((r / "gpu_tests.json").read_text())["counts"]
-             for r in sorted(p for p in lease.iterdir() if p.is_dir()) if (r / "gpu_tests.json").is_file()}
+    tests = {r.name: gpu_test_counts(r) for r in sorted(p for p in lease.iterdir() if p.is_dir())
+             if gpu_test_counts(r)}
     prof = _load(_first(lease, "gpu_profile.json")).get("models", [])
     mem_file = _first(lease, "memory_model_check.json")
     mem = _rows(mem_file.parent, mem_file.name) if mem_file else []
     sim = _load(_first(lease, "gpu_sim_vs_real.json"))
     demo = _load(_first(lease, "gpu_demo.json", last=True))
+    reach = _load(_first(lease, "offload_reach_gpu.json", last=True))
     return {
         "device": suite.get("nvidia_smi"), "versions": suite.get("versions"), "python": suite.get("python"),
         "tests": tests,
@@ -88,6 +98,9 @@ def summarise(lease: Path) -> dict:
         "demo": {"losses_gpu_bf16": demo.get("losses"), "losses_cpu_fp32": demo.get("reference", {}).get("losses"),
                  "max_abs_loss_diff": demo.get("max_abs_loss_diff"), "same_init": demo.get("same_init")},
         "single_gpu": single_gpu_table(lease),
+        "offload_reach": [{k: r.get(k) for k in ("name", "length", "tokens_per_s", "error", "peak_gib",
+                                                 "predicted_device_peak_gib", "host_peak_gib", "predicted_host_peak_gib",
+                                                 "measured_step_s", "predicted_step_s")} for r in reach.get("rows", [])],
     }
 
 

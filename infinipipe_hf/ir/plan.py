@@ -58,6 +58,10 @@ class Plan:
     """Stages whose KV store (context K/V of continuing sequences, their pending gradients) lives in
     host memory, copied in layer by layer as slices need it.  JSON key ``offload_kv``, written
     when used.  Offloaded layer inputs are the ``offload`` level of ``checkpoint_levels``."""
+    mlp_tile_tokens: dict[int, int] = field(default_factory=dict)
+    """unit id -> tokens per MLP tile (per GPU): every layer of the unit runs its MLP tile by tile,
+    each tile checkpointed (``runtime/recompute/tiled_mlp.py``), so no MLP intermediate grows with
+    the unit.  JSON key ``mlp_tile_tokens`` (``{"<unit>": tokens}``), written when used."""
 
     def __post_init__(self) -> None:
         assert len(self.actions) == self.dp_degree, (len(self.actions), self.dp_degree)
@@ -136,6 +140,8 @@ class Plan:
             d["rounds"] = [list(r) for r in self.rounds]
         if self.offload_kv:
             d["offload_kv"] = sorted(int(s) for s in self.offload_kv)
+        if self.mlp_tile_tokens:
+            d["mlp_tile_tokens"] = {str(u): int(n) for u, n in sorted(self.mlp_tile_tokens.items())}
         return d
 
     def _levels_dict(self) -> dict:
@@ -177,6 +183,7 @@ class Plan:
             sp_groups={int(u): SubGroup(int(g[0]), int(g[1])) for u, g in d.get("sp_groups", {}).items()},
             rounds=[[int(u) for u in r] for r in d.get("rounds", [])],
             offload_kv=[int(s) for s in d.get("offload_kv", [])],
+            mlp_tile_tokens={int(u): int(n) for u, n in d.get("mlp_tile_tokens", {}).items()},
         )
 
     @staticmethod

@@ -13,6 +13,7 @@ Row formats are those of the shipped ``profiles/h100_bf16_measurements.json`` so
 - ``mlp_act_recompute``: the layer's ``act_fn(g) * u`` on ``tokens x intermediate`` inputs, what
   the ``mlp_act`` checkpoint level redoes in backward; ``bytes_per_s`` = the ``5 * intermediate``
   elements per token it moves over its time (the profile's ``elementwise_bytes_per_s``).
+- ``host_copy`` / ``host_adamw``: the host tier's rows (:mod:`.host`).
 
 Forward-only timings run under ``torch.no_grad`` (no graph is built), while ``fwd_bwd_ms`` is
 measured separately as one forward with graph plus its backward, which is what a training step

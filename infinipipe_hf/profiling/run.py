@@ -2,7 +2,8 @@
 
 Times one decoder layer of the model (transformers' own layer class, random weights) forward and
 forward+backward at several sequence lengths, its saved activation bytes and forward peak per
-token, and the final norm + LM head + loss at several token counts, then fits them.  Profiling the
+token, and the final norm + LM head + loss at several token counts, and the host tier (pinned
+copies on CUDA, the CPU AdamW step anywhere: :mod:`.host`), then fits them.  Profiling the
 *target* model's layer (not a reference layer rescaled by FLOPs) is what makes the cost model exact
 for that model.  Without CUDA it refuses (CPU timings would mislead a GPU planner) unless asked for
 ``device="cpu"``, a smoke mode for tests and for planning CPU runs.
@@ -49,11 +50,14 @@ def resolve_device(name: str):
 
 def run_profile(config_dict: dict, *, device: str = "auto", dtype: str = "bf16",
                 lengths=DEFAULT_LENGTHS, head_tokens=DEFAULT_HEAD_TOKENS, slice_attention=(),
-                warmup: int = 2, repeat: int = 5, name: str | None = None, log=print):
-    """Measure and fit; returns ``(HardwareProfile, rows_document)``."""
+                warmup: int = 2, repeat: int = 5, name: str | None = None, log=print,
+                host_adamw_params: int | None = None):
+    """Measure and fit; returns ``(HardwareProfile, rows_document)``.  ``host_adamw_params``: the
+    parameters of the CPU AdamW row (default :data:`~.host.ADAMW_PARAMS`)."""
     import torch
 
     from infinipipe_hf.planner.cost.profile import fit_profile
+    from infinipipe_hf.profiling.host import ADAMW_PARAMS, host_rows
     from infinipipe_hf.profiling.measure import profile_rows
     from infinipipe_hf.profiling.modules import build_modules, reference_shape
 
@@ -72,6 +76,7 @@ def run_profile(config_dict: dict, *, device: str = "auto", dtype: str = "bf16",
         f"on {env.get('gpu', dev.type)}")
     rows = profile_rows(modules, lengths, head_tokens, slice_attention, dev, tdtype, warmup=warmup,
                         repeat=repeat, log=log)
+    rows += host_rows(dev, adamw_params=host_adamw_params or ADAMW_PARAMS, warmup=warmup, repeat=repeat, log=log)
     memory_gib = (torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda"
                   else 0.0)
     reference = reference_shape(modules.spec)
@@ -79,6 +84,9 @@ def run_profile(config_dict: dict, *, device: str = "auto", dtype: str = "bf16",
     doc = {"name": name, "source": "python -m infinipipe_hf.profile", "device": env.get("gpu", "cpu"),
            "dtype": DTYPES[dtype], "memory_gib": memory_gib, "env": env, "reference": reference,
            "rows": rows}
+    if dev.type != "cuda":
+        doc["notes"] = ["host_copy rows skipped: pinned host <-> device copies need CUDA "
+                        "(host_bandwidth_bytes_per_s keeps its default)"]
     profile = fit_profile(rows, reference, name=name, memory_gib=memory_gib or 80.0,
                           device=doc["device"], meta={"env": env, "source": doc["source"], "rows": rows})
     bpe = torch.empty((), dtype=tdtype).element_size()

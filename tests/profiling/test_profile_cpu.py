@@ -33,6 +33,14 @@ def test_cpu_smoke_profile_is_loadable_and_saved_bytes_match_the_layer(tmp_path)
     (act,) = [r for r in rows["rows"] if r["kind"] == "mlp_act_recompute"]
     assert act["bytes_per_s"] > 0 and p.elementwise_bytes_per_s == act["bytes_per_s"]
     assert rows["env"]["torch"] == torch.__version__ and rows["reference"]["vocab_size"] == 211
+    # The host tier: the CPU AdamW step measured (fused and foreach), carried into the profile;
+    # pinned copies need CUDA, so the bandwidth keeps its default and the rows file says why.
+    adamw = {r["impl"]: r for r in rows["rows"] if r["kind"] == "host_adamw"}
+    assert set(adamw) == {"fused", "foreach"} and all(r["params_per_s"] > 0 and r["threads"] >= 1
+                                                      for r in adamw.values())
+    assert p.host_optimizer_params_per_s == adamw["fused"]["params_per_s"]
+    assert "host_copy" not in kinds and p.host_bandwidth_bytes_per_s == HardwareProfile.host_bandwidth_bytes_per_s
+    assert any("host_copy" in note for note in rows["notes"])
     # The rows file is itself a profile (fitted on load), equal to the written fit.
     assert HardwareProfile.load(out.with_suffix(".rows.json")).layer_forward == p.layer_forward
     # Saved activations of a Llama layer: the cost model's element count, within 15%.

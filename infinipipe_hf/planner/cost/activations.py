@@ -62,6 +62,10 @@ class StageActivations:
         """Activation bytes of ``spec``'s layer over the reference layer's (per token)."""
         self.act_bytes_per_token = p.activation_bytes_per_token_per_layer * self.act_ratio
         self.layer_working_bytes_per_token = p.layer_working_bytes_per_token * self.act_ratio
+        # The MLP's g, act(g), u and product, a share of the measured whole layer (as the levels count
+        # it): what a tiled MLP holds for a tile of tokens instead of the unit's.
+        mlp_share = 4 * spec.intermediate_size / _act_elements(spec, p.bytes_per_element)
+        self.mlp_bytes_per_token = mlp_share * p.activation_bytes_per_token_per_layer * self.act_ratio
         self.hidden_bytes_per_token = spec.hidden_size * p.bytes_per_element
         self.kv_bytes_per_token_per_layer = 2 * spec.kv_dim * p.bytes_per_element
         if ulysses is not None:
@@ -100,12 +104,16 @@ class StageActivations:
             return self.states.peak_static_bytes(stage_index)
         return self.stage_params(stage_index) * self.profile.state_bytes_per_param
 
-    def activation_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int) -> float:
-        """Bytes a unit keeps alive on the stage from its forward to its backward."""
+    def activation_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int,
+                         mlp_tiled: bool = False) -> float:
+        """Bytes a unit keeps alive on the stage from its forward to its backward (``mlp_tiled``:
+        its MLP runs in checkpointed tiles, so a layer that is not checkpointed keeps no MLP
+        intermediate)."""
         layers = self.layers_per_stage[stage_index]
         assert 0 <= checkpointed_layers <= layers, (checkpointed_layers, layers)
         tokens = self.gpu_tokens(tokens)
-        per_token = ((layers - checkpointed_layers) * self.act_bytes_per_token
+        kept = self.act_bytes_per_token - (self.mlp_bytes_per_token if mlp_tiled else 0.0)
+        per_token = ((layers - checkpointed_layers) * kept
                      + checkpointed_layers * self.hidden_bytes_per_token)
         if stage_index == self.pp_degree - 1:
             # The final norm's saved tensors and its output, the chunked (checkpointed) head's input.
@@ -135,10 +143,10 @@ class StageActivations:
         return total
 
     def unit_activation_bytes(self, stage_index: int, segments: Sequence[Segment],
-                              checkpointed_layers: int) -> float:
+                              checkpointed_layers: int, mlp_tiled: bool = False) -> float:
         """:meth:`activation_bytes` of a unit with these segments, context copies included."""
         tokens = sum(seg.end - seg.start for seg in segments)
-        act = self.activation_bytes(stage_index, tokens, checkpointed_layers)
+        act = self.activation_bytes(stage_index, tokens, checkpointed_layers, mlp_tiled)
         extra = self.context_bytes_per_layer(segments)
         if extra:
             act += (self.layers_per_stage[stage_index] - checkpointed_layers) * extra
@@ -150,20 +158,37 @@ class StageActivations:
         return (self.activation_bytes_per_checkpointed_layer(stage_index, tokens)
                 + self.context_bytes_per_layer(segments))
 
+    def tiled_mlp_bytes(self, gpu_tokens: int, mlp_tile_tokens: int, backward: bool) -> float:
+        """Bytes of one MLP tile while it runs: its intermediates and its share of the layer's working
+        set, in backward also the intermediates' gradients (the tile reruns its gate and up)."""
+        tile = min(gpu_tokens, mlp_tile_tokens)
+        mlp = self.mlp_bytes_per_token
+        share = mlp / self.act_bytes_per_token
+        return tile * (self.layer_working_bytes_per_token * share + mlp * (2 if backward else 1))
+
     def kv_bytes(self, stage_index: int, continuing_tokens: int) -> float:
         """KV-store bytes for tokens whose K/V later slices need: K/V plus pending gradients."""
         return 2 * continuing_tokens * self.layers_per_stage[stage_index] * self.kv_bytes_per_token_per_layer
 
-    def working_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int, backward: bool) -> float:
+    def working_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int, backward: bool,
+                      mlp_tile_tokens: int | None = None) -> float:
         """Transient bytes while the unit's forward or backward runs on the stage (the linear
-        bound; :mod:`working` holds the phase model of profiles that measured it)."""
+        bound; :mod:`working` holds the phase model of profiles that measured it).  With
+        ``mlp_tile_tokens`` the MLP's intermediates (and its share of the working set) count for
+        one tile of tokens, not the unit's: in forward a tile's intermediates, in backward a tile's
+        rerun intermediates and their gradients (:meth:`tiled_mlp_bytes`)."""
         tokens = self.gpu_tokens(tokens)
-        per_token = self.layer_working_bytes_per_token + 2 * self.hidden_bytes_per_token
+        act, work, tile = self.act_bytes_per_token, self.layer_working_bytes_per_token, 0.0
+        if mlp_tile_tokens:
+            tile = self.tiled_mlp_bytes(tokens, mlp_tile_tokens, backward)
+            act -= self.mlp_bytes_per_token
+            work *= act / self.act_bytes_per_token
+        per_token = work + 2 * self.hidden_bytes_per_token
         if backward:
             # Gradients of one layer's activations exist while it runs backward; a checkpointed
             # layer first rebuilds its activations.
-            per_token += self.act_bytes_per_token * (2 if checkpointed_layers else 1)
-        w = tokens * per_token
+            per_token += act * (2 if checkpointed_layers else 1)
+        w = tokens * per_token + tile
         if stage_index == self.pp_degree - 1:
             chunk = min(tokens, self.loss_chunk_tokens)
             w += chunk * self.spec.vocab_size * 4 * 2  # fp32 logits and their gradient

@@ -93,6 +93,22 @@ class LevelCosts:
             return min(max(no_core, mlp), full)
         raise ValueError(f"unknown checkpoint level {level!r}; use one of {', '.join(LEVELS)}")
 
+    def tiled_mlp_recompute_s(self, stage_index: int, shape: UnitShape, mix: CheckpointMix) -> float:
+        """Seconds a tiled MLP adds to the unit's backward on the stage beyond ``mix``'s recompute.
+
+        Every tile reruns its gate and up projections in backward (the ``mlp`` level's recompute),
+        so a layer kept whole or at ``mlp_act`` pays the difference to ``mlp``, one at ``mlp``
+        nothing more.  A layer replayed whole (``offload``, ``full``, ``keep_attn``) runs the
+        tiles' forward in its replay, ``down_proj`` included (the tiles' checkpoints take their
+        inputs, so the replay cannot stop before the MLP), then the tiles rerun: ``mlp``'s
+        seconds plus ``down_proj``'s share (the runtime tests count the projections' calls)."""
+        tokens = self.compute.gpu_tokens(shape.tokens)
+        mlp = self.layer_recompute_s(MLP, shape)
+        down = self.down_share * (self._linear.token_s * tokens + self._linear.fixed_s)
+        kept = self.acts.layers_per_stage[stage_index] - mix.total
+        return (kept * mlp + mix.mlp_act * (mlp - self.layer_recompute_s(MLP_ACT, shape))
+                + (mix.full + mix.offload + mix.keep_attn) * (mlp + down))
+
     def layer_saved_bytes(self, level: str, stage_index: int, segments: Sequence[Segment]) -> float:
         """Bytes one layer at ``level`` drops from a unit with these segments, against keeping
         everything (monotone in the level).  Whole layers and ``keep_attn`` also drop the

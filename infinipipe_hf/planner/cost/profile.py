@@ -126,7 +126,8 @@ class HardwareProfile:
     host_optimizer_params_per_s: float = 1.0e9
     """Parameters per second one GPU's share of the host cores updates with AdamW (the step of
     offloaded optimizer states).  An assumption: DeepSpeed's CPU-Adam reports about 1-2 billion
-    parameters per second per 8-16 cores; measure with ``python -m infinipipe_hf.profile``."""
+    parameters per second per 8-16 cores; ``python -m infinipipe_hf.profile`` measures it, with the
+    host's cores over its local ranks (``host_adamw`` rows)."""
     memory_gib: float = 80.0
     """Device memory the profile was taken on; the default per-stage budget derives from it."""
     working_bytes_per_token: dict[str, float] = field(default_factory=dict)
@@ -216,6 +217,25 @@ def fit_time(points: Sequence[tuple[float, float, float]], *, with_attention: bo
     return TimeCoefficients(0.0, float(coef[0]), float(coef[1]))
 
 
+def host_fields(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The host tier's fields from optional rows (absent rows keep the defaults):
+    ``host_bandwidth_bytes_per_s`` from ``host_copy`` rows (the median per direction, the slower
+    direction: copies run both ways in a step), ``host_optimizer_params_per_s`` from ``host_adamw``
+    rows (the median of the ``fused`` rows, the HF Trainer's default AdamW, else of all)."""
+    out = {}
+    copies: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("kind") == "host_copy":
+            copies.setdefault(r["direction"], []).append(r["bytes_per_s"])
+    if copies:
+        out["host_bandwidth_bytes_per_s"] = float(min(np.median(v) for v in copies.values()))
+    adamw = [r for r in rows if r.get("kind") == "host_adamw"]
+    fused = [r for r in adamw if r.get("impl") == "fused"] or adamw
+    if fused:
+        out["host_optimizer_params_per_s"] = float(np.median([r["params_per_s"] for r in fused]))
+    return out
+
+
 def fit_profile(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, int], *, name: str,
                 memory_gib: float = 80.0, device: str = "", meta: dict | None = None) -> HardwareProfile:
     """Fit a profile from measurement rows (``kind`` = ``layer_causal`` / ``lm_head_ce``).
@@ -223,6 +243,7 @@ def fit_profile(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, int],
     ``layer_causal`` rows: ``tokens``, ``fwd_bwd_ms``, ``fwd_ms``, ``saved_bytes_per_token``,
     ``fwd_peak_bytes_per_token``; one causal sequence, so pairs = tokens^2.
     ``lm_head_ce`` rows: ``tokens``, ``fwd_bwd_ms`` and optionally ``fwd_ms`` (else 1/3 of it).
+    Optional: ``mlp_act_recompute``, ``host_copy``, ``host_adamw`` rows (:func:`host_fields`).
     """
     layer = [r for r in rows if r.get("kind") == "layer_causal"]
     head = [r for r in rows if r.get("kind") == "lm_head_ce"]
@@ -241,6 +262,7 @@ def fit_profile(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, int],
     # Optional: elementwise bandwidth (the mlp_act level's recompute); absent rows keep the default.
     act = [r["bytes_per_s"] for r in rows if r.get("kind") == "mlp_act_recompute"]
     extra = {"elementwise_bytes_per_s": float(np.median(act))} if act else {}
+    extra.update(host_fields(rows))
     peak = float(np.median([r.get("fwd_peak_bytes_per_token", r["saved_bytes_per_token"]) for r in layer]))
     return HardwareProfile(
         name=name,

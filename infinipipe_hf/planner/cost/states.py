@@ -50,8 +50,9 @@ State offload (``dims.state_offload``; host bytes and the CPU optimizer step: :m
 ``optimizer``: the device keeps weights and gradients, not the ``optimizer_bytes_per_param``.
 ``states``: it keeps no shard; every action copies each unit's weight shard up before gathering it
 (``fetch_s``, at ``host_bandwidth_bytes_per_s``), every backward reduces each unit's gradient and
-copies its shard down to be added to the host's accumulated gradient (``drain_s``; the add at the
-CPU optimizer's rate, an upper bound), in the chain the gathers overlap compute in.  So it holds
+copies its shard down to be added to the host's accumulated gradient (``drain_s``; the add is
+memory-bound like the CPU optimizer's step, so it runs :data:`ADD_OVER_ADAMW` times the step's
+parameter rate), in the chain the gathers overlap compute in.  So it holds
 the three working copies, one unit's gradient and one fetched shard (:func:`unit_reduced_state_bytes`).
 Shard groups that span DP replicas fetch and gather once per step instead.
 """
@@ -175,10 +176,16 @@ def host_fetch_s(shard: Sequence[int], precision: StatePrecision, profile: Hardw
     return [n * precision.weight_bytes_per_param / profile.host_bandwidth_bytes_per_s for n in shard]
 
 
+ADD_OVER_ADAMW = 28 / 12
+"""How many parameters a memory-bound CPU gradient add covers in the time an AdamW step takes for one:
+fp32 AdamW reads weight, gradient and two moments and writes three (28 bytes per parameter), the
+add reads two gradients and writes one (12 bytes)."""
+
+
 def host_drain_s(shard: Sequence[int], precision: StatePrecision, profile: HardwareProfile) -> list[float]:
     """Seconds to copy each unit's reduced gradient shard down and add it to the host's accumulated
-    gradient (the add at the CPU optimizer's rate: an upper bound, module docstring)."""
-    bw, rate = profile.host_bandwidth_bytes_per_s, profile.host_optimizer_params_per_s
+    gradient (the add at :data:`ADD_OVER_ADAMW` times the CPU optimizer's rate, module docstring)."""
+    bw, rate = profile.host_bandwidth_bytes_per_s, profile.host_optimizer_params_per_s * ADD_OVER_ADAMW
     return [n * precision.reduce_bytes_per_param / bw + n / rate for n in shard]
 
 

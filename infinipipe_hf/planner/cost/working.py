@@ -95,12 +95,16 @@ class WorkingMemory:
         bpe = self.acts.profile.attention_mask_bytes_per_element
         return sum(bpe * (s.end - s.start) * s.end for s in segments if s.start > 0) if bpe else 0.0
 
-    def _per_layer(self, stage: int, tokens: int, ctx: float, mask: float, mix: CheckpointMix):
+    def _per_layer(self, stage: int, tokens: int, ctx: float, mask: float, mix: CheckpointMix,
+                   tile: int | None = None):
         """(kept, forward transient, backward rebuild) bytes of each layer, in forward order."""
         c = self.acts
         a, h = c.act_bytes_per_token, c.hidden_bytes_per_token
         out = []
-        for level in mix.layer_levels(c.layers_per_stage[stage]):
+        levels = mix.layer_levels(c.layers_per_stage[stage])
+        if tile:  # every MLP reruns in tiles: a layer kept whole or at mlp_act keeps what mlp keeps
+            levels = [MLP if lv in (None, MLP_ACT) else lv for lv in levels]
+        for level in levels:
             if level == OFFLOAD:
                 # Keeps nothing; its input lives on through the forward until its copy is out, and
                 # comes back beside what the replay rebuilds.
@@ -113,20 +117,33 @@ class WorkingMemory:
             else:
                 saved = self.level_saved[level]
                 out.append((tokens * (a - saved) + ctx, tokens * self.forward[level], tokens * saved))
-        return out
+        return out if not tile else [self._tiled(k, f, r, tokens, min(tile, tokens)) for k, f, r in out]
+
+    def _tiled(self, kept: float, fwd: float, rebuilt: float, tokens: int, tile: int) -> tuple:
+        """A layer's bytes with its MLP in tiles: what its backward rebuilds holds the MLP's
+        intermediates (every level at or above ``mlp`` rebuilds them) for ``tile`` tokens, not the
+        unit's; its forward transient keeps the MLP's share of it for a tile only."""
+        m = self.level_saved[MLP]
+        share = m / self.acts.act_bytes_per_token
+        fwd *= 1.0 - share + share * tile / tokens
+        return kept, fwd, max(rebuilt - (tokens - tile) * m, 0.0)
 
     def _unit_extra(self, tokens: int) -> float:
         """Input and output hidden states, and the stage's rotary cos/sin the unit's layers share."""
         c = self.acts
         return tokens * (2 * c.hidden_bytes_per_token + 2 * c.spec.head_dim * c.profile.bytes_per_element)
 
-    def excess(self, stage: int, segments: Sequence[Segment], mix: CheckpointMix, backward: bool) -> float:
-        """Peak bytes of the unit's action beyond what the unit keeps (its activations)."""
+    def excess(self, stage: int, segments: Sequence[Segment], mix: CheckpointMix, backward: bool,
+               mlp_tile_tokens: int | None = None) -> float:
+        """Peak bytes of the unit's action beyond what the unit keeps (its activations); with
+        ``mlp_tile_tokens`` the unit's MLP runs in tiles (its layers keep at most what ``mlp`` keeps,
+        their MLP intermediates count for a tile, and backward's gradient temporaries for the MLP too)."""
         c = self.acts
         t = c.gpu_tokens(sum(s.end - s.start for s in segments))
         ctx = c.context_bytes_per_layer(segments)
         mask = self._mask_bytes(segments)
-        layers = self._per_layer(stage, t, ctx, mask, mix)
+        layers = self._per_layer(stage, t, ctx, mask, mix, mlp_tile_tokens)
+        grads = self._gradients(t, mlp_tile_tokens)
         kept = sum(k for k, _, _ in layers)
         last = stage == c.pp_degree - 1
         extra = t * c.hidden_bytes_per_token * (norm_elements(c.profile.bytes_per_element) + 1) if last else 0.0
@@ -142,9 +159,16 @@ class WorkingMemory:
             peak = total + self._logits(stage, t) if last else 0.0
             suffix = kept
             for k, _, rebuilt in reversed(layers):
-                peak = max(peak, suffix + rebuilt + t * self.gradients)
+                peak = max(peak, suffix + rebuilt + grads)
                 suffix -= k
         return max(peak - total, 0.0) + self._unit_extra(t)
+
+    def _gradients(self, tokens: int, tile: int | None) -> float:
+        """One layer's gradient temporaries in backward; tiled, the MLP's share for one tile."""
+        if not tile:
+            return tokens * self.gradients
+        share = self.level_saved[MLP] / self.acts.act_bytes_per_token
+        return self.gradients * (tokens * (1 - share) + min(tile, tokens) * share)
 
     def bound(self, stage: int, tokens: int, ctx: float, backward: bool) -> float:
         """An upper bound of :meth:`excess` over every checkpoint mix (independent of the mix);

@@ -35,6 +35,7 @@ from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
 from infinipipe_hf.planner.search.finish import finish_pipeline, host_states_message
 from infinipipe_hf.planner.search.loop import run_search
 from infinipipe_hf.planner.search.result import PlanResult
+from infinipipe_hf.planner.search.whole_units import try_whole_sequences
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,10 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None
     rounds = resolve_sp_rounds(o.sp_rounds, dims.sp_degree, o.schedule)
     ctx = PipelineContext(lengths, replicas, cost, sched.checkpoint_policy(o.checkpointing), o.max_tokens_per_unit,
                           o.num_slices, o.solver_time_limit_s, rounds)
-    result = finish_pipeline(sched, ctx, run_search(sched, ctx), t0, levels, o.checkpoint_sharing)
+    state = run_search(sched, ctx)
+    if o.schedule == "epp":  # EPP's plan space also holds whole sequences with tiled MLPs
+        try_whole_sequences(ctx, state, sched.name)
+    result = finish_pipeline(sched, ctx, state, t0, levels, o.checkpoint_sharing)
     idle = idle_replicas(len(lengths), dims.dp_degree)
     if idle and result.plan is not None:
         result.plan.info["idle_replicas"] = idle  # the batch has fewer sequences than replicas

@@ -120,7 +120,7 @@ def infeasible_message(lengths: list[int], cost: CostModel, schedule: str, last_
     more = "sp_degree, " if cost.dims.sp_degree < cost.spec.num_attention_heads else ""
     reference = REFERENCE
     other = "" if schedule == reference else f", or schedule={reference!r}"
-    if not cost.host_budget_bytes:
+    if not cost.host_budget_bytes and schedule == reference:  # only the reference's solver offloads
         other += ", or a host memory budget to offload to (--host-memory-gib, host_memory_gib)"
     if longest > limit:
         how = (f"and cut into {max(DEFAULT_SLICE_COUNTS)} slices" if schedule == reference

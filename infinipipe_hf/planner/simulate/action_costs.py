@@ -70,7 +70,11 @@ class ActionCosts:
     def finer_recompute(self, stage: int, uid: int) -> float:
         finer = self.plan.checkpoint_levels.get(stage, {}).get(uid)
         cost = self.groups.get(uid, self.cost)
-        return cost.levels.finer_recompute_s(self.shapes[uid], CheckpointMix.of(0, finer)) if finer else 0.0
+        t = cost.levels.finer_recompute_s(self.shapes[uid], CheckpointMix.of(0, finer)) if finer else 0.0
+        if uid in self.plan.mlp_tile_tokens:  # the tiles rerun their gate and up projections
+            mix = CheckpointMix.of(self.plan.checkpointed(stage, uid), finer)
+            t += cost.levels.tiled_mlp_recompute_s(stage, self.shapes[uid], mix)
+        return t
 
     def transfer(self, a: Action) -> float:
         if self.steps is not None:

@@ -257,6 +257,10 @@ class _Checker:
                 self.fail_unit(f"stage {s} checkpoints {n} layers of unit {uid}, outside [0, {top}] "
                                f"(the stage has {top} decoder layers)", unit, ActionKind.BACKWARD, s)
         self.checkpoint_levels(layers)
+        for uid, n in sorted(plan.mlp_tile_tokens.items()):
+            if uid not in plan.unit_by_id or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                self.fail(f"mlp_tile_tokens[{uid}] = {n!r}: each entry maps a unit of the plan to a positive "
+                          f"number of tokens per MLP tile")
 
     def stage_units(self, per_stage: dict, name: str):
         """``(stage, unit id, unit, value)`` of a per-(stage, unit) plan field, in order; a stage or

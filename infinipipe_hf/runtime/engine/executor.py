@@ -51,7 +51,7 @@ class PipelineExecutor:
         self.comm = comm
         self.lookahead = lookahead
         self.host_tier = host_tier
-        """Where offloaded activations wait: a unit's are prefetched when its backward starts."""
+        """Where offloaded activations wait: a unit's first is prefetched when its backward starts."""
 
     def _recv_kind(self, action) -> int | None:
         if action.is_forward:

@@ -4,7 +4,7 @@ An ``offload`` layer runs under the same non-reentrant checkpoint as a ``full`` 
 checkpoint saves the layer's input (its only saved tensor outside the checkpoint's own hook),
 and :func:`offload_saved` routes that through ``torch.autograd.graph.saved_tensors_hooks``: the
 pack hook copies it into the :class:`~.host_tier.HostTier` (tagged with the unit, so the executor
-can prefetch a unit's tensors when its backward starts) and the device copy is freed with the
+can prefetch the first one a backward reads, and each read the next) and the device copy is freed with the
 last reference; the unpack hook brings it back when the recompute needs it.  Parameters are never
 copied (they stay on the device anyway).
 """
@@ -28,6 +28,7 @@ class _Offloaded:
     def unpack(self) -> torch.Tensor:
         if self.back is None:
             self.back = self.tier.get(self.handle)
+            self.tier.prefetch_tag(self.handle.tag)  # the next input the backward reads
         return self.back
 
     def __del__(self) -> None:  # a graph freed without its backward (an aborted step)

@@ -18,11 +18,34 @@ stage's :class:`~.host_tier.HostTier` after every step and load.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from infinipipe_hf.runtime.offload.host_tier import HostTier
 
 MASTERS_KEY = "host_masters"
+
+
+def host_step_threads() -> int:
+    """CPU threads one local rank's host step may use: the cores it can run on over the local ranks
+    (``torchrun`` sets ``OMP_NUM_THREADS=1`` for the training loop, which would run AdamW on one core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+
+
+@contextlib.contextmanager
+def host_threads(active: bool):
+    """Run the block with :func:`host_step_threads` threads when ``active`` (the step runs beside a
+    GPU, whose loop leaves the cores idle), then restore torch's thread count."""
+    before = torch.get_num_threads()
+    if active:
+        torch.set_num_threads(max(before, host_step_threads()))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -99,10 +122,12 @@ class HostOptimizer(torch.optim.Optimizer):
             raise ValueError("HostOptimizer.step takes no closure (the step runs on host copies)")
         for (p, m), buf in zip(self._pairs, self._grads):  # gradients down
             m.grad = None if p.grad is None else buf.copy_(_local(p.grad), non_blocking=m.is_pinned())
-        if any(m.is_pinned() for _, m in self._pairs):
+        beside_gpu = any(m.is_pinned() for _, m in self._pairs)
+        if beside_gpu:
             torch.cuda.synchronize()  # gradients landed; the last step's copies up read their masters
         self._sync_settings()
-        self.optimizer.step()
+        with host_threads(beside_gpu):
+            self.optimizer.step()
         for p, m in self._pairs:  # weights up
             if m.grad is not None:
                 _local(p).copy_(m, non_blocking=m.is_pinned())

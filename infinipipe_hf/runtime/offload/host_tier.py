@@ -3,9 +3,9 @@
 Design: ``put`` copies a device tensor into host memory and returns a :class:`HostTensor` handle;
 ``get`` copies it back (and, unless ``keep``, frees the host copy).  On CUDA the host copy is a
 pinned CPU tensor and both copies run ``non_blocking`` on a side stream ordered by events, so they
-overlap the compute stream; ``prefetch`` starts the copy back ahead of use (the executor calls it
-for a unit when its backward starts, so the offloaded layers, which backward reaches last, find
-their inputs already on the device).  On the CPU the "device" is the CPU too: the host copy is a
+overlap the compute stream; ``prefetch`` starts the copy back ahead of use, one tensor ahead: the
+executor prefetches a unit's last offloaded input when its backward starts, and reading one
+prefetches the next (``prefetch_tag``), so at most two offloaded inputs of a unit are on the device.  On the CPU the "device" is the CPU too: the host copy is a
 separate CPU storage and ``get`` returns a fresh tensor, so tests can see a tensor leave its
 storage and come back, and every copy runs synchronously.
 
@@ -129,9 +129,12 @@ class HostTier:
             h.back_event = torch.cuda.Event()
             h.back_event.record(stream)
 
-    def prefetch_tag(self, tag: object) -> None:
-        """Prefetch every live tensor of ``tag``, most recently put first (the backward's order)."""
-        for h in reversed([h for h in self._live.values() if h.tag == tag]):
+    def prefetch_tag(self, tag: object, depth: int = 1) -> None:
+        """Prefetch the ``depth`` most recently put live tensors of ``tag`` (the next the backward
+        reads: it reads them in reverse order).  A bounded lookahead: bringing a whole unit back at
+        once would hold every offloaded input on the device again."""
+        live = [h for h in self._live.values() if h.tag == tag]
+        for h in live[::-1][:depth]:
             self.prefetch(h)
 
     def get(self, h: HostTensor, keep: bool = False) -> torch.Tensor:

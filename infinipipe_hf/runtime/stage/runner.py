@@ -169,7 +169,8 @@ class StageRunner:
         if n_ckpt + sum((finer or {}).values()) > len(st.layer_indices):
             raise ValueError(f"the plan checkpoints {n_ckpt} whole layers and {finer or {}} of unit "
                              f"{unit_id} on stage {st.stage_index}, which has {len(st.layer_indices)} layers")
-        h = st.run_layers(h, t.position_ids, self._context(t), n_ckpt, finer)
+        h = st.run_layers(h, t.position_ids, self._context(t), n_ckpt, finer,
+                          mlp_tile_tokens=self._plan.mlp_tile_tokens.get(unit_id))
         if st.is_last:
             h = chunked_lm_loss(st.lm_head, st.final_norm(h), t.labels, self._label_token_count,
                                 self.loss_chunk_tokens, self.label_smoothing)

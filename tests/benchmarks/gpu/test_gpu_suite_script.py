@@ -12,8 +12,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 SUITE = REPO / "benchmarks" / "gpu" / "gpu_suite.sh"
-OUT_FILES = {"gpu_suite.json", "gpu_suite.log", "gpu_tests.json", "gpu_profile.json", "memory_model_check.json",
-             "single_gpu.json", "gpu_sim_vs_real.json", "gpu_demo.json"}
+OUT_FILES = {"gpu_suite.json", "gpu_suite.log", "gpu_profile.json", "memory_model_check.json",
+             "single_gpu.json", "gpu_sim_vs_real.json", "gpu_demo.json", "offload_reach_gpu.json"}
+LIMITS = "LIMITS=(0 75 60 60 150 45 45 90)"
 
 
 def _fake_env(tmp_path, failing: str = "NEVER", sleeping: str = "NEVER") -> dict:
@@ -42,16 +43,18 @@ def test_a_failing_step_is_recorded_and_the_next_steps_run(tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     steps = _steps(tmp_path / "out")
     assert steps["profile"]["status"] == "failed" and steps["profile"]["exit_code"] == 3
-    assert [s["status"] for n, s in steps.items() if n != "profile"] == ["passed"] * 5
+    assert [s["status"] for n, s in steps.items() if n != "profile"] == ["passed"] * 6
     calls = (tmp_path / "calls.txt").read_text()
     assert "-m benchmarks.gpu.gpu_demo --device cuda --dtype bf16" in calls and "benchmarks.gpu.single_gpu" in calls
+    assert "-m benchmarks.gpu.offload_reach_gpu --state-offload optimizer --memory-budget-gib 10" in calls
     assert "1 step(s) failed" in p.stdout
 
 
 def test_a_step_over_its_limit_is_stopped_and_reported_as_timed_out(tmp_path):
     env = _fake_env(tmp_path, sleeping="gpu.gpu_sim_vs_real")
     suite = tmp_path / "suite.sh"  # the same script with step 5's limit cut to 1 s
-    suite.write_text(SUITE.read_text().replace("LIMITS=(0 90 75 75 150 45 60)", "LIMITS=(0 90 75 75 150 1 60)")
+    assert LIMITS in SUITE.read_text()
+    suite.write_text(SUITE.read_text().replace(LIMITS, "LIMITS=(0 75 60 60 150 1 45 90)")
                      .replace('cd "$(dirname "${BASH_SOURCE[0]}")/../.."', f'cd "{REPO}"'))
     p = subprocess.run(["bash", str(suite), str(tmp_path / "out")], env={**env, "SUITE_STEPS": "5 6"},
                        capture_output=True, text=True, timeout=120)
@@ -67,6 +70,25 @@ def test_an_unknown_step_is_refused(tmp_path):
     assert p.returncode == 2 and "unknown step '9'" in p.stderr
 
 
+def test_the_limits_keep_the_suite_within_nine_minutes():
+    limits = [int(x) for x in LIMITS.split("(")[1].rstrip(")").split()]
+    assert len(limits) == 8 and sum(limits) <= 9 * 60 - 10  # a step over its limit gets 10 s to die
+
+
+def test_the_gpu_tests_go_into_the_suite_file(tmp_path):
+    from benchmarks.gpu import gpu_suite_report
+
+    junit = tmp_path / "j.xml"
+    junit.write_text('<testsuite><testcase classname="t" name="a"/><testcase classname="t" name="b">'
+                     '<failure message="boom"/></testcase></testsuite>')
+    suite = tmp_path / "gpu_suite.json"
+    gpu_suite_report.step(suite, "1", "tests_gpu", "0", "3", "75")
+    assert gpu_suite_report.tests(junit, suite) == 1
+    doc = json.loads(suite.read_text())
+    assert doc["gpu_tests"]["counts"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 0}
+    assert doc["steps"][0]["name"] == "tests_gpu"  # the step records stay
+
+
 @pytest.mark.slow
 def test_dry_run_executes_every_step_on_cpu(tmp_path):
     out = tmp_path / "out"
@@ -74,7 +96,8 @@ def test_dry_run_executes_every_step_on_cpu(tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert {f.name for f in out.iterdir()} == OUT_FILES  # at most 8 files: what a lease brings back
-    assert all(s["status"] == "passed" for s in _steps(out).values()) and len(_steps(out)) == 6
+    assert all(s["status"] == "passed" for s in _steps(out).values()) and len(_steps(out)) == 7
+    assert "counts" in json.loads((out / "gpu_suite.json").read_text())["gpu_tests"]
     mem = json.loads((out / "memory_model_check.json").read_text())["rows"]
     assert [r.get("error") for r in mem] == [None] * 4
     kinds = [set(r["unit_kinds"]) for r in mem]
@@ -87,3 +110,6 @@ def test_dry_run_executes_every_step_on_cpu(tmp_path):
     assert "step_predicted_over_measured" in sim and sim["actions"]
     demo = json.loads((out / "gpu_demo.json").read_text())
     assert len(demo["losses"]) == 2 and demo["eval_loss_after"] < demo["eval_loss_before"]
+    reach = json.loads((out / "offload_reach_gpu.json").read_text())
+    assert [r.get("error") for r in reach["rows"]] == [None, None]
+    assert reach["longest_with_host_tier"] > reach["longest_without_host_tier"] > 0
