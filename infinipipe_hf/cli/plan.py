@@ -60,6 +60,7 @@ from infinipipe_hf.cli.inputs import (
     read_profile,
 )
 from infinipipe_hf.cli.plan_layouts import add_search_arguments, search_main
+from infinipipe_hf.cli.viz import format_host_copies
 from infinipipe_hf.config import InfiniPipeConfig
 from infinipipe_hf.ir.levels import CHECKPOINTING, FINER_LEVELS
 from infinipipe_hf.layout import SHARD_MODES, ParallelDims
@@ -243,6 +244,9 @@ def format_table(results: list[PlanResult]) -> str:
         lines.append(f"EPP speedup over {whole.name}: "
                      f"{epp.summary()['tokens_per_s'] / whole.summary()['tokens_per_s']:.2f}x")
     for r in results:
+        copies = format_host_copies(r.simulation) if r.feasible else None
+        if copies:
+            lines.append(f"{r.name}: {copies}")
         if r.error:
             lines.append(f"{r.name}: {r.error}")
     return "\n".join(lines)

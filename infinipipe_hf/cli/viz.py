@@ -8,6 +8,12 @@ with the budget dashed.  Boxes are drawn with ``broken_barh`` per row (one artis
 box) so a 512-sequence batch with thousands of boxes renders quickly; labels are only written
 into boxes wide enough to hold them.
 
+Host copies: with a host tier (the simulation's ``copy_events``) each stage's row keeps its upper
+part for compute and draws its copy lane under it: each action's host copies from its start for
+their copy (and host CPU) seconds, the exposed part (what the compute did not hide, already in
+the action's time) darker and hatched at the end; the step's end (the CPU optimizer's tail) as
+one exposed box.
+
 SP rounds: a stage's row is split into lanes by SP rank, and each unit of a round is drawn in the
 lanes of its sub-group (a unit on one of eight GPUs takes an eighth of the row), so the round's
 units stand side by side and the idle tail of a faster sub-group shows.
@@ -27,6 +33,10 @@ if TYPE_CHECKING:  # imported lazily so the planner never pulls matplotlib in
     from infinipipe_hf.planner.simulate.result import SimulationResult
 
 RECOMPUTE_COLOUR = (0.35, 0.1, 0.0, 0.55)
+COPY_COLOUR = (0.2, 0.6, 0.55, 0.8)
+EXPOSED_COPY_COLOUR = (0.7, 0.05, 0.1, 0.75)
+COMPUTE_LANE, COPY_LANE = (-0.4, 0.55), (0.2, 0.2)
+"""y offset and height in a stage's row of its compute and its copy lane, when it has copies."""
 
 
 def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | None = None,
@@ -34,7 +44,8 @@ def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | 
     """Write a Gantt + memory PNG (or any matplotlib format, by ``path``'s suffix) of ``plan``.
 
     Returns what was drawn: ``boxes`` (action boxes per Gantt row), ``recompute_boxes``,
-    ``labels`` (boxes wide enough to carry their action's name), ``memory_curves`` and
+    ``labels`` (boxes wide enough to carry their action's name), ``copy_boxes`` (host copy boxes
+    per Gantt row, none without a host tier) and ``exposed_copy_boxes``, ``memory_curves`` and
     ``size_px`` (width, height) of the image."""
     import matplotlib
 
@@ -48,7 +59,9 @@ def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | 
                                   gridspec_kw={"height_ratios": [max(1.5, 0.45 * rows), 2.6]})
     step = sim.step_time_s or 1.0
     boxes, recompute, labels = _gantt_boxes(plan, sim, step)
+    copies = _copy_boxes(plan, sim)
     _draw_gantt(ax, plan, sim, boxes, recompute, labels)
+    _draw_copies(ax, copies)
     fig.suptitle(plot_title(plan, sim, title), fontsize=11)
     _draw_memory(axm, sim, p, step)
     fig.tight_layout()
@@ -60,7 +73,8 @@ def plot_plan(plan: "Plan", sim: "SimulationResult", path: str, *, title: str | 
     for (row, _kind, _lane), (spans, _) in boxes.items():
         counts[row] = counts.get(row, 0) + len(spans)
     return {"boxes": counts, "recompute_boxes": sum(len(v) for v in recompute.values()),
-            "labels": len(labels), "memory_curves": sum(1 for pts in sim.memory_timeline.values() if pts),
+            "labels": len(labels), "copy_boxes": {row: len(c[0]) for row, c in copies.items()},
+            "exposed_copy_boxes": sum(len(c[1]) for c in copies.values()), "memory_curves": sum(1 for pts in sim.memory_timeline.values() if pts),
             "size_px": size}
 
 
@@ -97,6 +111,7 @@ def _gantt_boxes(plan: "Plan", sim: "SimulationResult", step: float):
         return 0.45 + 0.4 * ((seq * 0.618034) % 1.0)  # golden-ratio spread: neighbours differ
 
     min_label_w = step * 0.012 * max(1, len(str(max(by_id, default=0))))
+    top, height = COMPUTE_LANE if sim.copy_events else (-0.4, 0.8)
     boxes: dict[tuple[int, str, tuple[float, float]], tuple[list, list]] = {}
     recompute: dict[tuple[int, tuple[float, float]], list] = {}
     labels = []
@@ -104,7 +119,7 @@ def _gantt_boxes(plan: "Plan", sim: "SimulationResult", step: float):
         row = e.dp_rank * p + e.stage
         a = Action.parse(e.action)
         g = plan.sub_group(a.unit)  # the unit's lanes: its sub-group's share of the stage's row
-        lane = (row - 0.4 + 0.8 * g.offset / plan.sp_degree, 0.8 * g.size / plan.sp_degree)
+        lane = (row + top + height * g.offset / plan.sp_degree, height * g.size / plan.sp_degree)
         spans, colours = boxes.setdefault((row, a.kind, lane), ([], []))
         spans.append((e.start_s, e.end_s - e.start_s))
         colours.append((fwd_cmap if a.is_forward else bwd_cmap)(shade(a.unit)))
@@ -113,6 +128,27 @@ def _gantt_boxes(plan: "Plan", sim: "SimulationResult", step: float):
         if e.end_s - e.start_s >= min_label_w and g.size * 4 >= plan.sp_degree:
             labels.append(((e.start_s + e.end_s) / 2, lane[0] + lane[1] / 2, e.action))
     return boxes, recompute, labels
+
+
+def _copy_boxes(plan: "Plan", sim: "SimulationResult") -> dict[int, tuple[list, list]]:
+    """Per Gantt row, the spans of its host copy boxes and of their exposed parts."""
+    out: dict[int, tuple[list, list]] = {}
+    for e in sim.copy_events:
+        spans, exposed = out.setdefault(e.dp_rank * plan.pp_degree + e.stage, ([], []))
+        spans.append((e.start_s, e.end_s - e.start_s))
+        if e.exposed_s > 0:
+            exposed.append((e.end_s - e.exposed_s, e.exposed_s))
+    return out
+
+
+def _draw_copies(ax, copies: dict) -> None:
+    """Each stage's copy lane under its compute lane."""
+    for row, (spans, exposed) in copies.items():
+        lane = (row + COPY_LANE[0], COPY_LANE[1])
+        ax.broken_barh(spans, lane, facecolors=COPY_COLOUR, edgecolor="none")
+        if exposed:
+            ax.broken_barh(exposed, lane, facecolors=EXPOSED_COPY_COLOUR, edgecolor="black", linewidth=0.0,
+                           hatch="xxxx")
 
 
 def _draw_gantt(ax, plan: "Plan", sim: "SimulationResult", boxes: dict, recompute: dict, labels: list) -> None:
@@ -139,9 +175,14 @@ def _draw_gantt(ax, plan: "Plan", sim: "SimulationResult", boxes: dict, recomput
     shades = (0.45, 0.65, 0.85)
     handles = [tuple(Patch(color=fwd_cmap(x)) for x in shades), tuple(Patch(color=bwd_cmap(x)) for x in shades),
                Patch(facecolor=RECOMPUTE_COLOUR, hatch="////")]
-    ax.legend(handles=handles, labels=["forward", "backward", "recompute"],
+    names = ["forward", "backward", "recompute"]
+    if sim.copy_events:
+        handles += [Patch(color=COPY_COLOUR), Patch(facecolor=EXPOSED_COPY_COLOUR, hatch="xxxx")]
+        names += ["host copy", "exposed copy"]
+    ax.legend(handles=handles, labels=names,
               handler_map={tuple: HandlerTuple(ndivide=None, pad=0)}, title="shade: sequence (its slices share one)",
-              title_fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=3, frameon=False)
+              title_fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=len(names),
+              frameon=False)
 
 
 def _draw_memory(axm, sim: "SimulationResult", p: int, step: float) -> None:
@@ -168,10 +209,13 @@ def _draw_memory(axm, sim: "SimulationResult", p: int, step: float) -> None:
 
 
 def format_timeline(sim: "SimulationResult", *, max_events_per_stage: int = 40) -> str:
-    """Text timeline: summary line, then per (dp, stage) its actions with start/end in ms."""
+    """Text timeline: summary line (and the host copies' totals), then per (dp, stage) its actions
+    with start/end in ms (and its host copies' seconds, exposed part in brackets)."""
     lines = [f"step {sim.step_time_s * 1e3:.3f} ms, {sim.tokens_per_s:,.0f} tokens/s, bubbles "
              f"{sim.bubble_fraction:.1%}, recompute {sim.recompute_time_s * 1e3:.3f} ms, "
              f"{'feasible' if sim.feasible else 'OVER MEMORY BUDGET'}"]
+    lines += [line] if (line := format_host_copies(sim)) else []
+    lanes = sim.copy_lanes()
     rows: dict[tuple[int, int], list] = {}
     for e in sim.events:
         rows.setdefault((e.dp_rank, e.stage), []).append(e)
@@ -182,5 +226,20 @@ def format_timeline(sim: "SimulationResult", *, max_events_per_stage: int = 40) 
                  + (f"(rc {e.recompute_s * 1e3:.2f})" if e.recompute_s > 0 else "")
                  for e in events[:max_events_per_stage]]
         more = f" ... (+{len(events) - max_events_per_stage} more)" if len(events) > max_events_per_stage else ""
-        lines.append(f"dp{r} stage {s} (peak {format_gib(peak)} GiB): " + " ".join(cells) + more)
+        lane = lanes.get((r, s), [])
+        copies = (f"; host copies {sum(e.copy_s for e in lane) * 1e3:.2f} ms "
+                  f"(exposed {sum(e.exposed_s for e in lane) * 1e3:.2f})" if lane else "")
+        lines.append(f"dp{r} stage {s} (peak {format_gib(peak)} GiB): " + " ".join(cells) + more + copies)
     return "\n".join(lines)
+
+
+def format_host_copies(sim) -> str | None:
+    """One line of a simulation's host copy totals (None without host copies): the link's seconds
+    and bytes and the host CPU's seconds on the same chains (gradient adds, the CPU optimizer) over
+    all stages, and the exposed part, which the step time already includes."""
+    if not getattr(sim, "copy_events", None):
+        return None
+    t = sim.copy_totals()
+    return (f"host copies: {t['host_copy_s']:.3f} s on the host link ({t['host_copy_bytes'] / GIB:.3g} GiB) and "
+            f"{t['host_copy_cpu_s']:.3f} s of host CPU over all stages, {t['host_copy_exposed_s']:.3f} s exposed "
+            f"(in the step time)")

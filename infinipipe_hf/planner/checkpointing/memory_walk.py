@@ -15,8 +15,8 @@ units with no checkpointing by one layer's activations, but keeps ``base`` indep
 checkpoint choices, which is what makes every point a linear constraint.  The running unit's
 activations count in full during its forward and backward (their peak is at the layer boundary).
 
-SP sub-groups: the timeline of a plan with rounds is one SP rank's (:func:`infinipipe_hf.ir.
-rank_views.rank_view`); each unit's bytes come from the cost of the sub-group it runs on.
+SP sub-groups: the timeline of a plan with rounds is one SP rank's (:func:`infinipipe_hf.ir.rank_views.rank_view`);
+each unit's bytes come from the cost of the sub-group it runs on (units in ``mlp_tile_tokens``: MLP in tiles).
 
 KV store: a segment whose sequence continues holds ``cost.acts.kv_bytes(stage, length)`` from its
 forward on the stage until the backward of the unit holding the sequence's first slice
@@ -49,11 +49,11 @@ LevelCounts = Mapping[int, Mapping[str, int]]
 """unit id -> finer checkpoint level -> layers, for one stage (a plan's ``checkpoint_levels[stage]``)."""
 
 
-def finer_bytes(cost: CostModel, stage: int, segments, counts: Mapping[str, int] | None) -> float:
-    """Bytes the finer levels ``counts`` drop from a unit with ``segments`` (0.0 for none)."""
+def finer_bytes(cost: CostModel, stage: int, segments, counts: Mapping[str, int] | None, tiled: bool = False) -> float:
+    """Bytes the finer levels ``counts`` drop from a unit with ``segments`` (0.0 for none; ``tiled``: MLP in tiles)."""
     if not counts or not any(counts.values()):
         return 0.0
-    return cost.levels.finer_saved_bytes(stage, segments, CheckpointMix.of(0, counts))
+    return cost.levels.finer_saved_bytes(stage, segments, CheckpointMix.of(0, counts), **({"mlp_tiled": True} if tiled else {}))
 
 
 def phase_model(cost: CostModel):
@@ -102,25 +102,26 @@ class StageTimeline:
     """Per unit slot run on an SP sub-group: that sub-group's cost (:meth:`CostModel.for_group`)."""
     host_base: np.ndarray | None = None
     """Per action: host bytes independent of checkpointing (states on the host, an offloaded KV store)."""
+    tiled: frozenset = frozenset()
+    """Unit slots whose MLP runs in tiles (the plan's ``mlp_tile_tokens``): kept layers keep no MLP intermediate."""
 
     def __len__(self) -> int:
         return len(self.actions)
 
     def activations(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
                     checkpoint_levels: LevelCounts | None = None) -> np.ndarray:
-        """``cost.acts.activation_bytes`` of every unit (``units`` order) under ``checkpoint_layers``
-        (and ``checkpoint_levels``)."""
+        """``cost.acts.activation_bytes`` of every unit (``units`` order) under the checkpoint choices."""
         get = checkpoint_layers.get
-        act = cost.acts.activation_bytes
-        layers = cost.layers_per_stage[stage]
+        act, layers = cost.acts.activation_bytes, cost.layers_per_stage[stage]
         values = [act(stage, t, get(u, 0)) for u, t in zip(self.units.tolist(), self.tokens.tolist())]
-        for k, c in self.slot_costs.items():
-            values[k] = c.acts.activation_bytes(stage, int(self.tokens[k]), get(int(self.units[k]), 0))
+        for k in sorted(set(self.slot_costs) | self.tiled):  # sub-group costs; MLPs in tiles (stand-ins take none)
+            c, kw = self.slot_costs.get(k, cost), {"mlp_tiled": True} if k in self.tiled else {}
+            values[k] = c.acts.activation_bytes(stage, int(self.tokens[k]), get(int(self.units[k]), 0), **kw)
         for k, extra in self.context_bytes.items():  # slices with context: K/V copies (and masks)
             values[k] += (layers - get(int(self.units[k]), 0)) * extra
         if checkpoint_levels:
             for k, u in enumerate(self.units.tolist()):
-                values[k] -= finer_bytes(self.slot_costs.get(k, cost), stage, self.segments[k], checkpoint_levels.get(u))
+                values[k] -= finer_bytes(self.slot_costs.get(k, cost), stage, self.segments[k], checkpoint_levels.get(u), k in self.tiled)
         return np.array(values, dtype=float)
 
     def point_values(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
@@ -344,5 +345,6 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
         base = base + cost.working.pipeline_buffers(stage, fwd, facts.tokens[slot], ranks)
     regular, fpos, bpos = _live_intervals(len(units), slot, fwd)
     slot_costs = {k: groups[u] for k, u in enumerate(units.tolist()) if u in groups}
+    tiled = frozenset(k for k, u in enumerate(units.tolist()) if u in plan.mlp_tile_tokens)
     return StageTimeline(actions, units, facts.tokens, slot, fwd, base, regular, facts.context_bytes,
-                         facts.segments, fpos, bpos, slot_costs, host_base)
+                         facts.segments, fpos, bpos, slot_costs, host_base, tiled)

@@ -71,6 +71,11 @@ def timeline_points(tl: StageTimeline) -> list[MemoryPoint]:
     return points
 
 
+def _tiled(tiled: bool) -> dict:
+    """Keyword of a unit whose MLP runs in tiles (none otherwise: stand-in cost models take none)."""
+    return {"mlp_tiled": True} if tiled else {}
+
+
 def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
                 checkpoint_layers: Mapping[int, int], checkpoint_levels: LevelCounts | None = None) -> float:
     """Bytes of ``point`` on ``stage`` when unit ``u`` checkpoints ``checkpoint_layers.get(u, 0)`` layers
@@ -86,8 +91,9 @@ def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
     for uid in point.live_units:
         segs = by_id[uid].segments
         c = groups.get(uid, cost)
-        total += (c.acts.unit_activation_bytes(stage, segs, checkpoint_layers.get(uid, 0))
-                  - finer_bytes(c, stage, segs, levels.get(uid)))
+        tiled = uid in plan.mlp_tile_tokens  # stand-in cost models take no tile
+        total += (c.acts.unit_activation_bytes(stage, segs, checkpoint_layers.get(uid, 0), **_tiled(tiled))
+                  - finer_bytes(c, stage, segs, levels.get(uid), tiled))
     return total
 
 
@@ -134,8 +140,9 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
         c = groups.get(a.unit, cost)
         if a.unit not in act:
             segs = by_id[a.unit].segments
-            act[a.unit] = (c.acts.unit_activation_bytes(stage, segs, checkpoint_layers.get(a.unit, 0))
-                           - finer_bytes(c, stage, segs, levels.get(a.unit)))
+            tiled = a.unit in plan.mlp_tile_tokens
+            act[a.unit] = (c.acts.unit_activation_bytes(stage, segs, checkpoint_layers.get(a.unit, 0), **_tiled(tiled))
+                           - finer_bytes(c, stage, segs, levels.get(a.unit), tiled))
             live_sum += act[a.unit]
         base = p.base_bytes
         if phase_model(cost) is not None:

@@ -230,10 +230,11 @@ def _add_cells(plan: Plan, base_cost: CostModel, dp_rank: int, p: int, levels: t
         else:
             # A unit with no backward here (invalid plan) gets a variable of its own.
             cells.key.append(("d", k + (pp - 1 - p), layers) if k is not None else ("orphan", p, uid))
-        a0 = cost.acts.unit_activation_bytes(p, segments, 0)
+        tiled = {"mlp_tiled": True} if uid in plan.mlp_tile_tokens else {}  # kept layers keep no MLP intermediate
+        a0 = cost.acts.unit_activation_bytes(p, segments, 0, **tiled)
         cells.zero_act.append(a0)
-        full_save = a0 - cost.acts.unit_activation_bytes(p, segments, 1)
-        cells.saves.append([full_save if lv == FULL else lc.layer_saved_bytes(lv, p, segments) for lv in levels])
+        full_save = a0 - cost.acts.unit_activation_bytes(p, segments, 1, **tiled)
+        cells.saves.append([full_save if lv == FULL else lc.layer_saved_bytes(lv, p, segments, **tiled) for lv in levels])
         cells.redos.append([layer_s if lv == FULL else lc.layer_recompute_s(lv, shape) for lv in levels])
         cells.host.append(cost.host.layer_offload_bytes(p, segments) if OFFLOAD in levels else 0.0)
     return cell_here

@@ -33,8 +33,9 @@ def act_elements(hidden_size: int, intermediate_size: int, kv_dim: int, bytes_pe
 
 
 def norm_elements(bytes_per_element: float = 2) -> float:
-    """Elements per hidden element an RMSNorm keeps: its float32 input and its normalised output."""
-    return 4 / bytes_per_element + 1 if bytes_per_element < 4 else 2
+    """Elements per hidden element an RMSNorm keeps: its float32 input and its normalised output
+    (in float32 the input itself; in float64 HF's float32 cast is a narrower copy: half an element)."""
+    return 2 if bytes_per_element == 4 else 4 / bytes_per_element + 1
 
 
 def _act_elements(spec: ModelSpec, bytes_per_element: float = 2) -> float:
@@ -131,9 +132,14 @@ class StageActivations:
         autograd keeps that concatenation for backward: ``2 * start * kv_dim`` elements beyond the
         slice's own K/V, which the per-token figure already counts.  Backends that need an explicit
         lower-right mask also keep it (``attention_mask_bytes_per_element`` per query-key pair).
-        A checkpointed layer keeps neither (its forward reruns in backward).
+        With ``attention_segment_outputs_kept`` (the SDPA fallback) a unit of several segments
+        also keeps its attention output twice.  A checkpointed layer keeps none of these (its
+        forward reruns in backward).
         """
+        segments = tuple(segments)
         total = 0.0
+        if self.profile.attention_segment_outputs_kept and len(segments) > 1:
+            total += self.gpu_tokens(sum(s.end - s.start for s in segments)) * self.hidden_bytes_per_token
         mask_bpe = self.profile.attention_mask_bytes_per_element
         for seg in segments:
             if seg.start > 0:

@@ -4,9 +4,10 @@ there, and the copy seconds they add.
 Bytes.  An ``offload`` layer (:mod:`infinipipe_hf.ir.levels`) keeps its input in pinned host
 memory between its forward and its backward: ``hidden_bytes_per_token`` per GPU token, per layer.
 A stage in the plan's ``offload_kv`` keeps its KV store (context K/V of continuing sequences and
-their pending gradients) in host memory: the whole store there, on the device only the layer
-running and the next one (prefetched): ``min(2, L) / L`` of it.  The host peak of a stage adds the
-model states the stage keeps on the host (``cost.state_host.host_bytes``, when that part exists).
+their pending gradients) in host memory: the whole store there, on the device only the K/V of the
+layer running and of the next one (prefetched): ``min(2, L) / (2 L)`` of it.  The host peak of a
+stage adds the model states the stage keeps on the host (``cost.state_host.host_bytes``, when that
+part exists).
 
 Seconds.  Copies run on a side stream at ``profile.host_bandwidth_bytes_per_s`` (per direction,
 per GPU) beside the layer's compute; only the part of a copy longer than the compute it overlaps
@@ -66,18 +67,25 @@ class HostTierCost:
         tokens = self.acts.gpu_tokens(sum(s.end - s.start for s in segments))
         return tokens * self.acts.hidden_bytes_per_token
 
+    def layer_copy_bytes(self, shape: UnitShape) -> float:
+        """Bytes one offloaded layer of a unit of ``shape`` copies each way (out in the forward, back
+        in the backward): its input on the busiest GPU."""
+        return self.compute.gpu_tokens(shape.tokens) * self.acts.hidden_bytes_per_token
+
     def layer_exposed_s(self, shape: UnitShape) -> float:
         """Exposed copy seconds per offloaded layer of a unit of ``shape`` (module docstring)."""
-        copy = self.copy_s(self.compute.gpu_tokens(shape.tokens) * self.acts.hidden_bytes_per_token)
+        copy = self.copy_s(self.layer_copy_bytes(shape))
         fwd = self.compute.layer_fwd(shape.pairs, shape.tokens)
         bwd = self.compute.layer_bwd(shape.pairs, shape.tokens) + fwd
         return max(0.0, copy - fwd) + max(0.0, copy - bwd)
 
     # --- the KV store in host memory -----------------------------------------------------------
     def kv_device_share(self, stage_index: int) -> float:
-        """Share of an offloaded KV store the device still holds: the running layer's and the next's."""
+        """Share of an offloaded KV store (K/V and pending gradients) the device still holds: the
+        K/V of the running layer and of the next (prefetched), no gradients (they add up on the
+        host, one layer's part at a time on the device, while the next layer's K/V is not there yet)."""
         layers = self.acts.layers_per_stage[stage_index]
-        return min(2, layers) / layers
+        return min(2, layers) / (2 * layers)
 
     def kv_copy_bytes(self, segments: Sequence[Segment], continuing: Sequence[bool], backward: bool) -> float:
         """Bytes one layer copies for an offloaded KV store while a unit with these segments runs
@@ -88,6 +96,11 @@ class HostTierCost:
             return 3 * context * per
         own = sum(s.end - s.start for s, c in zip(segments, continuing) if c)
         return (context + own) * per
+
+    def kv_action_bytes(self, stage_index: int, segments: Sequence[Segment], continuing: Sequence[bool],
+                        backward: bool) -> float:
+        """Bytes one action of a unit copies for an offloaded KV store, over all the stage's layers."""
+        return self.acts.layers_per_stage[stage_index] * self.kv_copy_bytes(segments, continuing, backward)
 
     def kv_exposed_s(self, stage_index: int, segments: Sequence[Segment], continuing: Sequence[bool],
                      backward: bool) -> float:

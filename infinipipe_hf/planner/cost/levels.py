@@ -109,11 +109,16 @@ class LevelCosts:
         return (kept * mlp + mix.mlp_act * (mlp - self.layer_recompute_s(MLP_ACT, shape))
                 + (mix.full + mix.offload + mix.keep_attn) * (mlp + down))
 
-    def layer_saved_bytes(self, level: str, stage_index: int, segments: Sequence[Segment]) -> float:
+    def layer_saved_bytes(self, level: str, stage_index: int, segments: Sequence[Segment],
+                          mlp_tiled: bool = False) -> float:
         """Bytes one layer at ``level`` drops from a unit with these segments, against keeping
         everything (monotone in the level).  Whole layers and ``keep_attn`` also drop the
         context K/V copies (their attention reruns or runs from what is kept); the MLP levels
-        leave the attention's saved tensors as they are."""
+        leave the attention's saved tensors as they are.  ``mlp_tiled``: against a kept layer
+        whose MLP runs in tiles (it keeps no MLP intermediate, so the MLP levels drop nothing)."""
+        if mlp_tiled:
+            tokens = self.acts.gpu_tokens(sum(s.end - s.start for s in segments))
+            return max(self.layer_saved_bytes(level, stage_index, segments) - tokens * self.acts.mlp_bytes_per_token, 0.0)
         if level == FULL:
             return self.acts.unit_checkpoint_saving(stage_index, segments)
         if level == OFFLOAD and self.host is not None:  # nothing on the device: the input is on the host
@@ -133,17 +138,20 @@ class LevelCosts:
         :meth:`recompute_time`)."""
         return sum(n * self.layer_recompute_s(lv, shape) for lv in PLAN_LEVELS if (n := getattr(mix, lv)))
 
-    def finer_saved_bytes(self, stage_index: int, segments: Sequence[Segment], mix: CheckpointMix) -> float:
+    def finer_saved_bytes(self, stage_index: int, segments: Sequence[Segment], mix: CheckpointMix,
+                          mlp_tiled: bool = False) -> float:
         """Bytes the mix's levels but whole layers drop from a unit with these segments."""
-        return sum(n * self.layer_saved_bytes(lv, stage_index, segments)
+        return sum(n * self.layer_saved_bytes(lv, stage_index, segments, mlp_tiled)
                    for lv in PLAN_LEVELS if (n := getattr(mix, lv)))
 
-    def unit_activation_bytes(self, stage_index: int, segments: Iterable[Segment], mix: CheckpointMix) -> float:
-        """:meth:`StageActivations.unit_activation_bytes` of a unit under ``mix``."""
+    def unit_activation_bytes(self, stage_index: int, segments: Iterable[Segment], mix: CheckpointMix,
+                              mlp_tiled: bool = False) -> float:
+        """:meth:`StageActivations.unit_activation_bytes` of a unit under ``mix`` (``mlp_tiled``: its
+        MLP runs in tiles, the plan's ``mlp_tile_tokens``)."""
         segments = tuple(segments)
-        act = self.acts.unit_activation_bytes(stage_index, segments, mix.full)
+        act = self.acts.unit_activation_bytes(stage_index, segments, mix.full, mlp_tiled)
         if mix.total > mix.full:
-            act -= self.finer_saved_bytes(stage_index, segments, mix)
+            act -= self.finer_saved_bytes(stage_index, segments, mix, mlp_tiled)
         return act
 
     def recompute_time(self, stage_index: int, shape: UnitShape, mix: CheckpointMix) -> float:

@@ -82,6 +82,11 @@ class HardwareProfile:
     """Bytes per (query, key) pair of an explicit mask the attention saves for backward on slices
     with context: 0 for kernels with native lower-right causality (flash-attn, torch varlen),
     4 for the SDPA fallback, which turns the boolean mask into a float one and keeps it."""
+    attention_segment_outputs_kept: bool = False
+    """Whether a unit of several segments keeps one more hidden state per token in each
+    non-checkpointed layer: the SDPA fallback (one call per segment) keeps each segment's output
+    for its backward beside the concatenation ``o_proj`` keeps.  False for the varlen kernels
+    (one call per unit, whose output ``o_proj`` reads in place)."""
     state_bytes_per_param: float = 16.0
     """Weights + gradients + optimizer states per parameter (bf16 mixed precision + AdamW: 16)."""
     embedding_token_s: float = 2e-8

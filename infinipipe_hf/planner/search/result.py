@@ -54,6 +54,9 @@ class PlanResult:
         for key in ("host_peak_memory_bytes", "host_peak_bytes_per_stage"):  # a pipeline plan's host tier
             if key in info:
                 d.setdefault(key, info[key])
+        copy_totals = getattr(self.simulation, "copy_totals", None)  # a pipeline plan's host copy lanes
+        if copy_totals is not None:
+            d.update(copy_totals())
         if self.label:
             d["label"] = self.label
         return d

@@ -17,6 +17,34 @@ class ActionEvent:
 
 
 @dataclass
+class CopyEvent:
+    """One interval of a stage's host copy stream (:mod:`.copy_lane`): what an action (or the step's
+    end, ``action="step"``) copies between host and device memory beside its compute."""
+
+    dp_rank: int
+    stage: int
+    action: str
+    """The action whose copies these are (``F3``, ``B3``), or ``step`` for the copies after the
+    stage's last backward (a per-step weight fetch, the CPU optimizer step's tail)."""
+    start_s: float
+    end_s: float
+    """``start_s`` plus the copy stream's busy seconds (``copy_s + cpu_s``; for ``step``, its
+    exposed seconds: the tail's copies and CPU work overlap each other)."""
+    bytes: float
+    """Host-device bytes moved, both directions."""
+    copy_s: float
+    """Seconds the host link takes for ``bytes``."""
+    cpu_s: float
+    """Host CPU seconds on the same chain (a gradient add on the host, the CPU optimizer step)."""
+    exposed_s: float
+    """The part of the chain the compute does not hide: exactly what the action's duration (or the
+    stage's end) already includes for it."""
+    sources: tuple[str, ...]
+    """What is copied: ``offload`` (layer inputs), ``kv`` (an offloaded KV store), ``states``
+    (weights fetched, gradients drained), ``step`` (the optimizer step's tail)."""
+
+
+@dataclass
 class SimulationResult:
     step_time_s: float
     tokens_per_s: float
@@ -36,6 +64,46 @@ class SimulationResult:
     recompute_fraction: float = 0.0
     """Recompute share of stage-time over the step (``recompute_time_s`` over ``step_time_s`` times
     stages and replicas); with ``bubble_fraction``, the two overheads a plan trades."""
+    copy_events: list[CopyEvent] = field(default_factory=list)
+    """Each stage's host copy stream (empty without a host tier); its exposed seconds are inside
+    the action times already, so the step time is the same with or without them."""
+
+    @property
+    def host_copy_s(self) -> float:
+        """Host link seconds of the step, total over stages and replicas."""
+        return sum(e.copy_s for e in self.copy_events)
+
+    @property
+    def host_copy_exposed_s(self) -> float:
+        """Exposed seconds of the host copy chains, total over stages and replicas."""
+        return sum(e.exposed_s for e in self.copy_events)
+
+    def copy_lanes(self) -> dict[tuple[int, int], list[CopyEvent]]:
+        """(dp_rank, stage) -> that stage's copy events in time order."""
+        lanes: dict[tuple[int, int], list[CopyEvent]] = {}
+        for e in sorted(self.copy_events, key=lambda e: e.start_s):
+            lanes.setdefault((e.dp_rank, e.stage), []).append(e)
+        return lanes
+
+    def copy_totals(self) -> dict:
+        """The host copy keys of ``to_dict`` and the planner's JSON: totals over stages and replicas
+        (link seconds, exposed seconds, bytes, host CPU seconds on the chains) and, per stage, the
+        busiest replica's link and exposed seconds; empty without host copies (no keys)."""
+        if not self.copy_events:
+            return {}
+        stages = len(self.peak_memory_bytes)
+        per: dict[tuple[int, int], list[float]] = {}
+        for e in self.copy_events:
+            acc = per.setdefault((e.dp_rank, e.stage), [0.0, 0.0])
+            acc[0] += e.copy_s
+            acc[1] += e.exposed_s
+        return {"host_copy_s": self.host_copy_s, "host_copy_exposed_s": self.host_copy_exposed_s,
+                "host_copy_bytes": sum(e.bytes for e in self.copy_events),
+                "host_copy_cpu_s": sum(e.cpu_s for e in self.copy_events),
+                "host_copy_s_per_stage": [max((v[0] for (_, s), v in per.items() if s == st), default=0.0)
+                                          for st in range(stages)],
+                "host_copy_exposed_s_per_stage": [max((v[1] for (_, s), v in per.items() if s == st),
+                                                      default=0.0) for st in range(stages)]}
 
     def to_dict(self, *, include_events: bool = False) -> dict:
         d = {
@@ -48,9 +116,12 @@ class SimulationResult:
             "recompute_fraction": self.recompute_fraction,
             "feasible": self.feasible,
             "info": dict(self.info),
+            **self.copy_totals(),
         }
         if include_events:
             d["events"] = [asdict(e) for e in self.events]
             d["memory_timeline"] = {f"{r},{s}": [list(p) for p in pts]
                                     for (r, s), pts in sorted(self.memory_timeline.items())}
+            if self.copy_events:
+                d["copy_events"] = [asdict(e) for e in self.copy_events]
         return d

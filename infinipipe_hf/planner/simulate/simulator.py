@@ -11,6 +11,8 @@ all-reduce over SP x DP ranks, or FSDP2's reduce-scatters behind the last backwa
 stage of one GPU in one replica), then, with optimizer states in host memory, the exposed CPU
 optimizer step (``cost.state_host.step_tail_s``: gradients down, AdamW, weights up).  All times
 are per GPU: with sequence parallelism a stage is a group of GPUs working on each unit in lockstep.
+With a host tier each stage also gets a copy lane (:mod:`.copy_lane`): what its actions copy
+between host and device and the exposed part, which the durations above already include.
 Memory per action comes from the stage's memory timeline
 (:mod:`infinipipe_hf.planner.checkpointing.memory_walk`, the same points the checkpoint solver
 constrains), so simulator, solver and validator agree on what "fits" means.
@@ -38,8 +40,9 @@ from infinipipe_hf.ir.rank_views import has_sub_groups
 from infinipipe_hf.planner.checkpointing.memory_walk import stage_timeline
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.simulate.action_costs import ActionCosts
+from infinipipe_hf.planner.simulate.copy_lane import CopyLane
 from infinipipe_hf.planner.simulate.replay import ReplayResult, replay
-from infinipipe_hf.planner.simulate.result import ActionEvent, SimulationResult
+from infinipipe_hf.planner.simulate.result import ActionEvent, CopyEvent, SimulationResult
 from infinipipe_hf.planner.simulate.sp_round_steps import RoundSteps
 
 
@@ -52,7 +55,9 @@ class _Totals:
     """What :func:`simulate` accumulates over replicas, stages and actions, in that order."""
 
     peaks: list[float]
+    lane: CopyLane
     events: list[ActionEvent] = field(default_factory=list)
+    copies: list[CopyEvent] = field(default_factory=list)
     timeline: dict[tuple[int, int], list[tuple[float, float]]] = field(default_factory=dict)
     busy: float = 0.0
     step: float = 0.0
@@ -67,7 +72,7 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
     steps = RoundSteps(plan) if has_sub_groups(plan) else None
     costs = ActionCosts(plan, cost, steps)
     p = plan.pp_degree
-    totals = _Totals([0.0] * p)
+    totals = _Totals([0.0] * p, CopyLane(plan, cost, costs))
     replicas = sorted(plan.actions)
     lists = {r: plan.actions[r] if steps is None else steps.lists[r] for r in replicas}
     joint = _replica_replays(plan, cost, costs, lists)
@@ -100,6 +105,7 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
               **({"gradient_sync_s": totals.sync} if totals.sync else {}),
               **({"state_step_tail_s": totals.tail} if totals.tail else {})},
         recompute_fraction=totals.recompute / capacity if capacity > 0 else 0.0,
+        copy_events=totals.copies,
     )
 
 
@@ -137,7 +143,8 @@ def _add_replica(plan: Plan, cost: CostModel, costs: ActionCosts, r: int, rep: R
             totals.recompute += rec
             totals.busy += rep.end[s][i] - rep.start[s][i]
             totals.events.append(ActionEvent(r, s, str(a), rep.start[s][i], rep.end[s][i], rec))
-        _stage_end(cost, rep, s, acts, totals)
+            _add_copy(totals, totals.lane.action_event(r, s, a, rep.start[s][i]))
+        _stage_end(cost, r, rep, s, acts, totals)
         values = _point_values(plan, cost, r, s)
         _add_memory(cost, r, s, rep, values, totals)
 
@@ -155,21 +162,28 @@ def _add_round_replica(plan: Plan, cost: CostModel, costs: ActionCosts, steps: R
                 worst = max(worst, rec)
                 totals.busy += share * (end - start)
                 totals.events.append(ActionEvent(r, s, str(a), start, end, rec))
+                _add_copy(totals, totals.lane.action_event(r, s, a, start))
             totals.recompute += worst
-        _stage_end(cost, rep, s, acts, totals)
+        _stage_end(cost, r, rep, s, acts, totals)
         cache: dict = {}
         per_rank = [_point_values(view, cost, r, s, cache) for view in steps.views]
         _add_memory(cost, r, s, rep, [max(vs) for vs in zip(*per_rank)], totals)
 
 
-def _stage_end(cost: CostModel, rep: ReplayResult, s: int, acts: list, totals: _Totals) -> None:
+def _add_copy(totals: _Totals, event: CopyEvent | None) -> None:
+    if event is not None:
+        totals.copies.append(event)
+
+
+def _stage_end(cost: CostModel, r: int, rep: ReplayResult, s: int, acts: list, totals: _Totals) -> None:
     """The stage's end: its last action plus the exposed part of the step's gradient reduction and
-    of an optimizer step in host memory."""
+    of an optimizer step in host memory (and the copy event of what that end holds)."""
     if not acts:
         return
     sync_time = getattr(cost.compute, "gradient_sync_time", None)
     state_host = getattr(cost, "state_host", None)  # stand-in cost models in tests carry none
     end = rep.end[s][-1]
+    tail = 0.0
     last_b = max((i for i, a in enumerate(acts) if not a.is_forward), default=None)
     if last_b is not None and sync_time is not None:
         sync = sync_time(s, rep.end[s][last_b] - rep.start[s][last_b])
@@ -179,9 +193,10 @@ def _stage_end(cost: CostModel, rep: ReplayResult, s: int, acts: list, totals: _
     if last_b is not None and state_host is not None:
         tail = state_host.step_tail_s(s)
         if tail:
-            end += tail
             totals.tail = max(totals.tail, tail)
-    totals.step = max(totals.step, end)
+    if last_b is not None:
+        _add_copy(totals, totals.lane.step_event(r, s, end, tail))
+    totals.step = max(totals.step, end + tail)
 
 
 def _add_memory(cost: CostModel, r: int, s: int, rep: ReplayResult, values: list[float], totals: _Totals) -> None:

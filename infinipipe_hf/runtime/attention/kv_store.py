@@ -181,7 +181,9 @@ class KVStore:
                 f"starting at {start} needs [0, {start}): an earlier slice of the sequence did not run "
                 f"forward on this stage first (check the plan's action order)")
         kvs = [e.kv() for e in pieces]
-        for e in self._entries.get((layer_idx + 1, seq), {}).values():  # the next layer's, ahead (CUDA)
+        # The next layer's, ahead (CUDA): a replay in backward runs the layers last first.
+        step = -1 if torch._C._current_graph_task_id() != -1 else 1
+        for e in self._entries.get((layer_idx + step, seq), {}).values():
             if isinstance(e, HostKVEntry) and e.start < start:
                 e.prefetch()
         if len(kvs) == 1:

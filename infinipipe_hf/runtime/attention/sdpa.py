@@ -16,8 +16,14 @@ _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  
 def sdpa_backend(a: AttentionSegments) -> torch.Tensor:
     heads = a.query.shape[1]
     outs = []
+    # A segment without context attends to a view of the unit's K/V; beside a segment that
+    # concatenates its context, autograd would keep the unit's whole K/V through that view (the
+    # other segment's own K/V a second time), so such views are copied.
+    copy_views = len(a.keys) > 1 and any(a.context_lens)
     for i, (k, v) in enumerate(zip(a.keys, a.values)):
         q = a.query[:, :, a.q_offsets[i]:a.q_offsets[i + 1]]
+        if copy_views and not a.context_lens[i]:
+            k, v = k.clone(), v.clone()
         groups = heads // k.shape[1]
         gqa = {}
         if groups > 1:

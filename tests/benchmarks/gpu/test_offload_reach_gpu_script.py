@@ -19,7 +19,10 @@ def test_tiny_cpu_run_reaches_further_with_the_host_tier(tmp_path):
     assert host["state_offload"] == "optimizer" and base["state_offload"] == "none"
     assert res["longest_with_host_tier"] == host["length"] == host["tokens"]
     assert host["length"] > base["length"] > 0 and base["same_length"] is False  # the longest without it
-    assert host["offloaded_layers"] > 0 and host["host_tier"]["copies_out"] == host["host_tier"]["copies_in"] > 0
+    tier = host["host_tier"]
+    assert host["offloaded_layers"] > 0 and tier["copies_out"] > 0
+    # Each offloaded input comes back once; K/V on the host (offload_kv) are read by every later slice.
+    assert tier["copies_in"] > tier["copies_out"] if host["offload_kv"] else tier["copies_in"] == tier["copies_out"]
     assert host["host_tier"]["resident_gib"]["optimizer"] > 0 and base["host_peak_gib"] == 0.0
     assert host["host_peak_predicted_over_measured"] == pytest.approx(1.0, abs=0.05)
     assert len(host["step_times_s"]) == 2 and host["measured_step_s"] == host["step_times_s"][-1]

@@ -63,7 +63,7 @@ def test_offload_copies_hide_behind_compute_at_pcie_speed_and_are_priced_when_th
 
 def test_offloaded_kv_store_keeps_two_layers_on_device_and_copies_context_per_layer():
     cost = tiny_cost(pp=1)
-    assert cost.host.kv_device_share(0) == pytest.approx(2 / 6)
+    assert cost.host.kv_device_share(0) == pytest.approx(1 / 6)
     per = cost.acts.kv_bytes_per_token_per_layer  # K and V of one token, one layer
     segs = (Segment(0, 1024, 2048),)
     assert cost.host.kv_copy_bytes(segs, [True], backward=False) == pytest.approx((1024 + 1024) * per)
