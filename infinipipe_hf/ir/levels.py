@@ -41,24 +41,25 @@ MLP_LEVELS = (MLP, MLP_ACT)
 """The levels inside the MLP (runtime/recompute/mlp_levels.py)."""
 
 
-def check_plan_levels(levels: Iterable[str]) -> tuple[str, ...]:
-    """``levels`` as a tuple in :data:`PLAN_LEVELS` order; ``ValueError`` naming an unknown one."""
+def _in_order(levels: Iterable[str], allowed: tuple[str, ...], hint: str) -> tuple[str, ...]:
+    """``levels`` as a tuple in ``allowed``'s order; ``ValueError`` naming an unknown one."""
     got = tuple(levels)
     for lv in got:
-        if lv not in PLAN_LEVELS:
-            raise ValueError(f"unknown checkpoint level {lv!r} in a plan's checkpoint_levels; the entry holds "
-                             f"{', '.join(PLAN_LEVELS)} (whole layers go in checkpoint_layers)")
-    return tuple(lv for lv in PLAN_LEVELS if lv in got)
+        if lv not in allowed:
+            raise ValueError(f"unknown checkpoint level {lv!r}{hint.format(', '.join(allowed))}")
+    return tuple(lv for lv in allowed if lv in got)
+
+
+def check_plan_levels(levels: Iterable[str]) -> tuple[str, ...]:
+    """``levels`` as a tuple in :data:`PLAN_LEVELS` order; ``ValueError`` naming an unknown one."""
+    return _in_order(levels, PLAN_LEVELS, " in a plan's checkpoint_levels; the entry holds {} "
+                                          "(whole layers go in checkpoint_layers)")
 
 
 def check_levels(levels: Iterable[str]) -> tuple[str, ...]:
     """``levels`` as a tuple in :data:`FINER_LEVELS` order; ``ValueError`` naming an unknown one."""
-    got = tuple(levels)
-    for lv in got:
-        if lv not in FINER_LEVELS:
-            raise ValueError(f"unknown checkpoint level {lv!r}; use any of {', '.join(FINER_LEVELS)} "
-                             f"(whole layers are always allowed), or none to turn finer levels off")
-    return tuple(lv for lv in FINER_LEVELS if lv in got)
+    return _in_order(levels, FINER_LEVELS, "; use any of {} (whole layers are always allowed), or none to "
+                                           "turn finer levels off")
 
 
 @dataclass(frozen=True)

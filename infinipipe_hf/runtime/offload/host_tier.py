@@ -58,7 +58,8 @@ class HostTier:
     def __init__(self) -> None:
         self.stats = TierStats()
         self._streams: dict[torch.device, object] = {}
-        self._live: dict[int, HostTensor] = {}  # id(handle) -> handle, for tags and leaks
+        self._live: dict[int, HostTensor] = {}  # id(handle) -> handle, for leaks
+        self._by_tag: dict[object, list[HostTensor]] = {}  # live handles of a tag, in put order
 
     # --- accounting ---------------------------------------------------------------------------
     @property
@@ -112,6 +113,7 @@ class HostTier:
             host.copy_(src)
         h = HostTensor(host, src.device, tag, nbytes, event)
         self._live[id(h)] = h
+        self._by_tag.setdefault(tag, []).append(h)
         self._add(nbytes)
         self.stats.bytes_out += nbytes
         self.stats.copies_out += 1
@@ -133,8 +135,7 @@ class HostTier:
         """Prefetch the ``depth`` most recently put live tensors of ``tag`` (the next the backward
         reads: it reads them in reverse order).  A bounded lookahead: bringing a whole unit back at
         once would hold every offloaded input on the device again."""
-        live = [h for h in self._live.values() if h.tag == tag]
-        for h in live[::-1][:depth]:
+        for h in self._by_tag.get(tag, ())[::-1][:depth]:
             self.prefetch(h)
 
     def get(self, h: HostTensor, keep: bool = False) -> torch.Tensor:
@@ -164,10 +165,17 @@ class HostTier:
             h.out_event.synchronize()  # a pinned buffer must not be reused while a copy reads it
         h.host = h.back = None
         self._live.pop(id(h), None)
+        same = self._by_tag.get(h.tag, [])
+        for i in range(len(same) - 1, -1, -1):  # usually the last: backward reads in reverse
+            if same[i] is h:
+                del same[i]
+                break
+        if not same:
+            self._by_tag.pop(h.tag, None)
         self._add(-h.nbytes)
 
     def release_tag(self, tag: object) -> None:
-        for h in [h for h in self._live.values() if h.tag == tag]:
+        for h in list(self._by_tag.get(tag, ())):
             self.release(h)
 
     def clear(self) -> None:
@@ -176,4 +184,4 @@ class HostTier:
             self.release(h)
 
     def live_tags(self) -> set:
-        return {h.tag for h in self._live.values()}
+        return set(self._by_tag)

@@ -138,9 +138,10 @@ def _check_against_explicit(args, pc, fields: dict[str, Any]) -> None:
                          f"disagree; set one of them")
     if args.shard == "auto":  # without pp_degree='auto': its own error follows (check_auto_fields)
         fields.pop("shard", None)
-    if args.shard == "auto" or not shard_mode(args.shard).sharded or "dp_degree" not in fields:
+    mode = None if args.shard == "auto" else shard_mode(args.shard)
+    if mode is None or not mode.sharded or "dp_degree" not in fields:
         return
-    over_dp = "dp" in shard_mode(args.shard).shard_dims
+    over_dp = "dp" in mode.shard_dims
     if replicate > 1 and over_dp:
         raise ValueError(f"parallelism_config.dp_replicate_size={replicate} replicates the states over DP, but "
                          f"shard={args.shard!r} shards them over DP; use dp_shard_size={replicate} instead, or a "
