@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from infinipipe_hf.ir.grad_reduce import check_grad_reduce, unit_reduce_problem
 from infinipipe_hf.ir.levels import CHECKPOINTING
 from infinipipe_hf.layout import ParallelDims, shard_mode, state_offload
 
 CHECKPOINT_LEVELS = ("keep_attn", "mlp", "mlp_act")
-ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash")
+ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash", "flex")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 GIB = 2**30
 
 
@@ -38,6 +40,12 @@ class InfiniPipeConfig:
     """Model-state sharding of a stage with FSDP2: ``none``, ``sp`` (over the stage's SP group),
     ``dp`` (over its DP replicas), ``sp+dp`` (over both), ``hybrid`` (shard over SP, replicate
     over DP)."""
+
+    grad_reduce: str = "auto"
+    """When a sharded stage reduce-scatters its gradients: ``step`` (once, after its last backward:
+    fewest collectives, but every unsharded fp32 gradient lives through the step), ``unit`` (after
+    every unit's backward, as ZeRO-3 does; shard groups over SP only) or ``auto`` (the planner
+    prices both where ``unit`` can run and keeps the faster plan; the plan records the pick)."""
 
     schedule: str = "epp"
     """``epp`` (elastic units, adaptive checkpointing) or a baseline: ``packed-1f1b``,
@@ -94,7 +102,8 @@ class InfiniPipeConfig:
     """Candidate slice counts for the longest sequence; ``None`` searches a small default set."""
 
     attention_backend: str = "auto"
-    """``auto`` picks flash-attn varlen, then torch varlen (CUDA), then SDPA with masks."""
+    """``auto`` routes each unit kind by the profile's measured table when it has one, else picks
+    flash-attn varlen, then torch varlen (CUDA), then SDPA with masks; ``flex``: FlexAttention (CUDA)."""
 
     loss_chunk_tokens: int = 4096
     """Tokens per LM-head + loss chunk on the last stage; logits never exist for more at once."""
@@ -109,12 +118,26 @@ class InfiniPipeConfig:
     seed_plan_on_rank0: bool = False
     """Plan on rank 0 and broadcast, instead of planning identically on every rank."""
 
+    compile_layers: bool = False
+    """Compile each decoder layer of a stage once with ``torch.compile`` (dynamic token dimension,
+    so units of every size reuse the graph; the ``epp`` attention runs eagerly between the
+    compiled parts).  ``torch_compile=True`` on the trainer's arguments sets it."""
+
+    compile_backend: str = "inductor"
+    """``torch.compile`` backend of ``compile_layers`` (the trainer's ``torch_compile_backend``)."""
+
+    compile_mode: str | None = None
+    """``torch.compile`` mode of ``compile_layers``: ``None`` (the backend's default) or one of
+    ``default``, ``reduce-overhead``, ``max-autotune``, ``max-autotune-no-cudagraphs`` (the
+    trainer's ``torch_compile_mode``)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.pp_degree, int) or self.pp_degree < 1:
             raise ValueError(f"pp_degree must be a positive integer, got {self.pp_degree!r}")
         if not isinstance(self.sp_degree, int) or self.sp_degree < 1:
             raise ValueError(f"sp_degree must be a positive integer, got {self.sp_degree!r}")
         shard_mode(self.shard)  # ValueError naming SHARD_MODES when unknown
+        check_grad_reduce(self.grad_reduce)
         if self.dp_degree is not None and (not isinstance(self.dp_degree, int) or self.dp_degree < 1):
             raise ValueError(f"dp_degree must be a positive integer or None, got {self.dp_degree!r}")
         from infinipipe_hf.planner.registry import get_schedule  # here: importing the config stays light
@@ -155,6 +178,21 @@ class InfiniPipeConfig:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.p2p_timeout_s <= 0:
             raise ValueError(f"p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")
+        self._check_compile()
+
+    def _check_compile(self) -> None:
+        if self.compile_mode is not None and self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode={self.compile_mode!r} is not a torch.compile mode; use None or "
+                             f"one of {', '.join(COMPILE_MODES)}")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ValueError(f"compile_backend must name a torch.compile backend such as 'inductor', "
+                             f"got {self.compile_backend!r}")
+        if not self.compile_layers and (self.compile_mode is not None or self.compile_backend != "inductor"):
+            import warnings
+
+            warnings.warn(f"compile_backend={self.compile_backend!r} / compile_mode={self.compile_mode!r} "
+                          f"are ignored: compile_layers=False; set compile_layers=True to compile the "
+                          f"stage's decoder layers", stacklevel=3)
 
     def _check_host_tier(self) -> None:
         if self.host_memory_gib is not None and not self.host_memory_gib >= 0:
@@ -186,8 +224,12 @@ class InfiniPipeConfig:
         which decides which groups the planner prices as crossing nodes."""
         if gpus_per_node is None:
             gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
-        return ParallelDims.for_world(world_size, self.pp_degree, self.sp_degree, self.dp_degree, self.shard,
+        dims = ParallelDims.for_world(world_size, self.pp_degree, self.sp_degree, self.dp_degree, self.shard,
                                       gpus_per_node, model, state_offload=self.state_offload)
+        problem = unit_reduce_problem(dims) if self.grad_reduce == "unit" else None
+        if problem is not None:
+            raise ValueError(f"{problem} (layout {dims.label})")
+        return dims
 
 
 @dataclass(frozen=True)

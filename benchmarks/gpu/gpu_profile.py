@@ -5,9 +5,11 @@
 
 For each model: ``infinipipe_hf.profiling.run.run_profile`` on its layer shape (a short grid), the
 fitted profile saved as ``DIR/<model>.profile.json`` (what the later GPU steps plan with), and per
-measured row the times predicted by that fit and by the shipped default profile rescaled to the
-model's shape (``CostModel``'s FLOP scaling), so one table shows how far the shipped profile is
-from this GPU.  The JSON is rewritten after each model: a timeout keeps the finished ones.
+measured row the times predicted by that fit and by the shipped layer fit (the default profile
+without its whole-step calibration) rescaled to the model's shape (``CostModel``'s FLOP scaling), so
+one table shows how far the shipped layer fit is from this GPU.  The fits here stay uncalibrated
+(``run_profile(calibrate=False)``): the later steps check the simulator against the runtime, which
+a whole-step efficiency would hide.  The JSON is rewritten after each model: a timeout keeps the finished ones.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pathlib import Path
 import benchmarks.gpu.gpu_common as gc_
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.planner.cost.model import CostModel
-from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+from infinipipe_hf.planner.cost.profile import HardwareProfile, uncalibrated_profile
 
 
 def _layer_ms(cost: CostModel, tokens: int) -> tuple[float, float]:
@@ -31,7 +33,7 @@ def _layer_ms(cost: CostModel, tokens: int) -> tuple[float, float]:
 def compare_rows(config: dict, fitted: HardwareProfile, rows: list[dict]) -> list[dict]:
     """Measured layer and head rows beside the fitted and the shipped profile's predictions."""
     spec = ModelSpec.from_config_dict(config)
-    models = {"fitted": CostModel(spec, fitted), "shipped": CostModel(spec, default_profile())}
+    models = {"fitted": CostModel(spec, fitted), "shipped": CostModel(spec, uncalibrated_profile())}
     out = []
     for r in rows:
         n = int(r.get("tokens", 0))
@@ -61,9 +63,13 @@ def profile_model(name: str, config: dict, args) -> dict:
                             slice_attention=[tuple(int(v) for v in p.split(":")) for p in
                                              args.slice_attention.split(",") if p],
                             warmup=args.warmup, repeat=args.repeat, name=f"{name}-{args.dtype}",
-                            log=lambda s: print(s, file=sys.stderr, flush=True))
+                            log=lambda s: print(s, file=sys.stderr, flush=True), calibrate=False,
+                            attention_tokens=[])
     path = Path(args.profile_dir) / f"{name}.profile.json"
-    prof.save(path)
+    prof.save(path)  # before the attention table: a FlexAttention compile that runs out of time keeps it
+    if name in args.attention_models.split(",") or args.tiny:
+        prof = _with_attention_table(prof, config, args)
+        prof.save(path)
     table = compare_rows(config, prof, doc["rows"])
     ratios = [r["shipped_over_measured_fwd_bwd"] for r in table if r["kind"] == "layer_causal"]
     fit = [r["fitted_over_measured_fwd_bwd"] for r in table]
@@ -71,6 +77,24 @@ def profile_model(name: str, config: dict, args) -> dict:
             "profile": prof.to_dict(), "rows": doc["rows"], "env": doc["env"], "comparison": table,
             "shipped_over_measured_layer": [min(ratios), max(ratios)] if ratios else None,
             "fitted_over_measured_all": [min(fit), max(fit)] if fit else None}
+
+
+def _with_attention_table(prof: HardwareProfile, config: dict, args) -> HardwareProfile:
+    """``prof`` with the attention backends timed per unit kind on this device (its routing table)."""
+    import dataclasses
+
+    import torch
+
+    from infinipipe_hf.profiling.attention_backends import attention_table
+    from infinipipe_hf.profiling.run import DTYPES
+
+    heads, kv = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    table = attention_table(heads, kv, head_dim, device, getattr(torch, DTYPES[args.dtype]),
+                            tokens=[16, 32] if args.tiny else None, warmup=args.warmup, repeat=args.repeat,
+                            budget_s=args.attention_budget_s, log=lambda s: print(s, file=sys.stderr, flush=True))
+    return dataclasses.replace(prof, attention_backends=table)
 
 
 def main(argv=None) -> int:
@@ -85,12 +109,15 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--profile-dir", required=True, help="where the fitted profiles are saved")
+    p.add_argument("--attention-models", default="llama3.2-1b",
+                   help="models whose attention backends are timed per unit kind (the routing table)")
+    p.add_argument("--attention-budget-s", type=float, default=15.0, help="seconds the attention table may take")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
     names = ["tiny"] if args.tiny else args.models.split(",")
-    results = {"shipped_profile": default_profile().name, "args": vars(args), "models": []}
+    results = {"shipped_profile": uncalibrated_profile().name, "args": vars(args), "models": []}
     failed = 0
     for name in names:
         config = gc_.load_config(None, True) if args.tiny else _config(name)

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one run on one CUDA GPU, most valuable first, sized for a
-# short lease (about 6 minutes on an H100, at most 8.75 with every step at its limit):
+# short lease (about 6 minutes on an H100, at most 8.8 with every step at its limit):
 #   bash benchmarks/gpu/gpu_suite.sh [--dry-run] [OUTDIR]     (OUTDIR: $OUT if set, else out/gpu_suite)
 #   SUITE_STEPS="2 5" bash benchmarks/gpu/gpu_suite.sh        (rerun only some steps)
 # 1 tests/gpu                  -> gpu_suite.json's gpu_tests: pass/fail per test
-# 2 profile 1B and 7B layers   -> gpu_profile.json        fits vs the shipped profile
+# 2 profile 1B and 7B layers   -> gpu_profile.json        uncalibrated fits vs the shipped layer fit;
+#                                 then the 1B shape's attention backends per unit kind (its routing
+#                                 table, profile.attention_backends, <= 15 s, timed after the profile
+#                                 is saved so that a slow FlexAttention compile cannot lose it)
 # 3 memory model, 4 plans      -> memory_model_check.json predicted / measured peak
 # 4 single GPU, 8K-128K        -> single_gpu.json         EPP vs HF (+ checkpointing)
-# 5 simulator vs real          -> gpu_sim_vs_real.json    one plan, per action
+# 5 simulator vs real          -> gpu_sim_vs_real.json    one plan, per action, simulated with the
+#                                 stage-depth profile fitted first (stages of 1 and 3 layers: per-layer
+#                                 and per-unit stage costs; gpu_profile.json's stage_depth_profile)
 # 6 demo in bf16               -> gpu_demo.json           loss curve beside CPU float32
 # 7 host tier, longest length  -> offload_reach_gpu.json  predicted / measured device and host peak,
 #                                 step time; tokens/s beside the run without the host tier
@@ -40,7 +45,7 @@ if [ "$DRY" = 1 ]; then
   LIMITS=(0 240 240 240 240 240 240 240)
 else
   export DEV="" PROFILED=llama3.2-1b
-  LIMITS=(0 75 60 60 150 45 45 90)
+  LIMITS=(0 80 60 55 150 60 35 90)
 fi
 export PROFILE="$WORK/$PROFILED.profile.json"
 prof_arg() { if [ -f "$PROFILE" ]; then echo "--profile $PROFILE"; fi; }
@@ -52,7 +57,7 @@ step_1() {  # the CUDA attention backends, keep_attn's flash pair, the engine on
   $PY -m benchmarks.gpu.gpu_suite_report tests "$WORK/gpu_tests.xml" "$SUITE"
   return $rc
 }
-step_2() {  # the profiler on two layer shapes; fitted profiles saved in WORK for steps 3-5
+step_2() {  # the profiler on two layer shapes (its attention-backend table too); profiles saved in WORK for steps 3-5
   if [ "$DRY" = 1 ]; then
     $PY -m benchmarks.gpu.gpu_profile $DEV --lengths 32,64,128 --head-tokens 32,64 --slice-attention 16:48 \
       --repeat 1 --warmup 0 --profile-dir "$WORK" --out "$OUTDIR/gpu_profile.json"
@@ -73,13 +78,19 @@ step_4() {  # EPP vs HF with and without checkpointing; the longest first, EPP f
     sizes=(--lengths 48,96 --longtail-tokens 120 --longtail-max-len 4200 --pack-tokens 64)
   fi
   $PY -m benchmarks.gpu.single_gpu $DEV "${sizes[@]}" --sections single,longtail \
-    --methods epp,hf_ckpt,hf,hf_packed_ckpt --steps 2 --warmup 1 $(prof_arg) --no-plot \
+    --methods epp,hf_ckpt,hf,hf_packed_ckpt,epp_same,epp_compiled --steps 2 --warmup 1 $(prof_arg) --no-plot \
     --out "$OUTDIR/single_gpu.json"
 }
-step_5() {  # one plan that slices, packs and checkpoints, simulated with step 2's profile
-  local case=()
-  if [ "$DRY" = 1 ]; then case=(--case "96+32+16x2+8x4:4:adaptive" --steps 1); fi
-  $PY -m benchmarks.gpu.gpu_sim_vs_real $DEV "${case[@]}" $(prof_arg) --out "$OUTDIR/gpu_sim_vs_real.json"
+step_5() {  # the stage-depth profile on step 2's; one plan that slices, packs and checkpoints, simulated with it
+  local case=() fit=(--max-blocks 16 --repeat 3) limit=25 base=() prof=()
+  local stage="$WORK/$PROFILED.stage.profile.json"
+  if [ "$DRY" = 1 ]; then case=(--case "96+32+16x2+8x4:4:adaptive" --steps 1); fit=(--max-blocks 16 --repeat 1 --warmup 0); limit=200; fi
+  if [ -f "$PROFILE" ]; then base=(--base-profile "$PROFILE"); fi
+  timeout "$limit" $PY -m benchmarks.gpu.gpu_unit_profile $DEV "${fit[@]}" "${base[@]}" --depths 1,3 \
+    --profile-out "$stage" --out "$OUTDIR/gpu_profile.json" --out-key stage_depth_profile \
+    || echo "gpu_suite: the stage-depth fit failed; simulating with step 2's profile"
+  if [ -f "$stage" ]; then prof=(--profile "$stage"); elif [ -f "$PROFILE" ]; then prof=(--profile "$PROFILE"); fi
+  $PY -m benchmarks.gpu.gpu_sim_vs_real $DEV "${case[@]}" "${prof[@]}" --out "$OUTDIR/gpu_sim_vs_real.json"
 }
 step_6() {  # the demo's run as one bf16 EPPTrainer job, beside the committed CPU float32 run
   if [ "$DRY" = 1 ]; then

@@ -11,6 +11,9 @@ step.  Sections:
   sequence at a time with gradient accumulation, HF padding-free packing
   (``DataCollatorWithFlattening`` + position ids; checked against per-sequence losses, because
   with sdpa it is only correct when ``use_cache=False``), and the engine on the whole batch.
+- ``epp_same`` / ``epp_compiled`` (methods, run last at the shortest length): the engine at HF's
+  work (one unit, nothing recomputed), eager and with ``compile_layers``; ``first_step_s`` holds
+  the compile.
 Every row has tokens/s and peak ``max_memory_allocated``; an OOM is a row, not a crash.  Engine rows
 also carry the plan (slices, checkpointed layers), the simulator's predicted step time and peak
 memory (the memory-model check), and a per-action device timeline (CUDA events).  Results go to
@@ -109,13 +112,19 @@ def backend_name(backend) -> str:
     return names[0] if names else getattr(backend, "__name__", str(backend))
 
 
-def epp_rows(config, seqs, device, dtype, args, profile_path):
+SAME_WORK = {"epp_same": dict(num_slices=[1], checkpointing="none"),
+             "epp_compiled": dict(num_slices=[1], checkpointing="none", compile_layers=True)}
+"""EPP at HF's work (one unit per sequence, nothing recomputed), eager and with ``compile_layers``;
+run last, at the shortest of ``--lengths`` (the suite's 8K), so a slow compile costs only its row."""
+
+
+def epp_rows(config, seqs, device, dtype, args, profile_path, **overrides):
     model = gc_.make_model(config, device, dtype)
-    cfg = InfiniPipeConfig(pp_degree=1, profile=profile_path, attention_backend=args.attention_backend,
-                           checkpointing=args.checkpointing,
-                           memory_budget_gib=getattr(args, "memory_budget_gib", None),
-                           num_slices=[int(k) for k in args.num_slices.split(",")] if args.num_slices else None,
-                           loss_chunk_tokens=args.loss_chunk_tokens)
+    cfg = InfiniPipeConfig(**{**dict(
+        pp_degree=1, profile=profile_path, attention_backend=args.attention_backend, checkpointing=args.checkpointing,
+        memory_budget_gib=getattr(args, "memory_budget_gib", None),
+        num_slices=[int(k) for k in args.num_slices.split(",")] if args.num_slices else None,
+        loss_chunk_tokens=args.loss_chunk_tokens), **overrides})
     engine = PipelineEngine(model, cfg, device=device)
     opt = gc_.make_optimizer(engine.parameters(), device)
     batch = [{"input_ids": s} for s in seqs]
@@ -125,10 +134,16 @@ def epp_rows(config, seqs, device, dtype, args, profile_path):
     planning_s = time.perf_counter() - t0
     timer = gc_.ActionTimer(engine, device)
 
+    first_step_s = []  # the first step compiles when compile_layers is on
+
     def step():
+        t = time.perf_counter()
         out = engine.train_step(batch, plan=plan)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if not first_step_s:
+            gc_.sync(device)
+            first_step_s.append(time.perf_counter() - t)
         return out
 
     plan_facts = {"planning_s": planning_s, "num_units": len(plan.units), "unit_tokens": [u.num_tokens for u in plan.units],
@@ -146,6 +161,7 @@ def epp_rows(config, seqs, device, dtype, args, profile_path):
         num_slices=plan.info.get("num_slices"), checkpointed_layers={str(k): v for k, v in sorted(ck.items())},
         checkpoint_levels={str(k): v for k, v in sorted(plan.checkpoint_levels.get(0, {}).items())},
         layers=engine.layers_per_stage[0], attention=backend_name(engine.runner.backend),
+        compile_layers=cfg.compile_layers, first_step_s=first_step_s[0],
         unit_tokens=[u.num_tokens for u in plan.units],
         unit_kinds=[u.kind(plan.sequences).value for u in plan.units],
         timeline=actions, forward_ms=sum(a["ms"] for a in actions if a["action"][0] == "F"),
@@ -277,6 +293,12 @@ def main(argv=None) -> int:
                   "hf_packed_ckpt": lambda: hf_packed_rows(config, seqs, device, dtype, args, ckpt=True),
                   "epp": lambda: epp_rows(config, seqs, device, dtype, args, profile_path)}[name]
             record("longtail", name, fn, tokens_requested=sum(lengths), num_sequences=len(lengths))
+    if "single" in args.sections:  # after the rest: a slow compile must not cost the other rows
+        n = min(int(x) for x in args.lengths.split(","))
+        seqs = [gc_.random_ids(n, vocab, seed=n)]
+        for name in [m for m in methods if m in SAME_WORK]:
+            record("single", name, lambda: epp_rows(config, seqs, device, dtype, args, profile_path, **SAME_WORK[name]),
+                   tokens_requested=n, same_work=True)
     try:
         if not args.no_plot:
             plot(results, out.with_suffix(".png"))

@@ -24,6 +24,7 @@ def static_alternative(schedule: str, batches: Sequence[Sequence[int]], cost: Fl
     if sched is None or sched.kind != ROUNDS:
         raise ValueError(f"schedule={schedule!r} is not a non-pipeline alternative; use "
                          f"{', '.join(ALTERNATIVES[:-1])} or {ALTERNATIVES[-1]}")
+    cost = cost.for_system(schedule)  # priced at the system's own whole-step efficiency
     if sched.regroups_every_step:
         best, tried, error = _over_checkpoint_counts(schedule, sched.static_checkpoint_counts(cost), batches, cost)
     else:

@@ -4,8 +4,11 @@ Every published setting that maps onto the planner is planned by our model of th
 measured (torchtitan FSDP = ``ulysses-zero3`` at SP 1; torchtitan FSDP + CP = ``ring-cp``; Seq1F1B =
 our ``seq1f1b`` pipeline schedule), with the hardware and precision differences converted by stated
 factors (``FACTORS``), and compared with the published number.  The calibration
-(:class:`~infinipipe_hf.planner.cost.calibration.Calibration`, one parameter set for every system)
-is fitted on the rows marked ``fit`` and checked on the ``held_out`` ones.
+(:class:`~infinipipe_hf.planner.cost.calibration.Calibration`) is fitted on the rows marked ``fit`` and
+checked on the ``held_out`` ones.  Whole-step efficiency is fitted per system: torchtitan's on its FSDP
+rows (priced for ``ulysses-zero3`` and ``ring-cp``), Megatron's on the Seq1F1B 64K row (``ring-cp-packed``),
+EPP's on our own GPU runs (``calibration_rows.own_runs``); the collective and ring mechanisms are shared.
+The shipped default profile is written from the fit.
 
     python -m benchmarks.planner.calibration            # writes benchmarks/results/calibration.json
     python -m benchmarks.planner.calibration --no-seq1f1b   # skip the (slower) pipeline rows
@@ -15,6 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,156 +29,65 @@ import numpy as np
 from scipy.optimize import minimize
 
 from benchmarks.lib.paths import REPO, RESULTS
-from infinipipe_hf.ir.model_spec import ModelSpec
+from benchmarks.planner.calibration_rows import (
+    FACTORS,
+    NOT_COMPARABLE,
+    ROWS,
+    epp_efficiency,
+    hardware,
+    megatron_flops_per_token,
+    own_run_rows,
+    spec_of,
+    workload,
+)
 from infinipipe_hf.layout import ParallelDims
-from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.cost.calibration import Calibration, apply_calibration
 from infinipipe_hf.planner.cost.model import GIB
-from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+from infinipipe_hf.planner.cost.profile import HardwareProfile, uncalibrated_profile
 from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step
 
 OUT = RESULTS / "calibration.json"
 PROFILE_OUT = REPO / "infinipipe_hf" / "profiles" / "h100_bf16_calibrated.json"
-TT = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-S1 = "thunlp/Seq1F1B picture/32x7b zhihu_throughput.tex"
-
-FACTORS = {
-    "h100_500w_compute": {
-        "value": (989 + 835) / 2 / 989,
-        "source": "torchtitan's note: their 500 W HBM2e H100's peak lies between SXM (989 dense bf16 TFLOP/s) "
-                  "and NVL (835); the midpoint over the SXM peak our profile was measured on (NVIDIA datasheets)",
-        "applies_to": "layer, head and embedding times (divided by it)"},
-    "h100_hbm2e_bandwidth": {
-        "value": 2.4 / 3.35,
-        "source": "2.4 TB/s HBM2e (torchtitan's hardware note) over 3.35 TB/s HBM3 (SXM datasheet)",
-        "applies_to": "elementwise bandwidth (ring merges, mlp_act recompute)"},
-    "a100_compute": {
-        "value": 312 / 989,
-        "source": "A100 312 vs H100 SXM 989 dense bf16 TFLOP/s (NVIDIA datasheets); assumes the same share "
-                  "of peak on both cards",
-        "applies_to": "layer, head and embedding times"},
-    "a100_attention": {
-        "value": 312 * 0.73 / 460,
-        "source": "FlashAttention-2 (Dao, 2023) reaches up to 73% of the A100's 312 TFLOP/s in attention; the "
-                  "shipped H100 profile's causal attention runs at about 460 TFLOP/s (403 forward, 513 backward)",
-        "applies_to": "the layers' attention-pair term on A100 (instead of a100_compute)"},
-    "a100_nvlink": {
-        "value": 300 / 450, "source": "NVLink 3 300 GB/s vs NVLink 4 450 GB/s per direction (datasheets)",
-        "applies_to": "intra-node collective bandwidth"},
-}
-"""Hardware conversions, each with its source; fitted conversions (compile, Float8) are parameters."""
-
-
-def spec_of(name: str) -> ModelSpec:
-    return ModelSpec.from_json_file(config_path(name))
-
-
-def hardware(profile: HardwareProfile, kind: str) -> HardwareProfile:
-    """The profile converted to the measured card by the stated ``FACTORS``."""
-    if kind == "h100_sxm":
-        return profile
-    if kind == "h100_500w":
-        k, bw = 1 / FACTORS["h100_500w_compute"]["value"], FACTORS["h100_hbm2e_bandwidth"]["value"]
-        extra = {"memory_gib": 96 * 1e9 / GIB}
-    elif kind == "a100":
-        k, bw = 1 / FACTORS["a100_compute"]["value"], 2039 / 3350  # A100 80GB SXM: 2.04 TB/s HBM2e
-        a = 1 / FACTORS["a100_attention"]["value"]
-        extra = {"memory_gib": 80.0, "intra_node_bandwidth_bytes_per_s":
-                 profile.intra_node_bandwidth_bytes_per_s * FACTORS["a100_nvlink"]["value"],
-                 "inter_node_bandwidth_bytes_per_s": 25e9 * 0.8}
-    else:
-        raise ValueError(f"unknown hardware {kind!r}")
-    a = a if kind == "a100" else k
-    return replace(profile, name=f"{profile.name}@{kind}", layer_forward=profile.layer_forward.scaled(a, k),
-                   layer_backward=profile.layer_backward.scaled(a, k), head_forward=profile.head_forward.scaled(k, k),
-                   head_backward=profile.head_backward.scaled(k, k), embedding_token_s=profile.embedding_token_s * k,
-                   elementwise_bytes_per_s=profile.elementwise_bytes_per_s * bw, **extra)
-
-
-def workload(profile: HardwareProfile, compile_speedup: float, fp8_linear: float, compiled: bool,
-             fp8: bool) -> HardwareProfile:
-    """Framework and precision variants: ``torch.compile`` speeds every compute term up by
-    ``compile_speedup``; Float8 linears speed the layers' per-token (linear) term by ``fp8_linear``."""
-    c = compile_speedup if compiled else 1.0
-    f = fp8_linear if fp8 else 1.0
-    lf, lb = profile.layer_forward, profile.layer_backward
-    return replace(profile, layer_forward=replace(lf.scaled(1 / c, 1 / c), token_s=lf.token_s / c / f),
-                   layer_backward=replace(lb.scaled(1 / c, 1 / c), token_s=lb.token_s / c / f),
-                   head_forward=profile.head_forward.scaled(1 / c, 1 / c),
-                   head_backward=profile.head_backward.scaled(1 / c, 1 / c),
-                   embedding_token_s=profile.embedding_token_s / c)
-
-
-def _tt(rid, role, gpus, schedule, seq, per_gpu, ckpt, compiled, fp8, published, table, note=""):
-    return {"id": rid, "role": role, "source": f"{TT}, {table}", "system": "torchtitan", "model": "llama3-8b",
-            "schedule": schedule, "gpus": gpus, "seq": seq, "per_group": per_gpu, "checkpoint": ckpt,
-            "hardware": "h100_500w", "compiled": compiled, "fp8": fp8, "published": published,
-            "metric": "tokens/s/GPU", "note": note}
-
-
-SAC = ("selective (op) AC mapped to 16 of 32 layers checkpointed: op-SAC recomputes about half the "
-       "linear forward, the recompute of half the layers")
-ROWS = [
-    _tt("tt_fsdp8_eager", "fit", 8, "ulysses-zero3", 8192, 2, 16, False, False, 5762, "Table 1", SAC),
-    _tt("tt_fsdp8_compile", "fit", 8, "ulysses-zero3", 8192, 2, 16, True, False, 6667, "Table 1", SAC),
-    _tt("tt_fsdp8_compile_fp8", "fit", 8, "ulysses-zero3", 8192, 2, 16, True, True, 8532, "Table 1", SAC),
-    _tt("tt_fsdp128_eager", "fit", 128, "ulysses-zero3", 8192, 2, 16, False, False, 5605, "Table 3", SAC),
-    _tt("tt_fsdp128_compile", "held_out", 128, "ulysses-zero3", 8192, 2, 16, True, False, 6514, "Table 3", SAC),
-    _tt("tt_fsdp128_compile_fp8", "held_out", 128, "ulysses-zero3", 8192, 2, 16, True, True, 8380, "Table 3", SAC),
-    _tt("tt_cp1_32k", "held_out", 1, "ring-cp", 32768, 1, "full", True, True, 3890, "Table 2 (FSDP 8, CP 1)"),
-    _tt("tt_cp2_64k", "fit", 2, "ring-cp", 65536, 1, "full", True, True, 2540, "Table 2 (FSDP 4, CP 2)"),
-    _tt("tt_cp4_128k", "fit", 4, "ring-cp", 131072, 1, "full", True, True, 1071, "Table 2 (FSDP 2, CP 4)"),
-    _tt("tt_cp8_256k", "held_out", 8, "ring-cp", 262144, 1, "full", True, True, 548, "Table 2 (FSDP 1, CP 8)"),
-] + [{"id": f"seq1f1b_32x7b_{k}k", "role": "held_out", "source": f"{S1}, Seq1F1B column, 16 micro-batches",
-      "system": "Seq1F1B (Megatron)", "model": "llama2-7b", "schedule": "seq1f1b", "gpus": 32, "seq": k * 1024,
-      "hardware": "a100", "compiled": True, "fp8": False, "published": tf, "metric": "TFLOP/s/GPU",
-      "note": "layout not in the table: TP 4 x PP 8 assumed (the repository's run script uses TP 8 x PP 8 for "
-              "30B on 64 GPUs), TP mapped to Ulysses SP 4 (same per-GPU compute share); GPT-7B (h 4096, 32 "
-              "layers, 4h MLP, vocab 50257) planned as llama2-7b (same hidden, layers and parameter count); "
-              "4 sequence slices, the faster of Seq1F1B's computation-wise split (uniform_comp, the one its "
-              "experiment script runs) and its equal-token split (average), one sequence per micro-batch "
-              "(max_tokens_per_unit = seq / 2 - 1, which two sequences in 4 slices exceed); Megatron's fused kernels priced as torch.compile; TFLOP/s counted with Megatron's formula with causal attention, which "
-              "reproduces the table's own TFLOP/s-to-throughput ratio within 1.2%"}
-     for k, tf in ((32, 115.34), (64, 123.05), (128, 142.08))]
-"""Published rows mapped onto the planner (``world`` is 8 GPUs per torchtitan table-2 row)."""
-
-NOT_COMPARABLE = [
-    {"id": "deepspeed_ulysses_blog", "source": "DeepSpeed-Ulysses blog (microsoft/DeepSpeed blogs/deepspeed-ulysses)",
-     "published": "over 175 TFLOP/s per A100 at 30B", "reason": "a lower bound without the sequence length, GPU "
-     "count, checkpointing and ZeRO stage of the run it bounds; no single setting to plan"},
-    {"id": "nemo_long_sequence", "source": "NVIDIA NeMo long-sequence performance page (Llama 2 7B, FP8)",
-     "published": "not quoted in the issue", "reason": "its layouts use tensor parallelism with CP inside a "
-     "node, which the planner does not model, and its figures are not in the issue text to cite exactly"},
-]
-
 PARAMS = ("compute_efficiency", "collective_overlap", "ring_step_efficiency", "ring_merge_bytes_per_token",
-          "compile_speedup", "fp8_linear")
+          "compile_speedup", "fp8_linear", "megatron_efficiency", "epp_efficiency")
+"""``compute_efficiency`` is torchtitan's (eager) whole-step efficiency; Megatron's and EPP's have their own."""
 IDEAL = {"compute_efficiency": 1.0, "collective_overlap": 1.0, "ring_step_efficiency": 1.0,
-         "ring_merge_bytes_per_token": 0.0, "compile_speedup": 1.0, "fp8_linear": 1.0}
+         "ring_merge_bytes_per_token": 0.0, "compile_speedup": 1.0, "fp8_linear": 1.0,
+         "megatron_efficiency": 1.0, "epp_efficiency": 1.0}
 BOUNDS = {"compute_efficiency": (0.3, 1.2), "collective_overlap": (0.0, 1.0), "ring_step_efficiency": (0.2, 1.0),
           "ring_merge_bytes_per_token": (0.0, 4e6), "compile_speedup": (1.0, 2.0), "fp8_linear": (1.0, 2.5)}
+SYSTEMS = {"ulysses-zero3": "torchtitan FSDP rows (eager; ZeRO-3 steps assumed alike)",
+           "ring-cp": "torchtitan FSDP rows (eager; its CP rows fit the ring's step cost)",
+           "ring-cp-packed": "Seq1F1B (Megatron) 64K row, times its fused-kernel factor (compile_speedup)"}
+"""Alternatives with a measured whole-step efficiency, and where it comes from; the others get EPP's."""
+
+
+def system_efficiencies(params: dict) -> dict[str, float]:
+    tt, meg = params["compute_efficiency"], params["megatron_efficiency"] * params["compile_speedup"]
+    return {"ulysses-zero3": tt, "ring-cp": tt, "ring-cp-packed": meg}
 
 
 def calibration_of(params: dict) -> Calibration:
-    return Calibration(compute_efficiency=params["compute_efficiency"],
+    """The shipped calibration: EPP's efficiency baked in, the measured alternatives' beside it."""
+    ideal = params["epp_efficiency"] == 1.0 and params["compute_efficiency"] == 1.0
+    return Calibration(compute_efficiency=params["epp_efficiency"],
                        collective_overlap=params["collective_overlap"],
                        ring_step_efficiency=params["ring_step_efficiency"],
-                       ring_merge_bytes_per_token=params["ring_merge_bytes_per_token"])
+                       ring_merge_bytes_per_token=params["ring_merge_bytes_per_token"],
+                       system_efficiency={} if ideal else system_efficiencies(params))
 
 
 def row_profile(row: dict, params: dict) -> HardwareProfile:
-    base = default_profile()
-    cal = calibration_of(params)
+    """The uncalibrated profile at the row's system's efficiency, on its card, with its compile / Float8."""
+    base = uncalibrated_profile()
+    eff = params["megatron_efficiency"] if row["schedule"] == "seq1f1b" else params["compute_efficiency"]
+    cal = Calibration(compute_efficiency=eff, collective_overlap=params["collective_overlap"],
+                      ring_step_efficiency=params["ring_step_efficiency"],
+                      ring_merge_bytes_per_token=params["ring_merge_bytes_per_token"])
     if not cal.is_ideal:
         base = apply_calibration(base, cal)
     return workload(hardware(base, row["hardware"]), params["compile_speedup"], params["fp8_linear"],
                     row["compiled"], row["fp8"])
-
-
-def megatron_flops_per_token(spec: ModelSpec, seq: int, vocab: int = 50257) -> float:
-    """Megatron's FLOPs per token (forward + backward, no recompute) with causal attention."""
-    h, n = spec.hidden_size, spec.num_layers
-    return 72 * n * h * h * (1 + seq / (12 * h) + vocab / (16 * n * h))
 
 
 def predict(row: dict, params: dict) -> dict:
@@ -207,7 +122,8 @@ def loss(x: np.ndarray, rows: list[dict], free: tuple[str, ...], fixed: dict) ->
 def fit(rows: list[dict]) -> dict:
     """Least squares on log(predicted / published) over the fit rows, in stages: the FSDP rows fix
     the compute efficiency, compile and Float8 factors and the collective overlap; the CP rows
-    then fix the ring's step efficiency and merge bytes."""
+    then fix the ring's step efficiency and merge bytes; Megatron's efficiency then matches its fit row
+    (predictions scale with it: a few fixed-point steps); EPP's comes from our own runs."""
     params = dict(IDEAL)
     stages = [(("compute_efficiency", "compile_speedup", "fp8_linear", "collective_overlap"),
                [r for r in rows if r["schedule"] == "ulysses-zero3"]),
@@ -223,6 +139,10 @@ def fit(rows: list[dict]) -> dict:
         for k, zi in zip(free, best.x):
             lo, hi = BOUNDS[k]
             params[k] = min(max(float(zi * scale[k]), lo), hi)
+    for row in [r for r in rows if r["schedule"] == "seq1f1b"][:1]:
+        for _ in range(3):
+            params["megatron_efficiency"] *= row["published"] / predict(row, params)["predicted"]
+    params["epp_efficiency"] = epp_efficiency()
     return params
 
 
@@ -241,22 +161,31 @@ def table(params_before: dict, params_after: dict, with_pipeline: bool) -> list[
     return out
 
 
-OWN = RESULTS / "gpu_h100_2026-11-26" / "summary.json"
+CLI_ROWS = [("tt_fsdp8_eager", "ulysses-zero3", [8192] * 16, 5762), ("tt_cp4_128k", "ring-cp", [131072] * 2, 1071)]
+"""Published rows the planner CLI predicts as a user would plan them: 8 GPUs, the model, the lengths."""
 
 
-def own_run_row(params: dict) -> dict | None:
-    """Our own H100 EPP step (sim vs real on one H100, profile fitted on that machine): only the
-    whole-model efficiency applies (one GPU, no collectives, no ring); a held-out check."""
-    if not OWN.is_file():
-        return None
-    sim = json.loads(OWN.read_text())["sim_vs_real"]
-    before = 1 / sim["step_predicted_over_measured"]  # predicted over measured tokens/s
-    return {"id": "own_h100_epp_pp4", "role": "held_out", "system": "this project (EPP, 4 stages on 1 H100)",
-            "source": f"{OWN.relative_to(OWN.parents[2])} sim_vs_real ({sim['case']})", "metric": "tokens/s ratio",
-            "published": 1.0, "hardware": "h100_sxm", "ratio_before": before,
-            "ratio_after": before * params["compute_efficiency"],
-            "note": "measured step time over the simulated one with a profile fitted on the same machine; "
-                    "the calibrated model divides compute by compute_efficiency"}
+def cli_check(profiles: tuple[str, ...] = ("default", "uncalibrated")) -> list[dict]:
+    """``python -m infinipipe_hf.plan --schedule S --json`` on each published row, per shipped profile:
+    no card conversion (our 700 W SXM profile against their 500 W part), the CLI's own knob search."""
+    out = []
+    model = REPO / "infinipipe_hf" / "models" / "configs" / "llama3.1-8b.json"
+    with tempfile.TemporaryDirectory() as tmp:
+        for rid, schedule, lengths, published in CLI_ROWS:
+            path = Path(tmp) / f"{rid}.txt"
+            path.write_text("\n".join(map(str, lengths)))
+            for profile in profiles:
+                cmd = [sys.executable, "-m", "infinipipe_hf.plan", "--model", str(model), "--lengths", str(path),
+                       "--world-size", "8", "--pp", "1", "--gpu-memory-gib", "80", "--schedule", schedule,
+                       "--profile", profile, "--json"]
+                got = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+                per_gpu = got["tokens_per_s"] / 8
+                out.append({"id": rid, "schedule": schedule, "profile": profile, "published": published,
+                            "predicted": per_gpu, "ratio": per_gpu / published, "info": got.get("info"),
+                            "command": " ".join(cmd[1:]).replace(tmp, "TMP")})
+                print(f"planner CLI {rid:16s} --profile {profile:12s} {per_gpu:9.1f} tokens/s/GPU against "
+                      f"{published} ({per_gpu / published:.2f}x)", flush=True)
+    return out
 
 
 def markdown(rows: list[dict]) -> str:
@@ -288,24 +217,27 @@ def main() -> None:
     params = fit([r for r in ROWS if r["role"] == "fit"])
     print("fitted:", json.dumps(params), flush=True)
     rows = table(IDEAL, params, not args.no_seq1f1b)
-    own = own_run_row(params)
-    rows += [own] if own else []
+    rows += own_run_rows(params)
     same_card = [r for r in rows if r["hardware"] != "a100"]
     summary = {k: worst(rows, role, key) for k, (role, key) in {
         "worst_fit_before": ("fit", "ratio_before"), "worst_fit_after": ("fit", "ratio_after"),
         "worst_held_out_before": ("held_out", "ratio_before"),
         "worst_held_out_after": ("held_out", "ratio_after")}.items()}
     summary["worst_held_out_after_h100_rows"] = worst(same_card, "held_out", "ratio_after")
-    result = {"fitted": params, "calibration": calibration_of(params).to_dict(), "factors": FACTORS,
+    result = {"planner_cli_check": cli_check(), "fitted": params, "calibration": calibration_of(params).to_dict(), "factors": FACTORS,
               "rows": rows, "not_comparable": NOT_COMPARABLE, "summary": summary, "markdown": markdown(rows),
-              "note": "predicted = the shipped H100 profile's model of each system, converted by FACTORS; before: "
-                      "ideal calibration and no compile / Float8 factor; after: the fitted parameters",
+              "note": "predicted = the uncalibrated H100 layer profile's model of each system, converted by FACTORS; "
+                      "before: ideal calibration and no compile / Float8 factor; after: the fitted parameters, each "
+                      "system at its own whole-step efficiency",
               "wall_s": time.perf_counter() - t0}
     Path(args.out).write_text(json.dumps(result, indent=1))
-    calibrated = apply_calibration(default_profile(), calibration_of(params))
+    calibrated = apply_calibration(uncalibrated_profile(), calibration_of(params))
+    sources = {"epp": "this project's GPU suite, simulated / measured step on two H100 leases (docs/gpu.md)",
+               **SYSTEMS, "other alternatives": "no measurement: EPP's (neutral)"}
     calibrated = replace(calibrated, name="h100-bf16-calibrated", meta={
-        "source": "benchmarks/planner/calibration.py: the shipped h100-bf16-default profile with the calibration "
-                  "fitted on published measurements (docs/calibration.md)"})
+        "source": "benchmarks/planner/calibration.py: the layer fit of profiles/h100_bf16_measurements.json with "
+                  "the calibration fitted on published measurements and our own GPU runs (docs/calibration.md)",
+        "efficiency_sources": sources})
     calibrated.save(PROFILE_OUT)
     print(json.dumps(summary, indent=1))
 

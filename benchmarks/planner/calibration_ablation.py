@@ -1,5 +1,6 @@
 """Which calibration mechanism moves EPP's ratios: the one-node table's 13B setup re-planned with
-the default profile, the compute efficiency alone, the ring mechanisms alone, and all of them.
+the uncalibrated layer fit, the whole-step efficiencies alone (EPP's and each system's), the ring
+mechanisms alone, and all of them (the shipped default).
 
     python -m benchmarks.planner.calibration_ablation     # writes benchmarks/results/calibration_ablation.json
 """
@@ -12,12 +13,16 @@ from benchmarks.lib.paths import RESULTS
 from benchmarks.planner.planner_tables.common import plan_schedules
 from benchmarks.planner.planner_tables.setups import batches
 from infinipipe_hf.planner.cost.calibration import Calibration, apply_calibration
-from infinipipe_hf.planner.cost.profile import calibrated_profile, default_profile
+from infinipipe_hf.planner.cost.profile import default_profile, uncalibrated_profile
 
-c = calibrated_profile().calibration
-profiles = {"default": default_profile(), "efficiency only": apply_calibration(default_profile(), Calibration(compute_efficiency=c.compute_efficiency)),
-            "ring only": replace(default_profile(), calibration=Calibration(ring_step_efficiency=c.ring_step_efficiency, ring_merge_bytes_per_token=c.ring_merge_bytes_per_token)),
-            "calibrated": calibrated_profile()}
+c = default_profile().calibration
+base = uncalibrated_profile()
+profiles = {"uncalibrated": base,
+            "efficiency only": apply_calibration(base, Calibration(compute_efficiency=c.compute_efficiency,
+                                                                   system_efficiency=dict(c.system_efficiency))),
+            "ring only": replace(base, calibration=Calibration(ring_step_efficiency=c.ring_step_efficiency,
+                                                               ring_merge_bytes_per_token=c.ring_merge_bytes_per_token)),
+            "calibrated (default)": default_profile()}
 b = batches(False)
 out = {}
 for name in ("real:stdlib", "synthetic:short-only"):

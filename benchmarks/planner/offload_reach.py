@@ -15,7 +15,7 @@ node.  For one sequence of 524,288 tokens on 1 GPU, 4,194,304 on 8 and 16,777,21
 - which mechanism gives the lead: the shares of the step's GPU time each spends recomputing, idle
   (pipeline bubble, lockstep rounds) and in the CPU optimizer step's exposed tail.
 
-Tokens/s and bytes are *simulated* with the shipped H100/bf16 profile (the host copy bandwidth and
+Tokens/s and bytes are *simulated* with the default profile (named in the JSON; the host copy bandwidth and
 the CPU optimizer rate are the profile's assumptions: 40 GB/s, 1e9 parameters/s).  The 32-GPU
 search is restricted to ``sp`` in (4, 8) (recorded in the JSON): deeper pipelines of one 16M
 sequence take minutes each to plan on a 2-core machine.
@@ -63,6 +63,13 @@ def alst_at(spec: ModelSpec, gpus: int, length: int, budget: float, host: float)
     d = plan_alternative([length], spec, "alst", world_size=gpus, cost=flat, host_budget_bytes=host).summary()
     longest = max(ALSTCost(flat, host, sp).max_tokens() for sp in sp_degrees(flat))
     return {**_compact(d), "largest_length": longest, "memory_budget_bytes": budget}
+
+
+def _profile_note() -> str:
+    """The default profile the figures are simulated with, and its host-tier assumptions."""
+    p = default_profile()
+    return (f"{p.name} (host copies {p.host_bandwidth_bytes_per_s / 1e9:g} GB/s, CPU AdamW "
+            f"{p.host_optimizer_params_per_s:g} params/s: assumptions)")
 
 
 def _compact(d: dict) -> dict:
@@ -192,7 +199,7 @@ def main(argv=None) -> int:
     rows = [one_case(spec, g, n, sps, budget, host, gpu_gib * GIB, args.workers) for g, n, sps in cases]
     report = {"model": model, "max_position_embeddings": spec.max_position_embeddings, "gpu_memory_gib": gpu_gib,
               "memory_budget_bytes": budget, "host_memory_gib_per_gpu": host_gib, "gpus_per_node": 8,
-              "profile": "shipped H100/bf16 (host copies 40 GB/s, CPU AdamW 1e9 params/s: assumptions)",
+              "profile": _profile_note(),
               "rows": rows, "wall_s": time.perf_counter() - t0, "load_average_at_start": load,
               "machine": platform.platform()}
     out = Path(args.out) if args.out else (RESULTS / "offload_reach_quick.json" if args.quick else OUT)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -30,8 +31,10 @@ from benchmarks.planner.planner_tables.setups import SETUPS, batches
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
+from infinipipe_hf.planner.cost.calibration import pricing_line, pricing_record
 from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.cost.profile import HardwareProfile
+from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+from infinipipe_hf.planner.registry import ALTERNATIVES
 from infinipipe_hf.planner.registry import PIPELINE_SCHEDULES as SCHEDULES
 from infinipipe_hf.planner.search.api import PlanOptions, plan_step
 
@@ -100,6 +103,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         report = run(args.quick, args.profile, args.gpu_memory_gib)
         report["wall_time_s"] = time.perf_counter() - t0
+        report["pricing"] = pricing_record(HardwareProfile.load(args.profile) if args.profile else default_profile(),
+                                           ALTERNATIVES)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out} ({report['wall_time_s']:.1f} s)")
@@ -116,9 +121,12 @@ def run_table(module, quick: bool, profile, profile_path: str | None, memory_gib
     print(f"== {module.NAME}: {module.DESCRIPTION}", flush=True)
     t0 = time.perf_counter()
     report = module.run(quick, profile, memory_gib)
+    priced = profile or default_profile()
+    print(pricing_line(priced, ALTERNATIVES), flush=True)
     report.update(table=module.NAME, description=module.DESCRIPTION, quick=quick,
                   machine=platform.platform(), processor=platform.processor() or platform.machine(),
-                  profile=profile_path or "shipped h100-bf16-default",
+                  profile=profile_path or f"shipped default ({priced.name})",
+                  pricing=pricing_record(priced, ALTERNATIVES), load_average=os.getloadavg(),
                   note="tokens/s are simulated with the cost model; planning_time_s is measured here",
                   wall_time_s=time.perf_counter() - t0)
     report["markdown"] = module.markdown(report)

@@ -16,7 +16,7 @@ from infinipipe_hf.config import GIB, InfiniPipeConfig, MemoryBudget, planning_b
 from infinipipe_hf.ir.levels import FINER_LEVELS
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout.state_offload import STATE_OFFLOADS, state_offload
-from infinipipe_hf.planner.cost.profile import HardwareProfile
+from infinipipe_hf.planner.cost.profile import PROFILE_NAMES, HardwareProfile
 
 
 def _read_text(path: str, what: str) -> str:
@@ -77,7 +77,10 @@ def read_lengths(path: str) -> list[int]:
 
 
 def read_profile(path: str) -> HardwareProfile:
-    """``--profile``: a cost profile JSON written by ``python -m infinipipe_hf.profile``."""
+    """``--profile``: a cost profile JSON written by ``python -m infinipipe_hf.profile``, or a shipped
+    profile by name (``uncalibrated``, ``default``)."""
+    if path in PROFILE_NAMES:
+        return HardwareProfile.load(path)
     data = read_json(path, "profile")
     try:
         return HardwareProfile.from_dict(data)
@@ -92,7 +95,8 @@ def plan_options(args) -> dict:
     levels = () if args.checkpoint_levels.strip() in ("", "none") else tuple(
         lv.strip() for lv in args.checkpoint_levels.split(","))
     return {"max_tokens_per_unit": args.max_tokens_per_unit, "checkpointing": args.checkpointing,
-            "checkpoint_levels": levels, "sp_rounds": getattr(args, "sp_rounds", None)}
+            "checkpoint_levels": levels, "sp_rounds": getattr(args, "sp_rounds", None),
+            "grad_reduce": getattr(args, "grad_reduce", "auto")}
 
 
 def add_memory_arguments(p) -> None:
@@ -202,4 +206,6 @@ def plan_option_flags(args) -> str:
         out.append(f"--checkpoint-levels {shlex.quote(args.checkpoint_levels)}")
     if getattr(args, "sp_rounds", None) is not None:
         out.append("--sp-rounds" if args.sp_rounds else "--no-sp-rounds")
+    if getattr(args, "grad_reduce", "auto") != "auto":
+        out.append(f"--grad-reduce {args.grad_reduce}")
     return " ".join(out)

@@ -62,6 +62,7 @@ from infinipipe_hf.cli.inputs import (
 from infinipipe_hf.cli.plan_layouts import add_search_arguments, search_main
 from infinipipe_hf.cli.viz import format_host_copies
 from infinipipe_hf.config import InfiniPipeConfig
+from infinipipe_hf.ir.grad_reduce import GRAD_REDUCE_CHOICES
 from infinipipe_hf.ir.levels import CHECKPOINTING, FINER_LEVELS
 from infinipipe_hf.layout import SHARD_MODES, ParallelDims
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
@@ -100,12 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="total GPUs of the job: checked against pp x sp (x dp)")
     add_memory_arguments(p)
     add_host_arguments(p)
-    p.add_argument("--profile", default=None, help="cost profile JSON (default: shipped H100/bf16)")
+    p.add_argument("--profile", default=None, help="cost profile JSON, or a shipped one by name: 'default' (H100/bf16 "
+                   "calibrated, what no --profile uses) or 'uncalibrated' (the layer fit alone)")
     p.add_argument("--schedule", default=REFERENCE, choices=[*PIPELINE_SCHEDULES, *ALTERNATIVES, "all"],
                    help="a pipeline schedule, a non-pipeline alternative on the same GPUs, or all of them")
     p.add_argument("--sp-rounds", action=argparse.BooleanOptionalAction, default=None,
                    help="EPP: run short sequences on SP sub-groups in rounds (default: whenever --sp > 1 is a "
                         "power of two); --no-sp-rounds runs every unit on the whole SP group")
+    p.add_argument("--grad-reduce", default="auto", choices=list(GRAD_REDUCE_CHOICES),
+                   help="when sharded stages reduce-scatter gradients: step (once per step), unit (after every "
+                        "unit's backward; shard groups over SP only) or auto (default: both priced where unit "
+                        "runs, the faster kept; the JSON's grad_reduce says which)")
     p.add_argument("--max-tokens-per-unit", type=int, default=None)
     p.add_argument("--checkpointing", default="adaptive", choices=list(CHECKPOINTING))
     p.add_argument("--checkpoint-levels", default=",".join(FINER_LEVELS), metavar="LEVELS",

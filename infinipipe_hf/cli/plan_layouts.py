@@ -40,10 +40,12 @@ from infinipipe_hf.cli.inputs import (
     read_model_spec,
     read_profile,
 )
+from infinipipe_hf.planner.cost.calibration import pricing_record
+from infinipipe_hf.planner.cost.profile import default_profile
 from infinipipe_hf.planner.layout_search.result import LayoutSearch, NoLayoutFits, plan_flags
 from infinipipe_hf.planner.layout_search.search import search_layouts
 from infinipipe_hf.planner.layout_search.table import format_search
-from infinipipe_hf.planner.registry import REFERENCE
+from infinipipe_hf.planner.registry import ALTERNATIVES, REFERENCE
 
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
@@ -111,6 +113,8 @@ def _add_inputs(args: argparse.Namespace, search: LayoutSearch) -> None:
         search.extra["warnings"] = list(args.warnings)
     if args.profile:
         search.settings["profile"] = args.profile
+    profile = read_profile(args.profile) if args.profile else default_profile()
+    search.extra["pricing"] = pricing_record(profile, ALTERNATIVES)  # which efficiencies priced the table
 
 
 def _write_outputs(args: argparse.Namespace, search: LayoutSearch) -> None:

@@ -2,6 +2,7 @@
 
     python -m infinipipe_hf.profile --model CONFIG.json --out PROFILE.json \
         [--lengths 512,1024,...] [--head-tokens 1024,4096] [--dtype bf16] [--slice-attention 1024:8192]
+        [--attention-tokens 2048,8192 | none]
 
 Writes the fitted ``HardwareProfile`` (loadable by ``HardwareProfile.load``, the planner CLI's
 ``--profile`` and ``InfiniPipeConfig.profile``) and the raw rows to ``--rows-out`` (default
@@ -55,6 +56,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--name", default=None)
+    p.add_argument("--attention-tokens", default=None,
+                   help="token counts of the attention-backend table, e.g. 2048,8192 (default: per device; "
+                        "'none': not measured)")
+    p.add_argument("--compile", action="store_true",
+                   help="time the decoder layer compiled as compile_layers / torch_compile=True runs it")
     args = p.parse_args(argv)
     try:
         with open(args.model) as f:
@@ -63,7 +69,9 @@ def main(argv=None) -> int:
             config_dict, device=args.device, dtype=args.dtype,
             lengths=_int_list(args.lengths, "--lengths"), head_tokens=_int_list(args.head_tokens, "--head-tokens"),
             slice_attention=_pairs(args.slice_attention), warmup=args.warmup, repeat=args.repeat,
-            name=args.name, log=lambda s: print(s, file=sys.stderr))
+            name=args.name, log=lambda s: print(s, file=sys.stderr), compile_layers=args.compile,
+            attention_tokens=(() if args.attention_tokens == "none" else None if args.attention_tokens is None
+                              else _int_list(args.attention_tokens, "--attention-tokens")))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

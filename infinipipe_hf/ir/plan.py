@@ -62,6 +62,15 @@ class Plan:
     """unit id -> tokens per MLP tile (per GPU): every layer of the unit runs its MLP tile by tile,
     each tile checkpointed (``runtime/recompute/tiled_mlp.py``), so no MLP intermediate grows with
     the unit.  JSON key ``mlp_tile_tokens`` (``{"<unit>": tokens}``), written when used."""
+    attention_tile_tokens: dict[int, int] = field(default_factory=dict)
+    """unit id -> tokens per tile (per GPU) of every layer's token-wise parts around the attention
+    core (norms, q/k/v and o projections, rotary, residuals, MLP), each tile checkpointed
+    (``runtime/recompute/tiled_attention.py``), so a layer keeps over the whole unit only what its
+    attention kernel saves.  JSON key ``attention_tile_tokens``, written when used."""
+    grad_reduce: str = "step"
+    """When a sharded stage reduces gradients (``ir.grad_reduce``): ``step`` (once, after the
+    stage's last backward) or ``unit`` (after every backward), as the plan was priced.  JSON key
+    ``grad_reduce``, written when ``unit``."""
 
     def __post_init__(self) -> None:
         assert len(self.actions) == self.dp_degree, (len(self.actions), self.dp_degree)
@@ -142,6 +151,10 @@ class Plan:
             d["offload_kv"] = sorted(int(s) for s in self.offload_kv)
         if self.mlp_tile_tokens:
             d["mlp_tile_tokens"] = {str(u): int(n) for u, n in sorted(self.mlp_tile_tokens.items())}
+        if self.attention_tile_tokens:
+            d["attention_tile_tokens"] = {str(u): int(n) for u, n in sorted(self.attention_tile_tokens.items())}
+        if self.grad_reduce != "step":
+            d["grad_reduce"] = self.grad_reduce
         return d
 
     def _levels_dict(self) -> dict:
@@ -184,6 +197,8 @@ class Plan:
             rounds=[[int(u) for u in r] for r in d.get("rounds", [])],
             offload_kv=[int(s) for s in d.get("offload_kv", [])],
             mlp_tile_tokens={int(u): int(n) for u, n in d.get("mlp_tile_tokens", {}).items()},
+            attention_tile_tokens={int(u): int(n) for u, n in d.get("attention_tile_tokens", {}).items()},
+            grad_reduce=str(d.get("grad_reduce", "step")),
         )
 
     @staticmethod

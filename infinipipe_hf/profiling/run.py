@@ -10,6 +10,7 @@ for that model.  Without CUDA it refuses (CPU timings would mislead a GPU planne
 """
 from __future__ import annotations
 
+import dataclasses
 import platform
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
@@ -51,12 +52,15 @@ def resolve_device(name: str):
 def run_profile(config_dict: dict, *, device: str = "auto", dtype: str = "bf16",
                 lengths=DEFAULT_LENGTHS, head_tokens=DEFAULT_HEAD_TOKENS, slice_attention=(),
                 warmup: int = 2, repeat: int = 5, name: str | None = None, log=print,
-                host_adamw_params: int | None = None):
-    """Measure and fit; returns ``(HardwareProfile, rows_document)``.  ``host_adamw_params``: the
-    parameters of the CPU AdamW row (default :data:`~.host.ADAMW_PARAMS`)."""
+                host_adamw_params: int | None = None, attention_tokens=None, attention_budget_s: float = 15.0,
+                compile_layers: bool = False, calibrate: bool = True):
+    """Measure and fit: ``(HardwareProfile, rows_document)``.  ``host_adamw_params``: the CPU AdamW
+    row's parameters (default :data:`~.host.ADAMW_PARAMS`); ``attention_tokens``: the backend table's
+    token counts (``None``: its defaults; empty: none); ``calibrate=False``: a GPU fit stays ideal
+    (simulator checks need the layer speed alone, not the shipped whole-step efficiency)."""
     import torch
 
-    from infinipipe_hf.planner.cost.profile import fit_profile
+    from infinipipe_hf.planner.cost.profile import fit_profile, shipped_calibration
     from infinipipe_hf.profiling.host import ADAMW_PARAMS, host_rows
     from infinipipe_hf.profiling.measure import profile_rows
     from infinipipe_hf.profiling.modules import build_modules, reference_shape
@@ -71,6 +75,10 @@ def run_profile(config_dict: dict, *, device: str = "auto", dtype: str = "bf16",
     dev = resolve_device(device)
     tdtype = getattr(torch, DTYPES[dtype])
     modules = build_modules(config_dict, dev, tdtype)
+    if compile_layers:  # the layer as a compile_layers stage runs it (runtime/stage/compile.py)
+        from infinipipe_hf.runtime.stage.compile import compile_profiled_layer
+
+        compile_profiled_layer(modules.layer, modules.config)
     env = environment(dev)
     log(f"profiling one {type(modules.layer).__name__} ({modules.spec.hidden_size} hidden) in {dtype} "
         f"on {env.get('gpu', dev.type)}")
@@ -83,13 +91,20 @@ def run_profile(config_dict: dict, *, device: str = "auto", dtype: str = "bf16",
     name = name or f"{env.get('gpu', 'cpu').replace(' ', '-').lower()}-{dtype}-{modules.spec.model_type}"
     doc = {"name": name, "source": "python -m infinipipe_hf.profile", "device": env.get("gpu", "cpu"),
            "dtype": DTYPES[dtype], "memory_gib": memory_gib, "env": env, "reference": reference,
-           "rows": rows}
+           "rows": rows, "compile_layers": bool(compile_layers)}
     if dev.type != "cuda":
         doc["notes"] = ["host_copy rows skipped: pinned host <-> device copies need CUDA "
                         "(host_bandwidth_bytes_per_s keeps its default)"]
+    # On a GPU the fit takes the shipped calibration: EPP's measured whole-step efficiency and the
+    # alternatives' (docs/calibration.md); a CPU fit prices the runtime's own steps and stays ideal.
     profile = fit_profile(rows, reference, name=name, memory_gib=memory_gib or 80.0,
-                          device=doc["device"], meta={"env": env, "source": doc["source"], "rows": rows})
+                          device=doc["device"], meta={"env": env, "source": doc["source"], "rows": rows},
+                          calibration=shipped_calibration() if calibrate and dev.type == "cuda" else None)
     bpe = torch.empty((), dtype=tdtype).element_size()
-    from dataclasses import replace
-    profile = replace(profile, bytes_per_element=bpe)
+    from infinipipe_hf.profiling.attention_backends import attention_table
+    spec = modules.spec
+    doc["attention_backends"] = {} if attention_tokens is not None and not attention_tokens else attention_table(
+        spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, dev, tdtype, tokens=attention_tokens,
+        warmup=warmup, repeat=repeat, budget_s=attention_budget_s, log=log)
+    profile = dataclasses.replace(profile, bytes_per_element=bpe, attention_backends=doc["attention_backends"])
     return profile, doc

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from infinipipe_hf.config import InfiniPipeConfig
+from infinipipe_hf.planner.cost.profile import PROFILE_NAMES
 from infinipipe_hf.trainer import notices
 from infinipipe_hf.trainer.auto_layout import check_auto_fields, is_auto
 from infinipipe_hf.trainer.hf_conventions.parallelism import apply_parallelism_config, refuse_deepspeed
@@ -116,9 +117,10 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
         if self.nonfinite_policy not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite_policy={self.nonfinite_policy!r} is not known; use 'stop' "
                              f"(raise at a NaN/inf loss or gradient norm) or 'skip' (skip that step)")
-        if self.profile is not None and not os.path.isfile(self.profile):
+        if self.profile is not None and not os.path.isfile(self.profile) and self.profile not in PROFILE_NAMES:
             raise ValueError(f"profile={self.profile!r} is not a file; pass the JSON written by "
-                             f"`python -m infinipipe_hf.profile` or leave profile=None")
+                             f"`python -m infinipipe_hf.profile`, a shipped profile's name "
+                             f"({', '.join(PROFILE_NAMES)}) or leave profile=None")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops}")
         check_auto_fields(self)  # pp_degree="auto": chosen at start-up (auto_layout.py)
@@ -154,9 +156,8 @@ class EPPTrainingArguments(PipelineArguments, TrainingArguments):
             notices.warn(f"train_sampling_strategy={self.train_sampling_strategy!r} is ignored: "
                          f"EPPTrainer uses its length-aware token-budget sampler (shuffled per epoch "
                          f"with data_seed/seed)")
-        if self.torch_compile:
-            notices.warn("torch_compile=True is ignored: the pipeline stage is driven layer by layer "
-                         "and is not compiled")
+        # torch_compile / torch_compile_backend / torch_compile_mode become compile_layers /
+        # compile_backend / compile_mode (pipeline_arguments.py): each decoder layer is compiled.
 
     @property
     def place_model_on_device(self) -> bool:

@@ -39,6 +39,10 @@ FROM_TRAINING_ARGUMENTS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     # A stuck peer surfaces after the same time a stuck DDP collective would.
     "p2p_timeout_s": ("ddp_timeout", float),
     "label_smoothing": ("label_smoothing_factor", float),
+    # torch_compile compiles the stage's decoder layers (runtime/stage/compile.py), not the model.
+    "compile_layers": ("torch_compile", bool),
+    "compile_backend": ("torch_compile_backend", lambda backend: backend or "inductor"),
+    "compile_mode": ("torch_compile_mode", lambda mode: mode),
 }
 """Config field -> (the ``TrainingArguments`` field it is read from, conversion)."""
 

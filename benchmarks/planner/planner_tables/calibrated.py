@@ -1,7 +1,9 @@
-"""The paper table and the one-node table re-planned under the calibrated profile, old model beside.
+"""The paper table and the one-node table under the uncalibrated layer fit and the shipped default.
 
 Both profiles plan the same batches with the same code, so every difference is the calibration's
-(``infinipipe_hf/profiles/h100_bf16_calibrated.json``, written by ``benchmarks/planner/calibration.py``).
+(the default ``infinipipe_hf/profiles/h100_bf16_calibrated.json``, written by
+``benchmarks/planner/calibration.py``: EPP at its own measured whole-step efficiency, each measured
+alternative at its own, the ring's step cost).
 The paper table is reduced to keep the run short (``--models``, ``--batches``; the full table is
 ``python -m benchmarks.planner.planner_bench --only paper_table``).
 
@@ -15,17 +17,20 @@ import time
 
 from benchmarks.lib.paths import RESULTS
 from benchmarks.planner.planner_tables import paper_table, users_alternatives
-from infinipipe_hf.planner.cost.profile import calibrated_profile, default_profile
+from infinipipe_hf.planner.cost.calibration import pricing_record
+from infinipipe_hf.planner.cost.profile import default_profile, uncalibrated_profile
+from infinipipe_hf.planner.registry import ALTERNATIVES
 
 
 def run_both(module, quick: bool) -> dict:
     out = {}
-    for name, profile in (("default", default_profile()), ("calibrated", calibrated_profile())):
+    for name, profile in (("uncalibrated", uncalibrated_profile()), ("calibrated", default_profile())):
         print(f"{module.NAME} / {name}", flush=True)
         t0 = time.perf_counter()
         out[name] = module.run(quick, profile)
         out[name]["wall_time_s"] = time.perf_counter() - t0
         out[name]["profile"] = profile.name
+        out[name]["pricing"] = pricing_record(profile, ALTERNATIVES)
     return out
 
 
@@ -37,10 +42,10 @@ def _tps(entry) -> float | None:
 
 
 def users_markdown(report: dict) -> str:
-    """EPP over each system per batch, default -> calibrated (the one-node table)."""
+    """EPP over each system per batch, uncalibrated -> calibrated (the default) (the one-node table)."""
     lines = ["| model | batch | " + " | ".join(f"EPP / {c}" for c in COLUMNS[1:]) + " |",
              "| --- | --- |" + " ---: |" * (len(COLUMNS) - 1)]
-    for d_row, c_row in zip(report["default"]["rows"], report["calibrated"]["rows"]):
+    for d_row, c_row in zip(report["uncalibrated"]["rows"], report["calibrated"]["rows"]):
         cells = []
         for col in COLUMNS[1:]:
             pair = []
@@ -53,11 +58,11 @@ def users_markdown(report: dict) -> str:
 
 
 def paper_markdown(report: dict) -> str:
-    """EPP over each system per setting (aggregate of its batches), default -> calibrated."""
+    """EPP over each system per setting (aggregate of its batches), uncalibrated -> calibrated (the default)."""
     keys = ("seq1f1b", "ulysses-zero3", "flexsp", "ring-cp")
     lines = ["| model | data | cap | " + " | ".join(f"EPP / {k}" for k in keys) + " | slow net EPP / ulysses |",
              "| --- | --- | ---: |" + " ---: |" * (len(keys) + 1)]
-    for d_row, c_row in zip(report["default"]["rows"], report["calibrated"]["rows"]):
+    for d_row, c_row in zip(report["uncalibrated"]["rows"], report["calibrated"]["rows"]):
         cells = [" -> ".join(f"{r['ratios'].get(k) or float('nan'):.2f}" for r in (d_row, c_row)) for k in keys]
         cells.append(" -> ".join(f"{r['slow_ratios'].get('ulysses-zero3') or float('nan'):.2f}" for r in (d_row, c_row)))
         lines.append(f"| {d_row['model']} | {d_row['dataset']} | {d_row['cap'] // 1024}K | " + " | ".join(cells) + " |")

@@ -244,6 +244,7 @@ class ALSTSchedule(RoundSchedule):
     def context(self, lengths: list[int], cost: FlatCost, checkpointing: str | int = "adaptive", *,
                 host_budget_bytes: float = 0.0) -> ALSTContext:
         """``checkpointing`` must leave every layer checkpointed (``adaptive`` or ``full``)."""
+        cost = cost.for_system(self.name)
         if checkpointing not in ("adaptive", "full", cost.spec.num_layers):
             raise ValueError(f"{NAME} checkpoints every layer (its input offloaded to host memory); "
                              f"checkpointing={checkpointing!r} is not possible: use 'adaptive' or 'full'")

@@ -31,11 +31,11 @@ optimizer-step time (the pipeline planner does not price it either).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import NO_SHARDING, ParallelDims, sharding_over
-from infinipipe_hf.planner.cost.calibration import overlapped, ring_extra_s
+from infinipipe_hf.planner.cost.calibration import for_system, overlapped, ring_extra_s
 from infinipipe_hf.planner.cost.collectives import all_gather_time, reduce_scatter_time
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import CostModel
@@ -238,7 +238,9 @@ class RingGroup(_Group):
         emb = k.embedding_token_s * t
         head_f = k.head_fwd(0, t)
         fwd = n * f + emb + head_f
-        recompute = checkpointed_layers * f
+        # A checkpointed layer replays its forward as the pipeline cost model prices it (less
+        # ``down_proj``, :mod:`~infinipipe_hf.planner.cost.levels`), ring steps included.
+        recompute = checkpointed_layers * (self.cost.recompute_time(0, UnitShape(p, int(t)), 1) + f - k.layer_fwd(p, t))
         bwd = n * b + recompute + emb + k.head_bwd(0, t) + head_f  # the chunked loss recomputes logits
         return fwd, bwd, recompute
 
@@ -295,6 +297,17 @@ class FlatCost:
         self.memory_budget_bytes = float(layout.memory_budget_bytes)
         self.states = Zero3States(layout.spec, layout.profile, layout.world_size, layout.gpus_per_node, precision)
         self._groups: dict[tuple[str, int], _Group] = {}
+        self._systems: dict[str, FlatCost] = {}
+
+    def for_system(self, system: str) -> "FlatCost":
+        """This layout with compute priced at ``system``'s whole-step efficiency (its measured one, else
+        EPP's: :func:`~infinipipe_hf.planner.cost.calibration.for_system`); ``self`` when they agree."""
+        profile = for_system(self.layout.profile, system)
+        if profile is self.layout.profile:
+            return self
+        if system not in self._systems:
+            self._systems[system] = FlatCost(replace(self.layout, profile=profile), self.states.precision)
+        return self._systems[system]
 
     @staticmethod
     def of(spec: ModelSpec, world_size: int, memory_budget_bytes: float, profile: HardwareProfile | None = None,

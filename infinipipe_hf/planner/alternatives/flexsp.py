@@ -58,6 +58,7 @@ class FlexSPSchedule(RoundSchedule):
                 solver: str = "greedy", milp_time_limit_s: float = 1.0,
                 sp_degrees: Sequence[int] | None = None) -> FlexSPContext:
         """``solver``: ``greedy`` or ``milp``; ``sp_degrees`` restricts the group sizes."""
+        cost = cost.for_system(self.name)
         if solver not in SOLVERS:
             raise ValueError(f"solver={solver!r} is not known; use one of {', '.join(SOLVERS)}")
         lengths = [int(n) for n in lengths]

@@ -61,6 +61,7 @@ class RingCPSchedule(EqualGroupSchedule):
     def context(self, lengths: list[int], cost: FlatCost, checkpointing: str | int = "adaptive", *,
                 cp_degrees: Sequence[int] | None = None) -> GridContext:
         """``cp_degrees`` restricts the CP degrees searched."""
+        cost = cost.for_system(self.name)
         grid = knob_grid(lengths, cost, cp_degrees)
         fixed = resolve_checkpointing(checkpointing, cost.spec.num_layers)
         return GridContext(lengths, cost, fixed, [k.cp_degree for k in grid], tuple(grid))
@@ -69,6 +70,7 @@ class RingCPSchedule(EqualGroupSchedule):
         return build_ring_cp(lengths, cost)
 
     def static_grid(self, batches, cost):
+        cost = cost.for_system(self.name)
         builders = [build_ring_cp(b, cost) for b in batches]
 
         def make(cp):

@@ -65,6 +65,7 @@ class PackedRingCPSchedule(EqualGroupSchedule):
     def context(self, lengths: list[int], cost: FlatCost, checkpointing: str | int = "adaptive", *,
                 cp_degrees: Sequence[int] | None = None, pack_tokens: Sequence[int] | None = None) -> GridContext:
         """``cp_degrees`` / ``pack_tokens`` restrict the grid."""
+        cost = cost.for_system(self.name)
         sizes = check_sizes("cp_degree", cp_degrees, cost.group_sizes(ATTENTION))
         if pack_tokens:
             longest = max(lengths)
@@ -78,6 +79,7 @@ class PackedRingCPSchedule(EqualGroupSchedule):
         return PackedRingBuilder(lengths, cost)
 
     def static_grid(self, batches, cost):
+        cost = cost.for_system(self.name)
         builders = [PackedRingBuilder(b, cost) for b in batches]
 
         def make(cp, e):

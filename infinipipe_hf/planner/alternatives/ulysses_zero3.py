@@ -74,6 +74,7 @@ class UlyssesZero3Schedule(EqualGroupSchedule):
     def context(self, lengths: list[int], cost: FlatCost, checkpointing: str | int = "adaptive", *,
                 sp_degrees: Sequence[int] | None = None, pack_tokens: Sequence[int] | None = None) -> GridContext:
         """``sp_degrees`` / ``pack_tokens`` restrict the grid."""
+        cost = cost.for_system(self.name)
         grid = knob_grid(lengths, cost, sp_degrees)
         if pack_tokens:
             longest = max(lengths)
@@ -88,6 +89,7 @@ class UlyssesZero3Schedule(EqualGroupSchedule):
         return UlyssesBuilder(lengths, cost)
 
     def static_grid(self, batches, cost):
+        cost = cost.for_system(self.name)
         builders = [UlyssesBuilder(b, cost) for b in batches]  # each caches its packings
 
         def make(sp, e):

@@ -95,9 +95,10 @@ def lp_rounding(prob: ReplicaProblem, time_limit_s: float) -> tuple[np.ndarray |
     if prob.host is not None and len(prob.host.cap):
         a_ub = sparse.vstack([a_ub, host_var_rows(prob)[:, used] / GIB])
         b_ub = np.r_[b_ub, prob.host.cap / GIB]
-    # Interior point (with HiGHS' crossover to a vertex) is the fastest LP on these covering problems.
+    # Dual simplex: several times faster than interior point on these covering problems (a few
+    # hundred rows over thousands of bounded columns), and its answer is a vertex as well.
     res = linprog(prob.var_cost_s[used] * 1e3, A_ub=a_ub.tocsr(), b_ub=b_ub,
-                  bounds=np.column_stack([np.zeros(len(used)), prob.var_ub[used]]), method="highs-ipm",
+                  bounds=np.column_stack([np.zeros(len(used)), prob.var_ub[used]]), method="highs-ds",
                   options={"time_limit": max(time_limit_s, 1e-3)})
     if res.x is None or res.status != 0:
         return None, 0.0

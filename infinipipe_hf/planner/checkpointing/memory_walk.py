@@ -239,7 +239,7 @@ def _unit_facts(plan: Plan, base_cost: CostModel, stage: int, units: np.ndarray,
             if unit is None:
                 raise ValueError(f"stage {stage} runs unit {u}, which is not among the plan's units "
                                  f"{sorted(by_id)[:10]}...; build actions from plan.units")
-            one = _one_unit(unit, groups.get(u, base_cost), stage, plan.sequences, plan.mlp_tile_tokens.get(u))
+            one = _one_unit(unit, groups.get(u, base_cost), stage, plan)
             if cache is not None:
                 cache[u] = one
         extra, facts.kv_adds[k], facts.frees[k], facts.tokens[k], facts.work_f[k], facts.work_b[k], segs = one
@@ -249,22 +249,22 @@ def _unit_facts(plan: Plan, base_cost: CostModel, stage: int, units: np.ndarray,
     return facts
 
 
-def _one_unit(unit, cost: CostModel, stage: int, seq_len, tile: int | None = None) -> tuple:
+def _one_unit(unit, cost: CostModel, stage: int, plan: Plan) -> tuple:
     """:func:`_unit_facts` of one unit: (context bytes, K/V added, sequences freed, tokens,
-    forward and backward working bounds, segments); ``tile``: the unit's MLP tile (plan's
-    ``mlp_tile_tokens``; the linear bound counts its MLP for a tile)."""
+    forward and backward working bounds, segments); the unit's ``mlp_tile_tokens`` and
+    ``attention_tile_tokens`` in ``plan``: the linear bound counts what they tile for a tile."""
     extra = cost.acts.context_bytes_per_layer(unit.segments)
     kv_adds, frees = [], []
     t = 0
     for seg in unit.segments:
         m = seg.end - seg.start
         t += m
-        if seg.end < seq_len[seg.seq]:
+        if seg.end < plan.sequences[seg.seq]:
             kv_adds.append((seg.seq, cost.acts.kv_bytes(stage, m)))
         if seg.start == 0:
             frees.append(seg.seq)  # the first slice's backward is the sequence's last
     if phase_model(cost) is None:
-        tiled = {"mlp_tile_tokens": tile} if tile else {}  # stand-in cost models take no tile
+        tiled = {k: n for k in ("mlp_tile_tokens", "attention_tile_tokens") if (n := getattr(plan, k).get(unit.id))}
         work = (cost.acts.working_bytes(stage, t, 0, backward=False, **tiled),
                 cost.acts.working_bytes(stage, t, 1, backward=True, **tiled))
     else:  # the phase model's bound over every checkpoint mix (exact values: point_values)

@@ -38,6 +38,13 @@ def norm_elements(bytes_per_element: float = 2) -> float:
     return 2 if bytes_per_element == 4 else 4 / bytes_per_element + 1
 
 
+def attention_tiled_elements(hidden_size: int, kv_dim: int) -> float:
+    """Activation elements per token a layer whose token-wise parts run in tiles
+    (``runtime/recompute/tiled_attention.py``) keeps across the unit: what the attention kernel
+    saves (q, k, v, its output) and the layer input the tiles read."""
+    return 3 * hidden_size + 2 * kv_dim
+
+
 def _act_elements(spec: ModelSpec, bytes_per_element: float = 2) -> float:
     """:func:`act_elements` of ``spec``'s layer, bf16 unless told."""
     return act_elements(spec.hidden_size, spec.intermediate_size, spec.kv_dim, bytes_per_element)
@@ -68,6 +75,9 @@ class StageActivations:
         mlp_share = 4 * spec.intermediate_size / _act_elements(spec, p.bytes_per_element)
         self.mlp_bytes_per_token = mlp_share * p.activation_bytes_per_token_per_layer * self.act_ratio
         self.hidden_bytes_per_token = spec.hidden_size * p.bytes_per_element
+        attn_share = attention_tiled_elements(spec.hidden_size, spec.kv_dim) / _act_elements(spec, p.bytes_per_element)
+        self.attention_tiled_bytes_per_token = attn_share * p.activation_bytes_per_token_per_layer * self.act_ratio
+        """What a kept layer with its attention side in tiles keeps per token (a share of the measured layer)."""
         self.kv_bytes_per_token_per_layer = 2 * spec.kv_dim * p.bytes_per_element
         if ulysses is not None:
             self.act_bytes_per_token *= ulysses.activation_scale(_act_elements(spec, p.bytes_per_element))
@@ -106,14 +116,17 @@ class StageActivations:
         return self.stage_params(stage_index) * self.profile.state_bytes_per_param
 
     def activation_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int,
-                         mlp_tiled: bool = False) -> float:
+                         mlp_tiled: bool = False, attention_tiled: bool = False) -> float:
         """Bytes a unit keeps alive on the stage from its forward to its backward (``mlp_tiled``:
         its MLP runs in checkpointed tiles, so a layer that is not checkpointed keeps no MLP
-        intermediate)."""
+        intermediate; ``attention_tiled``: its token-wise parts do, so such a layer keeps only
+        :func:`attention_tiled_elements`)."""
         layers = self.layers_per_stage[stage_index]
         assert 0 <= checkpointed_layers <= layers, (checkpointed_layers, layers)
         tokens = self.gpu_tokens(tokens)
         kept = self.act_bytes_per_token - (self.mlp_bytes_per_token if mlp_tiled else 0.0)
+        if attention_tiled:
+            kept = min(kept, self.attention_tiled_bytes_per_token)
         per_token = ((layers - checkpointed_layers) * kept
                      + checkpointed_layers * self.hidden_bytes_per_token)
         if stage_index == self.pp_degree - 1:
@@ -149,10 +162,11 @@ class StageActivations:
         return total
 
     def unit_activation_bytes(self, stage_index: int, segments: Sequence[Segment],
-                              checkpointed_layers: int, mlp_tiled: bool = False) -> float:
+                              checkpointed_layers: int, mlp_tiled: bool = False,
+                              attention_tiled: bool = False) -> float:
         """:meth:`activation_bytes` of a unit with these segments, context copies included."""
         tokens = sum(seg.end - seg.start for seg in segments)
-        act = self.activation_bytes(stage_index, tokens, checkpointed_layers, mlp_tiled)
+        act = self.activation_bytes(stage_index, tokens, checkpointed_layers, mlp_tiled, attention_tiled)
         extra = self.context_bytes_per_layer(segments)
         if extra:
             act += (self.layers_per_stage[stage_index] - checkpointed_layers) * extra
@@ -172,20 +186,36 @@ class StageActivations:
         share = mlp / self.act_bytes_per_token
         return tile * (self.layer_working_bytes_per_token * share + mlp * (2 if backward else 1))
 
+    def tiled_layer_bytes(self, gpu_tokens: int, tile_tokens: int, backward: bool) -> tuple[float, float, float]:
+        """A layer with its attention side in tiles: (bytes per token it holds across the unit,
+        its working bytes per token, bytes of one tile while it runs).  Across the unit: what the
+        kernel keeps (:attr:`attention_tiled_bytes_per_token`), its share of the working set, and in
+        backward one more hidden state (the input's gradient summed over the tiles); a tile holds
+        the rest of the layer for its tokens, in backward with their gradients."""
+        kept = self.attention_tiled_bytes_per_token
+        share = kept / self.act_bytes_per_token
+        tile = min(gpu_tokens, tile_tokens) * ((1 - share) * self.layer_working_bytes_per_token
+                                               + (self.act_bytes_per_token - kept) * (2 if backward else 1))
+        work = self.layer_working_bytes_per_token * share + (self.hidden_bytes_per_token if backward else 0.0)
+        return kept, work, tile
+
     def kv_bytes(self, stage_index: int, continuing_tokens: int) -> float:
         """KV-store bytes for tokens whose K/V later slices need: K/V plus pending gradients."""
         return 2 * continuing_tokens * self.layers_per_stage[stage_index] * self.kv_bytes_per_token_per_layer
 
     def working_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int, backward: bool,
-                      mlp_tile_tokens: int | None = None) -> float:
+                      mlp_tile_tokens: int | None = None, attention_tile_tokens: int | None = None) -> float:
         """Transient bytes while the unit's forward or backward runs on the stage (the linear
         bound; :mod:`working` holds the phase model of profiles that measured it).  With
         ``mlp_tile_tokens`` the MLP's intermediates (and its share of the working set) count for
         one tile of tokens, not the unit's: in forward a tile's intermediates, in backward a tile's
-        rerun intermediates and their gradients (:meth:`tiled_mlp_bytes`)."""
+        rerun intermediates and their gradients (:meth:`tiled_mlp_bytes`); with
+        ``attention_tile_tokens`` every token-wise part does (:meth:`tiled_layer_bytes`)."""
         tokens = self.gpu_tokens(tokens)
         act, work, tile = self.act_bytes_per_token, self.layer_working_bytes_per_token, 0.0
-        if mlp_tile_tokens:
+        if attention_tile_tokens:
+            act, work, tile = self.tiled_layer_bytes(tokens, attention_tile_tokens, backward)
+        elif mlp_tile_tokens:
             tile = self.tiled_mlp_bytes(tokens, mlp_tile_tokens, backward)
             act -= self.mlp_bytes_per_token
             work *= act / self.act_bytes_per_token

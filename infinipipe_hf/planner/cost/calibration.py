@@ -5,11 +5,13 @@ kernels outside the profiled layer (optimizer step, embedding, framework launche
 that are not hidden perfectly behind compute, for each SP/CP group it runs per round, and for ring
 attention's blockwise steps.  :class:`Calibration` holds those mechanisms; its defaults are the ideal
 machine (no effect); docs/calibration.md says how values are fitted on published measurements.  Every schedule -- EPP, the pipeline baselines and the alternatives -- reads the
-same values from its profile, so calibration never favours one system.
+same values from its profile, so calibration never favours one system, with one exception that is
+measured per system: whole-step efficiency (``compute_efficiency`` is EPP's own, baked into the
+profile's times; ``system_efficiency`` holds each measured alternative's, :func:`for_system`).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping, Sequence
 
 
@@ -18,9 +20,10 @@ class Calibration:
     """Mechanisms beyond the layer profile (module docstring); defaults change nothing."""
 
     compute_efficiency: float = 1.0
-    """Share of the profiled compute speed a whole training step reaches: layer, head and embedding
-    times are divided by it (:func:`apply_calibration`).  It lumps the optimizer step, launch gaps and
-    framework overheads of a full model; 1.0: the step runs at the profile's layer speed."""
+    """Share of the profiled compute speed EPP's whole training step reaches (this project's runtime,
+    measured on its own GPU runs): layer, head and embedding times are divided by it
+    (:func:`apply_calibration`).  It lumps launch gaps and framework overheads of a full model; 1.0: the
+    step runs at the profile's layer speed.  The pipeline baselines run on the same runtime and share it."""
     collective_overlap: float = 1.0
     """Share of the overlappable FSDP / ZeRO-3 gathers and reduce-scatters hidden behind compute
     (the rest shows in the step); 1.0: perfect prefetch overlap."""
@@ -37,10 +40,16 @@ class Calibration:
     ring_merge_bytes_per_token: float = 0.0
     """Bytes moved per local token, layer and ring step to merge partial attention outputs (the
     online-softmax rescale of output and log-sum-exp), at the profile's elementwise bandwidth."""
+    system_efficiency: dict[str, float] = field(default_factory=dict)
+    """Whole-step efficiency of another system, by schedule name (``ulysses-zero3``, ``ring-cp``...),
+    fitted on that system's published rows: its compute is priced at this share of the profiled speed
+    instead of ``compute_efficiency`` (:func:`for_system`).  A system not listed has no measurement
+    and is priced at EPP's own (neutral)."""
 
     def __post_init__(self) -> None:
-        for name in ("compute_efficiency", "ring_step_efficiency"):
-            v = getattr(self, name)
+        effs = {f"system_efficiency[{k!r}]": v for k, v in self.system_efficiency.items()}
+        for name, v in {"compute_efficiency": self.compute_efficiency,
+                        "ring_step_efficiency": self.ring_step_efficiency, **effs}.items():
             if not 0 < v <= 1.5:
                 raise ValueError(f"calibration field {name} must be in (0, 1.5] (a speed ratio), got {v!r}")
         if not 0 <= self.collective_overlap <= 1:
@@ -64,7 +73,16 @@ class Calibration:
         bad = sorted(set(d) - known)
         if bad:
             raise ValueError(f"calibration has unknown field(s) {bad}; known: {', '.join(sorted(known))}")
-        return Calibration(**{k: float(v) for k, v in d.items()})
+        kw = {k: (v if k == "system_efficiency" else float(v)) for k, v in d.items()}
+        if not isinstance(kw.get("system_efficiency", {}), Mapping):
+            raise ValueError(f"calibration field system_efficiency must map schedule names to speed ratios, "
+                             f"got {kw['system_efficiency']!r}")
+        kw["system_efficiency"] = {str(k): float(v) for k, v in kw.get("system_efficiency", {}).items()}
+        return Calibration(**kw)
+
+    def efficiency_of(self, system: str) -> float:
+        """Whole-step efficiency ``system`` is priced at (EPP's own when it has no measurement)."""
+        return self.system_efficiency.get(system, self.compute_efficiency)
 
     @property
     def is_ideal(self) -> bool:
@@ -112,3 +130,38 @@ def apply_calibration(profile, calibration: Calibration):
                    head_forward=profile.head_forward.scaled(k, k),
                    head_backward=profile.head_backward.scaled(k, k),
                    embedding_token_s=profile.embedding_token_s * k, calibration=calibration)
+
+
+def for_system(profile, system: str):
+    """``profile`` as ``system`` runs: compute times rescaled from EPP's ``compute_efficiency`` (baked
+    into the profile) to the system's own (``system_efficiency``); ``profile`` itself when they agree."""
+    c = profile.calibration
+    eff = c.efficiency_of(system)
+    if eff == c.compute_efficiency:
+        return profile
+    k = c.compute_efficiency / eff
+    return replace(profile, name=f"{profile.name}@{system}", layer_forward=profile.layer_forward.scaled(k, k),
+                   layer_backward=profile.layer_backward.scaled(k, k), head_forward=profile.head_forward.scaled(k, k),
+                   head_backward=profile.head_backward.scaled(k, k), embedding_token_s=profile.embedding_token_s * k,
+                   calibration=replace(c, compute_efficiency=eff, system_efficiency={}))
+
+
+def pricing_record(profile, systems: Sequence[str] = ()) -> dict:
+    """Which profile and whole-step efficiencies price a table (its JSON key ``pricing``)."""
+    c = profile.calibration
+    return {"profile": profile.name, "epp_efficiency": c.compute_efficiency,
+            "system_efficiency": {s: c.efficiency_of(s) for s in systems} or dict(c.system_efficiency),
+            "measured": sorted(c.system_efficiency), "sources": dict(profile.meta.get("efficiency_sources", {}))}
+
+
+def pricing_line(profile, systems: Sequence[str] = ()) -> str:
+    """:func:`pricing_record` as one printed line."""
+    return pricing_text(pricing_record(profile, systems))
+
+
+def pricing_text(r: dict) -> str:
+    """A :func:`pricing_record` as one printed line."""
+    per = ", ".join(f"{s} {e:.2f}" + ("" if s in r["measured"] else " (no measurement: EPP's)")
+                    for s, e in r["system_efficiency"].items())
+    return (f"priced with profile {r['profile']}: whole-step efficiency EPP (and the pipeline baselines) "
+            f"{r['epp_efficiency']:.2f}" + (f"; {per}" if per else ""))

@@ -12,7 +12,9 @@ count).  With ``sp_degree > 1`` a stage is a group of GPUs sharing each unit (Ul
 coefficients and all-to-alls in :mod:`ulysses`); with a sharded layout its actions overlap the
 FSDP2 gathers (:mod:`states`).  Everything is closed-form arithmetic on ``(pairs, tokens)`` so
 the planner can call it millions of times per batch; units are summarised once by
-:class:`UnitShape`.
+:class:`UnitShape`.  What a stage pays once per unit whatever its depth (rotary tables, unit
+tensors, launch gaps: the profile's ``stage_unit_s``, fitted from stages of two depths) is added
+once per action, not per layer; an older profile without it charges 0.
 """
 from __future__ import annotations
 
@@ -43,6 +45,22 @@ class UnitShape:
             pairs += n * n + 2 * s.start * n
             tokens += n
         return UnitShape(float(pairs), tokens)
+
+
+STAGE_UNIT_KEYS = ("forward", "backward")
+"""The keys of ``HardwareProfile.stage_unit_s``."""
+
+
+def stage_unit_costs(profile: HardwareProfile) -> tuple[float, float]:
+    """(forward, backward) seconds a stage pays once per unit (``profile.stage_unit_s``; absent: 0)."""
+    got = dict(profile.stage_unit_s or {})
+    unknown = sorted(set(got) - set(STAGE_UNIT_KEYS))
+    bad = {k: v for k, v in got.items() if k in STAGE_UNIT_KEYS and not float(v) >= 0}
+    if unknown or bad:
+        raise ValueError(f"profile {profile.name!r}: stage_unit_s must map {' and '.join(STAGE_UNIT_KEYS)} to "
+                         f"seconds >= 0, got {got!r}; refit it from stages of two depths (docs/gpu.md) "
+                         f"or drop the field (0 per unit)")
+    return float(got.get("forward", 0.0)), float(got.get("backward", 0.0))
 
 
 @dataclass(frozen=True)
@@ -116,6 +134,8 @@ class StageCompute:
         self.states = states
         self.hidden_bytes_per_token = hidden_bytes_per_token
         """Bytes per token of the hidden states a stage sends to the next."""
+        self.unit_fwd_s, self.unit_bwd_s = stage_unit_costs(profile)
+        """Seconds a stage pays once per unit forward / backward, beside its layers."""
 
     @staticmethod
     def from_stage(ctx, cost) -> "StageCompute":
@@ -132,7 +152,7 @@ class StageCompute:
         return self.coefficients.stage_extras(self.profile, tokens)
 
     def forward_time(self, stage_index: int, shape: UnitShape) -> float:
-        t = self.layers_per_stage[stage_index] * self.layer_fwd(shape.pairs, shape.tokens)
+        t = self.layers_per_stage[stage_index] * self.layer_fwd(shape.pairs, shape.tokens) + self.unit_fwd_s
         if stage_index == 0:
             t += self.embedding_token_s * shape.tokens
         if stage_index == self.pp_degree - 1:
@@ -143,7 +163,7 @@ class StageCompute:
 
     def backward_time(self, stage_index: int, shape: UnitShape, recompute_s: float = 0.0) -> float:
         """Backward of the stage on the unit, including ``recompute_s`` of checkpointed layers."""
-        t = self.layers_per_stage[stage_index] * self.layer_bwd(shape.pairs, shape.tokens)
+        t = self.layers_per_stage[stage_index] * self.layer_bwd(shape.pairs, shape.tokens) + self.unit_bwd_s
         t += recompute_s
         if stage_index == 0:
             t += self.embedding_token_s * shape.tokens
@@ -166,8 +186,8 @@ class StageCompute:
         hb = self.head_bwd(0, shape.tokens)
         best = float("-inf")
         for stage_index, n in enumerate(self.layers_per_stage):
-            fwd = n * f
-            bwd = n * b
+            fwd = n * f + self.unit_fwd_s
+            bwd = n * b + self.unit_bwd_s
             if stage_index == 0:
                 fwd += emb
                 bwd += emb

@@ -109,6 +109,14 @@ class LevelCosts:
         return (kept * mlp + mix.mlp_act * (mlp - self.layer_recompute_s(MLP_ACT, shape))
                 + (mix.full + mix.offload + mix.keep_attn) * (mlp + down))
 
+    def tiled_attention_recompute_s(self, stage_index: int, shape: UnitShape) -> float:
+        """Seconds tiling a unit's attention side (``attention_tile_tokens``) adds to its backward on
+        the stage beyond :meth:`tiled_mlp_recompute_s`: every layer's tiles rerun q/k/v and
+        ``o_proj`` (the runtime tests count the projections' calls)."""
+        tokens = self.compute.gpu_tokens(shape.tokens)
+        attn = (1 - self.gate_up_share - self.down_share) * (self._linear.token_s * tokens + self._linear.fixed_s)
+        return self.acts.layers_per_stage[stage_index] * attn
+
     def layer_saved_bytes(self, level: str, stage_index: int, segments: Sequence[Segment],
                           mlp_tiled: bool = False) -> float:
         """Bytes one layer at ``level`` drops from a unit with these segments, against keeping

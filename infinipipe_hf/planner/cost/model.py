@@ -63,7 +63,7 @@ class StageContext:
     group_size: int = 1
     """SP ranks a unit runs on: the stage's whole SP group, or an aligned sub-group of it."""
     grad_reduce: str = "step"
-    """When sharded gradients are reduced: ``step`` (the runtime) or ``unit`` (a what-if)."""
+    """When sharded gradients are reduced: ``step`` (once per step) or ``unit`` (after every backward)."""
     host_budget_bytes: float = 0.0
     """Host memory per GPU a plan may hold (offloaded activations, KV store, states); 0: no host tier."""
 
@@ -78,7 +78,7 @@ class StageContext:
                              f"sp_degree={self.dims.sp_degree}")
         if self.grad_reduce not in GRAD_REDUCE_MODES:
             raise ValueError(f"grad_reduce={self.grad_reduce!r} is not known; use 'step' (reduce-scatter once "
-                             f"per step, what the runtime does) or 'unit' (after every backward; a what-if)")
+                             f"per step) or 'unit' (after every backward)")
         if not self.host_budget_bytes >= 0:
             raise ValueError(f"host_budget_bytes={self.host_budget_bytes!r} must be >= 0 (0: no host tier)")
 
@@ -100,7 +100,7 @@ class CostModel:
     ``dims`` (default: one GPU) is the job's layout; ``layers_per_stage`` defaults to
     :func:`balanced_layer_split` with the embedding and head priced on ``reference_tokens``-token
     units; ``memory_budget_bytes`` to the profile's memory; ``state_precision`` to the profile's
-    (:meth:`StatePrecision.from_profile`); ``grad_reduce`` to ``"step"`` (as the runtime does).
+    (:meth:`StatePrecision.from_profile`); ``grad_reduce`` to ``"step"``.
     """
 
     ulysses = stage_part(UlyssesCost.from_stage)
@@ -145,6 +145,16 @@ class CostModel:
         if size not in self._family:
             self._family[size] = CostModel.of_context(dataclasses.replace(self.ctx, group_size=size), self._family)
         return self._family[size]
+
+    def for_plan(self, plan) -> "CostModel":
+        """This cost as ``plan`` was priced: a sharded plan marked ``grad_reduce="unit"``
+        (``ir.grad_reduce``) is replayed and checked with per-unit reduction.  Only towards
+        ``unit``: plans under construction carry the default ``step`` whatever they are priced
+        with, so a cost built with ``unit`` is kept."""
+        if getattr(plan, "grad_reduce", "step") != "unit" or self.ctx.grad_reduce == "unit" \
+                or not self.dims.shard.sharded:
+            return self
+        return CostModel.of_context(dataclasses.replace(self.ctx, grad_reduce="unit"))
 
     # --- the context ---------------------------------------------------------------------
     @property

@@ -16,7 +16,7 @@ accurate times.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -26,7 +26,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.planner.cost.calibration import Calibration
+from infinipipe_hf.planner.cost.calibration import Calibration, apply_calibration
 
 PROFILE_FORMAT_VERSION = 1
 
@@ -147,6 +147,11 @@ class HardwareProfile:
     :mod:`.calibration`); the default is the ideal machine."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Versions and notes recorded by the profiler (torch, transformers, GPU...)."""
+    stage_unit_s: dict[str, float] = field(default_factory=dict)
+    """Seconds a stage pays once per unit, whatever its depth (unit tensors, rotary tables, launch
+    gaps), ``{"forward": s, "backward": s}``, fitted from stages of two depths; empty: 0 (docs/gpu.md)."""
+    attention_backends: dict[str, Any] = field(default_factory=dict)
+    """Attention kernels timed per unit kind (``profiling/attention_backends.py``); empty: not measured."""
 
     def __post_init__(self) -> None:
         for name in ("intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s",
@@ -193,6 +198,9 @@ class HardwareProfile:
 
     @staticmethod
     def load(path: str | Path) -> "HardwareProfile":
+        """A profile JSON, or a shipped profile by name (:data:`PROFILE_NAMES`: ``uncalibrated``...)."""
+        if str(path) in PROFILE_NAMES:
+            return _shipped(str(path))
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -242,13 +250,16 @@ def host_fields(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 
 def fit_profile(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, int], *, name: str,
-                memory_gib: float = 80.0, device: str = "", meta: dict | None = None) -> HardwareProfile:
+                memory_gib: float = 80.0, device: str = "", meta: dict | None = None,
+                calibration: Calibration | None = None) -> HardwareProfile:
     """Fit a profile from measurement rows (``kind`` = ``layer_causal`` / ``lm_head_ce``).
 
     ``layer_causal`` rows: ``tokens``, ``fwd_bwd_ms``, ``fwd_ms``, ``saved_bytes_per_token``,
     ``fwd_peak_bytes_per_token``; one causal sequence, so pairs = tokens^2.
     ``lm_head_ce`` rows: ``tokens``, ``fwd_bwd_ms`` and optionally ``fwd_ms`` (else 1/3 of it).
     Optional: ``mlp_act_recompute``, ``host_copy``, ``host_adamw`` rows (:func:`host_fields`).
+    ``calibration``: applied to the fit (:func:`~.calibration.apply_calibration`; the profiler passes
+    :func:`shipped_calibration` on a GPU, so a user's profile prices EPP's step at its measured efficiency).
     """
     layer = [r for r in rows if r.get("kind") == "layer_causal"]
     head = [r for r in rows if r.get("kind") == "lm_head_ce"]
@@ -269,7 +280,7 @@ def fit_profile(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, int],
     extra = {"elementwise_bytes_per_s": float(np.median(act))} if act else {}
     extra.update(host_fields(rows))
     peak = float(np.median([r.get("fwd_peak_bytes_per_token", r["saved_bytes_per_token"]) for r in layer]))
-    return HardwareProfile(
+    fitted = HardwareProfile(
         name=name,
         reference=dict(reference),
         layer_forward=fit_time(fwd),
@@ -283,23 +294,47 @@ def fit_profile(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, int],
         meta=dict(meta or {}),
         **extra,
     )
+    if calibration is None or calibration.is_ideal:
+        return fitted
+    return replace(apply_calibration(fitted, calibration), name=name)
 
 
-@lru_cache(maxsize=1)
-def default_profile() -> HardwareProfile:
-    """The shipped H100/bf16 profile, fitted from ``profiles/h100_bf16_measurements.json``."""
-    text = resources.files("infinipipe_hf.profiles").joinpath("h100_bf16_measurements.json").read_text()
+PROFILE_NAMES = {"default": "h100_bf16_calibrated.json", "calibrated": "h100_bf16_calibrated.json",
+                 "uncalibrated": "h100_bf16_measurements.json"}
+"""Shipped profiles a ``--profile`` may name instead of a path."""
+
+
+def _shipped(name: str) -> HardwareProfile:
+    text = resources.files("infinipipe_hf.profiles").joinpath(PROFILE_NAMES[name]).read_text()
     data = json.loads(text)
-    data.setdefault("name", "h100-bf16-default")
+    data.setdefault("name", "h100-bf16-uncalibrated")
     return HardwareProfile.from_dict(data)
 
 
 @lru_cache(maxsize=1)
-def calibrated_profile() -> HardwareProfile:
-    """The shipped H100 profile with the calibration fitted on published measurements
-    (``profiles/h100_bf16_calibrated.json``; docs/calibration.md says how it is fitted)."""
-    text = resources.files("infinipipe_hf.profiles").joinpath("h100_bf16_calibrated.json").read_text()
-    return HardwareProfile.from_dict(json.loads(text))
+def default_profile() -> HardwareProfile:
+    """The shipped H100/bf16 profile: the layer fit of ``profiles/h100_bf16_measurements.json`` with the
+    calibration (``profiles/h100_bf16_calibrated.json``): EPP's whole-step efficiency measured on its
+    own H100 runs, each measured alternative's from its published rows, the ring's per-step cost
+    (docs/calibration.md says how each is fitted)."""
+    return _shipped("default")
+
+
+calibrated_profile = default_profile
+"""The default profile, under the name of what it carries."""
+
+
+@lru_cache(maxsize=1)
+def uncalibrated_profile() -> HardwareProfile:
+    """The layer fit alone, ideal machine (``--profile uncalibrated``): every system at the profiled
+    layer speed, no ring step cost.  For comparison: it prices whole steps faster than they run."""
+    return _shipped("uncalibrated")
+
+
+def shipped_calibration() -> Calibration:
+    """The shipped profile's calibration, which a profile measured with ``python -m infinipipe_hf.profile``
+    on a GPU takes over (EPP's measured whole-step efficiency and the alternatives')."""
+    return default_profile().calibration
 
 
 def reference_spec(profile: HardwareProfile) -> ModelSpec:

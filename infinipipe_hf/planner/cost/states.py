@@ -40,11 +40,10 @@ holds its whole unsharded weights (compute dtype) during the step instead of thr
 copies, and pays the gathers once per step, exposed before its first forward
 (:attr:`ShardedStates.gathers_per_step`).
 
-``grad_reduce="unit"`` is a what-if the runtime does not implement (FSDP2's default without
-gradient accumulation): every backward reduce-scatters its gradients, so no unsharded gradient
-outlives a unit (one unit's fp32 gradient is the reduce-scatter's input) at the price of a
-reduce-scatter per unit and layer, overlapped with the backward like the gathers, the last one
-exposed.  Benchmarks use it to show what per-step reduction costs in memory.
+``grad_reduce="unit"`` (the runtime's per-unit reduction, ``ir.grad_reduce``; the planner picks
+it per layout): every backward reduce-scatters its gradients, so no unsharded gradient outlives a
+unit (one unit's fp32 gradient is the reduce-scatter's input) at the price of a reduce-scatter per
+unit and layer, overlapped with the backward like the gathers, the last one exposed.
 
 State offload (``dims.state_offload``; host bytes and the CPU optimizer step: :mod:`state_host`).
 ``optimizer``: the device keeps weights and gradients, not the ``optimizer_bytes_per_param``.
@@ -214,7 +213,7 @@ class ShardedStates:
                  grad_reduce: str = "step"):
         if grad_reduce not in GRAD_REDUCE_MODES:
             raise ValueError(f"grad_reduce={grad_reduce!r} is not known; use 'step' (reduce-scatter once "
-                             f"per step, what the runtime does) or 'unit' (after every backward; a what-if)")
+                             f"per step) or 'unit' (after every backward)")
         self.grad_reduce = grad_reduce
         self._peak: dict[int, float] = {}
         self.dims = dims

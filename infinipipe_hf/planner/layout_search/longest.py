@@ -42,6 +42,7 @@ from infinipipe_hf.planner.search.limits import (
     states_remedies,
 )
 from infinipipe_hf.planner.search.loop import run_search
+from infinipipe_hf.planner.search.whole_units import try_whole_sequences
 from infinipipe_hf.planner.simulate.simulator import simulate
 
 RESOLUTION = 16
@@ -139,7 +140,10 @@ def candidates_fit(lengths: list[int], cost: CostModel, options: PlanOptions) ->
                           sched.checkpoint_policy(options.checkpointing), options.max_tokens_per_unit,
                           options.num_slices, options.solver_time_limit_s,
                           resolve_sp_rounds(options.sp_rounds, cost.dims.sp_degree, options.schedule))
-    return run_search(sched, ctx).best is not None
+    state = run_search(sched, ctx)
+    if options.schedule == "epp" and state.best is None:  # plan_step's whole-sequence candidate
+        try_whole_sequences(ctx, state, sched.name)
+    return state.best is not None
 
 
 def plan_one(inputs, layout: ParallelDims, host_budget_bytes: float, n: int) -> bool:

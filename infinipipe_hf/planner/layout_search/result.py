@@ -138,6 +138,8 @@ class LayoutOutcome:
                      num_pipelines=self.result.plan.num_pipelines if self.result.plan is not None else 0)
         d["planning_time_s"] = self.search_time_s
         d["sp_rounds"] = self.sp_rounds
+        if self.layout.shard.sharded and getattr(self.result, "plan", None) is not None:
+            d["grad_reduce"] = self.result.plan.grad_reduce  # when its sharded stages reduce gradients
         if self.priced_as:
             d["priced_as"] = self.priced_as
         if self.largest_trainable is not None:
@@ -195,6 +197,7 @@ class LayoutSearch:
                  over_alternatives={n: best.tokens_per_s / r.simulation.tokens_per_s
                                     for n, r in self.alternatives.items() if r.feasible and r.simulation.tokens_per_s},
                  plan=best.result.summary())
+        d["behind_alternatives"] = {n: r for n, r in d["over_alternatives"].items() if r < 1.0}
         whole = self.without_sp_rounds
         if whole is not None:
             d["without_sp_rounds"] = {k: v for k, v in whole.summary().items()

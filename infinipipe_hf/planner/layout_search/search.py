@@ -13,8 +13,9 @@ the batch has fewer sequences than its DP replicas (one would idle), when its mo
 exceed the budget, or when the batch's longest sequence does not fit even alone with every layer
 checkpointed at any slice count EPP would try (:func:`fits_alone`).  Shard
 modes that shard and replicate over the same mesh dims (``sp`` and ``hybrid``: they differ only
-in who reduces over DP) are priced identically and planned once.  No layout that fits is skipped
-for speed, so the pick equals a brute force over every layout.
+in who reduces over DP) are priced identically and planned once.  Layouts are planned best proven
+bound first, and one whose bound (its compute alone) is slower than a layout already planned is
+pruned, not planned (:mod:`.prune`), so the pick equals a brute force over every layout.
 
 Host memory (``host_budget_bytes`` per GPU, 0: none): every layout may keep layer inputs and K/V
 in host memory, and is also planned with its model states there, per state-offload mode
@@ -28,13 +29,8 @@ place in ``SHARD_MODES``, then the lighter state offload.
 """
 from __future__ import annotations
 
-import multiprocessing
 import time
-import warnings
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any, Mapping, Sequence
 
 from infinipipe_hf.ir.model_spec import ModelSpec
@@ -56,6 +52,7 @@ from infinipipe_hf.planner.layout_search.longest import (
     fits_alone,
     no_fit_error,
 )
+from infinipipe_hf.planner.layout_search.prune import PrunedOutcome, plan_pruned
 from infinipipe_hf.planner.layout_search.result import (
     LayoutOutcome,
     LayoutSearch,
@@ -65,6 +62,7 @@ from infinipipe_hf.planner.layout_search.result import (
 from infinipipe_hf.planner.pipeline.grids import DEFAULT_SLICE_COUNTS
 from infinipipe_hf.planner.registry import REFERENCE
 from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step, resolve_sp_rounds
+from infinipipe_hf.planner.search.grad_reduce import plans_otherwise, reduce_modes, with_reduce
 from infinipipe_hf.planner.search.limits import states_per_gpu
 from infinipipe_hf.planner.search.result import PlanResult
 
@@ -149,35 +147,24 @@ def _no_layout_message(spec, world_size, gpus_per_node, sps, sp_degrees, shards)
               f"relax the restriction or change the world size")
 
 
-def plan_layouts(inputs: SearchInputs, layouts: Sequence[ParallelDims], workers: int = 1) -> list[LayoutOutcome]:
-    """Each layout's outcome, in order; layouts priced alike are planned once, the distinct ones in
-    ``workers`` processes (spawned: safe under a process that runs threads or torch)."""
+def plan_layouts(inputs: SearchInputs, layouts: Sequence[ParallelDims], workers: int = 1,
+                 prune: bool = True) -> list[LayoutOutcome]:
+    """Each layout's outcome, in order; layouts priced alike are planned once, the distinct ones
+    best proven bound first in ``workers`` processes (spawned: safe under a process that runs
+    threads or torch), and with ``prune`` those whose bound cannot beat a planned one are not
+    planned (:mod:`.prune`: the pick is the exhaustive search's)."""
     if isinstance(workers, bool) or int(workers) != workers or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     firsts: dict[tuple, ParallelDims] = {}
     for layout in layouts:
         firsts.setdefault(pricing_key(layout), layout)
-    # Deepest pipelines first: they plan slowest, so a pool ends sooner with them started early.
-    todo = sorted(firsts.values(), key=lambda lay: (-lay.pp_degree, layouts.index(lay)))
-    planned = _in_pool(inputs, todo, workers) if workers > 1 and len(todo) > 1 else None
-    if planned is None:
-        planned = [plan_layout(inputs, lay) for lay in todo]
+    todo = list(firsts.values())
+    planned = plan_pruned(inputs, todo, plan_layout, workers, prune and not inputs.longest)
     by_key = {pricing_key(o.layout): o for o in planned}
     return [by_key[pricing_key(lay)] if by_key[pricing_key(lay)].layout == lay
+            else plan_layout(inputs, lay) if plans_otherwise(inputs.plan_options.get("grad_reduce", "auto"),
+                                                             by_key[pricing_key(lay)], lay)
             else by_key[pricing_key(lay)].priced_as_layout(lay) for lay in layouts]
-
-
-def _in_pool(inputs: SearchInputs, todo: list[ParallelDims], workers: int) -> list[LayoutOutcome] | None:
-    """The outcomes planned in a spawned pool; None (with a warning) when the pool breaks."""
-    context = multiprocessing.get_context("spawn")
-    try:
-        with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=context) as pool:
-            return list(pool.map(plan_layout, repeat(inputs), todo))
-    except BrokenProcessPool as exc:
-        warnings.warn(f"the layout search's process pool failed ({exc}); a script that starts processes needs "
-                      f"its code under `if __name__ == '__main__':`. Planning the layouts in this process",
-                      RuntimeWarning, stacklevel=3)
-        return None
 
 
 def pricing_key(layout: ParallelDims) -> tuple:
@@ -231,18 +218,19 @@ def plan_layout(inputs: SearchInputs, layout: ParallelDims) -> LayoutOutcome:
 
 def _plan_fed_layout(inputs: SearchInputs, layout: ParallelDims, t0: float) -> LayoutOutcome:
     cost = inputs.cost(layout)
-    states = states_per_gpu(cost)
+    options = inputs.options(layout)
+    lean = with_reduce(cost, reduce_modes(options.grad_reduce, cost)[-1])  # "unit" when planned: the leaner
+    states = states_per_gpu(lean)
     budget = inputs.memory_budget_bytes
     if states > budget:
         return LayoutOutcome(layout, None, f"model states alone need {gib(states)} GiB per GPU, over the "
                                            f"{gib(budget)} GiB budget", time.perf_counter() - t0)
     longest = max(inputs.lengths)
     # The leanest plan keeps every checkpoint on the device: a bound only without a host tier.
-    if not inputs.host_budget_bytes and not fits_alone(cost, longest, inputs.plan_options.get("num_slices")):
+    if not inputs.host_budget_bytes and not fits_alone(lean, longest, inputs.plan_options.get("num_slices")):
         return LayoutOutcome(layout, None, f"the longest sequence ({longest} tokens) does not fit even alone, "
                                            f"fully checkpointed, in any of 1 to {max(DEFAULT_SLICE_COUNTS)} slices",
                              time.perf_counter() - t0)
-    options = inputs.options(layout)
     result = plan_step(inputs.lengths, inputs.spec, layout, options, cost=cost)
     return LayoutOutcome(layout, result, None, time.perf_counter() - t0,
                          sp_rounds=resolve_sp_rounds(options.sp_rounds, layout.sp_degree))
@@ -272,6 +260,13 @@ def plan_alternatives(inputs: SearchInputs, world_size: int) -> dict:
             for name in planned_alternatives(inputs.host_budget_bytes)}
 
 
+def pruned_summary(outcomes: Sequence[LayoutOutcome]) -> dict:
+    """The search JSON's additive ``pruned_layouts`` (one entry per pruned layout) and ``num_pruned``."""
+    pruned = [o for o in outcomes if isinstance(o, PrunedOutcome)]
+    return {"num_pruned": len(pruned),
+            "pruned_layouts": [{**o.layout.degrees(), **o.pruned_dict()} for o in pruned]}
+
+
 def rank_key(outcome: LayoutOutcome) -> tuple:
     """Sort key of the tie-break (``TIE_BREAK``): feasible first, fastest first."""
     lay = outcome.layout
@@ -296,18 +291,21 @@ def search_layouts(lengths: Sequence[int], spec: ModelSpec, *, world_size: int, 
                    sp_degrees: Sequence[int] | None = None, shards: Sequence[str] | None = None,
                    alternatives: bool = True, plan_options: Mapping[str, Any] | None = None,
                    workers: int = 1, dp_degrees: Sequence[int] | None = None, host_budget_bytes: float = 0.0,
-                   state_offloads: Sequence[str] | None = None, longest: bool | None = None) -> LayoutSearch:
+                   state_offloads: Sequence[str] | None = None, longest: bool | None = None,
+                   prune: bool = True) -> LayoutSearch:
     """Plan ``lengths`` (one global batch) with EPP on every layout of ``world_size`` GPUs and
     recommend the fastest that fits (module docstring).
 
     ``gpus_per_node`` and ``memory_budget_bytes`` default to the profile's; ``sp_degrees`` /
     ``shards`` (and ``dp_degrees``) restrict the layouts; ``alternatives`` also plans ulysses-zero3, ring-cp and flexsp
     on the same GPUs; ``plan_options`` go to every ``plan_step``; ``workers`` > 1 plans the layouts
-    in that many processes (same results, the planning is deterministic).  ``host_budget_bytes``:
+    in that many processes (the same pick; with ``prune`` which layouts are pruned may depend on
+    which finish first, without it every result is the same).  ``host_budget_bytes``:
     host memory per GPU (0: no host tier); ``state_offloads`` restricts the state-offload modes;
     ``longest`` finds each layout's largest one-sequence length (default: for a one-sequence
-    batch).  ``ValueError`` when no layout can run; :class:`NoLayoutFits` (with the search attached)
-    when none fits the budget.
+    batch).  ``prune``: skip layouts a proven bound shows cannot be the pick (:mod:`.prune`; the
+    same pick as ``prune=False``, which plans every layout).  ``ValueError`` when no layout can
+    run; :class:`NoLayoutFits` (with the search attached) when none fits the budget.
     """
     t0 = time.perf_counter()
     check_batch(lengths)
@@ -321,7 +319,7 @@ def search_layouts(lengths: Sequence[int], spec: ModelSpec, *, world_size: int, 
     fed = [lay for lay in layouts if lay.dp_degree <= len(lengths)]  # unfed ones are ruled out once
     layouts = with_offload_modes(fed, modes, lambda lay: states_per_gpu(inputs.cost(lay)), budget) + [
         lay for lay in layouts if lay.dp_degree > len(lengths)]
-    outcomes = plan_layouts(inputs, layouts, workers)
+    outcomes = plan_layouts(inputs, layouts, workers, prune)
     if inputs.longest:
         fill_without_offload(inputs, outcomes, pricing_key)
     alts = plan_alternatives(inputs, world_size) if alternatives else {}
@@ -330,7 +328,8 @@ def search_layouts(lengths: Sequence[int], spec: ModelSpec, *, world_size: int, 
     if host_budget_bytes:
         settings["host_memory_gib"] = host_budget_bytes / GIB
     search = LayoutSearch(world_size, gpn, budget, sorted(outcomes, key=rank_key), alts, best, TIE_BREAK,
-                          time.perf_counter() - t0, settings=settings, host_budget_bytes=float(host_budget_bytes))
+                          time.perf_counter() - t0, settings=settings, host_budget_bytes=float(host_budget_bytes),
+                          extra=pruned_summary(outcomes))
     if best is not None:
         search.without_sp_rounds = whole_group_replan(inputs, best)
         search.search_time_s = time.perf_counter() - t0

@@ -6,6 +6,7 @@ of one sequence each layout's largest trainable length with and without the host
 """
 from __future__ import annotations
 
+from infinipipe_hf.planner.cost.calibration import pricing_text
 from infinipipe_hf.planner.layout_search.result import (
     LayoutOutcome,
     LayoutSearch,
@@ -31,6 +32,8 @@ def _row(o: LayoutOutcome, longest: bool) -> tuple[str, ...]:
     if not o.feasible:
         return (*head, "NO", "0", "-", "-", "-", "-", "-", f"{o.search_time_s:.2f}", *tail, o.error or note)
     sim = o.result.simulation
+    if lay.shard.sharded and o.result.plan is not None and o.result.plan.grad_reduce == "unit":
+        note = "; ".join(filter(None, (note, "gradients reduced per unit")))
     return (*head, "yes", f"{o.tokens_per_s:,.0f}", f"{sim.step_time_s:.3f}", gib(o.peak_memory_bytes),
             gib(o.host_peak_memory_bytes), f"{sim.bubble_fraction:.3f}", f"{sim.recompute_fraction:.3f}",
             f"{o.search_time_s:.2f}", *tail, note)
@@ -75,12 +78,21 @@ def format_search(search: LayoutSearch) -> str:
         offload = f", state offload {lay.state_offload}" if lay.state_offload.offloaded else ""
         lines.append(f"recommended: {lay.label}, shard {lay.shard}{offload}: {best.tokens_per_s:,.0f} tokens/s, peak "
                      f"{gib(best.peak_memory_bytes)} GiB per GPU, host peak {gib(best.host_peak_memory_bytes)} GiB")
+        if lay.shard.sharded and best.result.plan is not None:
+            per_unit = best.result.plan.grad_reduce == "unit"
+            lines.append(f"  sharded gradients reduced {'after every unit' if per_unit else 'once per step'} "
+                         f"(--grad-reduce {best.result.plan.grad_reduce})")
         whole = search.without_sp_rounds
         if whole is not None:
             lines.append(f"  with elastic SP rounds; without them (--no-sp-rounds) this layout plans "
                          f"{whole.summary()['tokens_per_s']:,.0f} tokens/s")
-        for name, ratio in search.recommended_dict()["over_alternatives"].items():
+        rec = search.recommended_dict()
+        for name, ratio in rec["over_alternatives"].items():
             lines.append(f"  {ratio:.2f}x {name} at its best")
+        if rec["behind_alternatives"]:
+            behind = ", ".join(f"{n} ({r:.2f}x)" for n, r in rec["behind_alternatives"].items())
+            lines.append(f"  behind {behind} on this batch: the alternative at its best is faster than EPP's "
+                         f"best layout here")
         settings = search.recommended_settings()
         lines += [f"  EPPTrainingArguments({training_arguments(lay, settings)}, ...)",
                   f"  recipe flags: {recipe_flags(lay, settings)} (recipes/train.py; launch {search.world_size} "
@@ -89,6 +101,8 @@ def format_search(search: LayoutSearch) -> str:
             lines.append(f"  (no command-line form for {', '.join(flagless(settings))}: set it in Python)")
         if "plan_command" in search.extra:
             lines.append(f"  replan it alone: {search.extra['plan_command']}")
+    if "pricing" in search.extra:
+        lines.append(pricing_text(search.extra["pricing"]))
     lines.append(f"tie-break: {search.tie_break}")
     planned = sum(o.result is not None and o.priced_as is None for o in search.layouts)
     lines.append(f"search: {len(search.layouts)} layouts, {planned} planned, {search.search_time_s:.1f} s")

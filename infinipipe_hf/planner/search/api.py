@@ -17,9 +17,10 @@ robustness against a cost model that is only approximately right about where the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
+from infinipipe_hf.ir.grad_reduce import check_grad_reduce
 from infinipipe_hf.ir.levels import CHECKPOINTING, FINER_LEVELS, check_levels
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
@@ -33,6 +34,7 @@ from infinipipe_hf.planner.registry import ALTERNATIVES, PIPELINE_SCHEDULES, SCH
 from infinipipe_hf.planner.schedules.base import ROUNDS
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
 from infinipipe_hf.planner.search.finish import finish_pipeline, host_states_message
+from infinipipe_hf.planner.search.grad_reduce import plan_each_reduce, reduce_modes
 from infinipipe_hf.planner.search.loop import run_search
 from infinipipe_hf.planner.search.result import PlanResult
 from infinipipe_hf.planner.search.whole_units import try_whole_sequences
@@ -73,8 +75,12 @@ class PlanOptions:
     host_memory_budget_bytes: float | None = None
     """Host memory per GPU a plan may hold: offloaded layer inputs, KV stores, model states
     (``None`` or 0: no host tier, nothing is offloaded)."""
+    grad_reduce: str = "auto"
+    """When sharded stages reduce gradients: ``step``, ``unit`` or ``auto`` (both priced where
+    ``unit`` can run, the faster plan kept; :mod:`.grad_reduce`)."""
 
     def __post_init__(self) -> None:
+        check_grad_reduce(self.grad_reduce)
         host = self.host_memory_budget_bytes
         if host is not None and not host >= 0:
             raise ValueError(f"host_memory_budget_bytes={host!r} must be >= 0 bytes per GPU (0 or None: no host "
@@ -84,7 +90,8 @@ class PlanOptions:
         """The cost model these options plan with on ``dims``."""
         return CostModel(spec, self.profile, dims, layers_per_stage=self.layers_per_stage,
                          memory_budget_bytes=self.memory_budget_bytes, loss_chunk_tokens=self.loss_chunk_tokens,
-                         host_budget_bytes=self.host_memory_budget_bytes or 0.0)
+                         host_budget_bytes=self.host_memory_budget_bytes or 0.0,
+                         grad_reduce="unit" if self.grad_reduce == "unit" else "step")
 
 
 def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None = None,
@@ -109,6 +116,10 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None
         raise ValueError(f"the cost model passed to plan_step was built for {cost.dims}, not {dims}; build the "
                          f"CostModel with the layout you plan")
     dims = cost.dims
+    modes = reduce_modes(o.grad_reduce, cost)
+    if len(modes) > 1 or modes[0] != cost.ctx.grad_reduce:
+        return plan_each_reduce(lambda mode, c: plan_step(lengths, spec, options=replace(o, grad_reduce=mode), cost=c),
+                                cost, modes, t0)
     stop = host_states_message(cost, o.schedule)
     if stop is not None:
         return PlanResult(o.schedule, None, None, False, stop, time.perf_counter() - t0, [], dims.sp_degree,
@@ -125,6 +136,8 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None
     idle = idle_replicas(len(lengths), dims.dp_degree)
     if idle and result.plan is not None:
         result.plan.info["idle_replicas"] = idle  # the batch has fewer sequences than replicas
+    if result.plan is not None and dims.shard.sharded:
+        result.plan.grad_reduce = modes[0]  # the runtime reduces as the plan was priced
     return result
 
 

@@ -6,6 +6,10 @@ Llama-3.1-8B at 524K tokens: 128 GiB), and with the weights on the host every sl
 and its gradients down.  A whole sequence as one unit carries nothing; its layers run their MLP in
 tiles (``runtime/recompute/tiled_mlp.py``) so no MLP intermediate grows with it, and the checkpoint
 solver recomputes or offloads its layers as the budgets allow (ALST's plan, in EPP's terms).
+When that does not fit, the attention side goes in tiles too (``runtime/recompute/tiled_attention.py``,
+plan key ``attention_tile_tokens``): a layer's backward then holds over the whole sequence only what
+the attention kernel needs, and every layer is recomputed or offloaded (a kept layer is priced
+as one whose attention side is whole, so none is kept).
 
 Tried on one-stage layouts (a single unit per sequence leaves a pipeline nothing to overlap) without
 sequence parallelism, with a host tier, when the batch has a sequence longer than one tile; the plan replaces the
@@ -24,6 +28,8 @@ from infinipipe_hf.planner.simulate.simulator import simulate
 
 KNOB = "whole_sequences_tiled_mlp"
 """The candidate's name in the search's record (``plan.info["candidate"]`` of its plan)."""
+KNOB_ATTENTION = "whole_sequences_tiled_attention"
+"""The same with the attention side in tiles too."""
 
 
 def tile_tokens(cost) -> int:
@@ -43,9 +49,10 @@ def wanted(ctx: PipelineContext) -> bool:
     return longest > tile_tokens(cost) and (cap is None or longest <= cap)
 
 
-def whole_sequence_plan(ctx: PipelineContext, schedule: str) -> Plan:
+def whole_sequence_plan(ctx: PipelineContext, schedule: str, attention: bool = False) -> Plan:
     """One unit per sequence on its replica (longest first, forward then backward), every unit
-    longer than a tile per GPU with its MLP in tiles; checkpointing not solved yet."""
+    longer than a tile per GPU with its MLP in tiles (``attention``: its attention side too);
+    checkpointing not solved yet."""
     cost = ctx.cost
     units, actions = [], {}
     for dp_rank, seqs in enumerate(ctx.replicas):
@@ -54,9 +61,22 @@ def whole_sequence_plan(ctx: PipelineContext, schedule: str) -> Plan:
         actions[dp_rank] = [[Action(kind, u.id) for u in mine for kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]]
     tile = tile_tokens(cost)
     plan = Plan(schedule, 1, len(ctx.replicas), list(ctx.lengths), units, actions, {}, list(cost.layers_per_stage),
-                {"candidate": KNOB, "num_slices": 1}, cost.dims.sp_degree, cost.dims.shard.name)
+                {"candidate": KNOB_ATTENTION if attention else KNOB, "num_slices": 1}, cost.dims.sp_degree,
+                cost.dims.shard.name)
     plan.mlp_tile_tokens = {u.id: tile for u in units if u.num_tokens > tile * cost.dims.sp_degree}
+    if attention:
+        plan.attention_tile_tokens = dict(plan.mlp_tile_tokens)
     return plan
+
+
+def _recompute_kept_layers(plan: Plan) -> None:
+    """Every layer of a unit with its attention side in tiles checkpointed or offloaded (module
+    docstring): the layers the solver kept become whole-layer checkpoints."""
+    layers = plan.layers_per_stage[0]
+    per_unit = plan.checkpoint_layers.setdefault(0, {})
+    for uid in plan.attention_tile_tokens:
+        offloaded = plan.checkpoint_levels.get(0, {}).get(uid, {}).get("offload", 0)
+        per_unit[uid] = layers - offloaded
 
 
 def try_whole_sequences(ctx: PipelineContext, state: SearchState, schedule: str) -> None:
@@ -64,15 +84,19 @@ def try_whole_sequences(ctx: PipelineContext, state: SearchState, schedule: str)
     (recorded in ``state.tried`` either way)."""
     if not wanted(ctx):
         return
-    plan = whole_sequence_plan(ctx, schedule)
-    sol = solve_checkpointing(plan, ctx.cost, policy="greedy", time_limit_s=ctx.time_limit_s, sharing="diagonal")
-    if not sol.feasible:
-        state.tried.append({"candidate": KNOB, "feasible": False, "error": sol.message})
+    for attention in (False, True):  # the attention side in tiles only when the MLP's are not enough
+        plan = whole_sequence_plan(ctx, schedule, attention)
+        sol = solve_checkpointing(plan, ctx.cost, policy="greedy", time_limit_s=ctx.time_limit_s, sharing="diagonal")
+        if sol.feasible:
+            break
+        state.tried.append({"candidate": plan.info["candidate"], "feasible": False, "error": sol.message})
+    else:
         return
     plan.checkpoint_layers, plan.checkpoint_levels = sol.checkpoint_layers, sol.checkpoint_levels
+    _recompute_kept_layers(plan)
     plan.info.update(checkpoint_method=sol.method, recompute_time_s=sol.recompute_time_s)
     sim = simulate(plan, ctx.cost)
-    state.tried.append({"candidate": KNOB, "feasible": sim.feasible, "step_time_s": sim.step_time_s,
+    state.tried.append({"candidate": plan.info["candidate"], "feasible": sim.feasible, "step_time_s": sim.step_time_s,
                         "recompute_time_s": sim.recompute_time_s})
     if sim.feasible and (state.best is None or sim.step_time_s < state.best[1].step_time_s):
         state.best = (plan, sim)

@@ -74,6 +74,8 @@ class ActionCosts:
         if uid in self.plan.mlp_tile_tokens:  # the tiles rerun their gate and up projections
             mix = CheckpointMix.of(self.plan.checkpointed(stage, uid), finer)
             t += cost.levels.tiled_mlp_recompute_s(stage, self.shapes[uid], mix)
+        if uid in self.plan.attention_tile_tokens:  # the tiles rerun q/k/v and o_proj
+            t += cost.levels.tiled_attention_recompute_s(stage, self.shapes[uid])
         return t
 
     def transfer(self, a: Action) -> float:

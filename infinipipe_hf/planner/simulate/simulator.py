@@ -67,7 +67,9 @@ class _Totals:
 
 
 def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
-    """Replay ``plan`` under ``cost``; raises :class:`PlanDeadlockError` if it cannot complete."""
+    """Replay ``plan`` under ``cost`` (as the plan was priced: :meth:`CostModel.for_plan`); raises
+    :class:`PlanDeadlockError` if it cannot complete."""
+    cost = cost.for_plan(plan) if hasattr(cost, "for_plan") else cost  # test doubles lack it
     _check_cost(plan, cost)
     steps = RoundSteps(plan) if has_sub_groups(plan) else None
     costs = ActionCosts(plan, cost, steps)

@@ -45,6 +45,7 @@ class PlanValidationError(ValueError):
 def validate(plan: Plan, cost: CostModel | None = None, *, max_tokens_per_unit: int | None = None,
              check_memory: bool = True) -> None:
     """Raise :class:`PlanValidationError` unless ``plan`` is complete, ordered, runnable and fits."""
+    cost = cost.for_plan(plan) if hasattr(cost, "for_plan") else cost  # as the plan was priced
     _Checker(plan, cost, max_tokens_per_unit, check_memory).run()
 
 
@@ -257,10 +258,11 @@ class _Checker:
                 self.fail_unit(f"stage {s} checkpoints {n} layers of unit {uid}, outside [0, {top}] "
                                f"(the stage has {top} decoder layers)", unit, ActionKind.BACKWARD, s)
         self.checkpoint_levels(layers)
-        for uid, n in sorted(plan.mlp_tile_tokens.items()):
-            if uid not in plan.unit_by_id or isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                self.fail(f"mlp_tile_tokens[{uid}] = {n!r}: each entry maps a unit of the plan to a positive "
-                          f"number of tokens per MLP tile")
+        for key in ("mlp_tile_tokens", "attention_tile_tokens"):
+            for uid, n in sorted(getattr(plan, key).items()):
+                if uid not in plan.unit_by_id or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    self.fail(f"{key}[{uid}] = {n!r}: each entry maps a unit of the plan to a positive "
+                              f"number of tokens per tile")
 
     def stage_units(self, per_stage: dict, name: str):
         """``(stage, unit id, unit, value)`` of a per-(stage, unit) plan field, in order; a stage or

@@ -91,3 +91,18 @@ def square_causal(length: int, context: int, sliding_window: int | None) -> bool
     """A segment with no context and no window narrower than it: plain causal, no mask needed
     (upper-left and lower-right alignment coincide)."""
     return context == 0 and (sliding_window is None or sliding_window >= length)
+
+
+UNIT_KINDS = ("sequence", "packed", "slice", "hybrid")
+"""The attention problems a unit poses, by which the backend is chosen: one whole ``sequence``
+(one segment, no context), ``packed`` (several segments, none with context), a ``slice`` (one
+segment with context), ``hybrid`` (several segments, one or more with context)."""
+
+
+def unit_kind(a: AttentionSegments) -> str:
+    """The unit kind (:data:`UNIT_KINDS`) of an attention problem.  A first slice (no context)
+    poses the same problem as a whole sequence of its length, so it counts as ``sequence``."""
+    with_context = any(c > 0 for c in a.context_lens)
+    if len(a.keys) == 1:
+        return "slice" if with_context else "sequence"
+    return "hybrid" if with_context else "packed"

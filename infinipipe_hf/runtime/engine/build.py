@@ -78,6 +78,10 @@ def build_stage(model, config: InfiniPipeConfig, spec: ModelSpec, layout: Parall
     ranges = partition_layers(spec.num_layers, layout.pp_degree, layer_split=config.layer_split,
                               last_stage_extra=spec.embedding_params / spec.layer_params)
     stage = cut_stage(model, layout.stage_index, ranges[layout.stage_index])
+    if config.compile_layers:  # before FSDP2 wraps the layers, as torchtitan does
+        from infinipipe_hf.runtime.stage.compile import compile_stage_layers, layer_compile_settings
+
+        compile_stage_layers(stage, layer_compile_settings(config))
     sharding = None
     if layout.dims.shard.sharded or layout.dims.state_offload.weights_on_host:
         # Sharded on the host/meta device: only this rank's shards are put on the device (with

@@ -56,6 +56,7 @@ from infinipipe_hf.runtime.engine.executor import PipelineExecutor
 from infinipipe_hf.runtime.engine.sp_rounds import check_runnable
 from infinipipe_hf.runtime.engine.timeline import Timeline
 from infinipipe_hf.runtime.parallel.comm import StageComm
+from infinipipe_hf.runtime.parallel.fsdp import check_grad_reduce_runnable
 from infinipipe_hf.runtime.parallel.grad_sync import GradientSync
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 from infinipipe_hf.runtime.parallel.plan_sync import PlanAgreement
@@ -113,6 +114,7 @@ class PipelineEngine:
         self.sequence_parallel = build_sequence_parallel(config, self.spec, self.layout)
         self.runner = StageRunner(self.stage, loss_chunk_tokens=config.loss_chunk_tokens,
                                   attention_backend=config.attention_backend,
+                                  attention_table=planning.attention_table(config),
                                   label_smoothing=config.label_smoothing,
                                   sequence_parallel=self.sequence_parallel)
         comm = (StageComm(self.layout, timeout_s=config.p2p_timeout_s, device=self.device,
@@ -180,6 +182,7 @@ class PipelineEngine:
                 raise ValueError(f"step {self.step_count}: the plan passed to this rank differs from "
                                  f"other ranks' plans; pass the same plan on every rank")
         check_runnable(plan, self.layout.sp_degree)
+        check_grad_reduce_runnable(plan.grad_reduce, self.layout.dims)
         return batch, lengths, n_labels, plan, sim
 
     def _begin_step(self, plan: Plan, batch, label_tokens: int) -> None:
@@ -212,7 +215,7 @@ class PipelineEngine:
         self.stage.train()
         try:
             if self.sharding is not None:
-                self.sharding.begin_step()
+                self.sharding.begin_step(plan.grad_reduce)
             self._begin_step(plan, batch, normaliser)
             result = self.executor.run(plan, step=self.step_count, train=True)
             self.runner.end_step()

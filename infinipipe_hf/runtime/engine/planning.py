@@ -30,6 +30,16 @@ def memory_budget_bytes(config: InfiniPipeConfig, device: torch.device) -> float
     return config.memory_budget(total).budget_bytes
 
 
+def attention_table(config: InfiniPipeConfig) -> dict:
+    """The profile's measured attention-backend table (empty when it has none), for ``"auto"``."""
+    from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+
+    if config.attention_backend != "auto":
+        return {}
+    profile = HardwareProfile.load(config.profile) if config.profile is not None else default_profile()
+    return dict(profile.attention_backends)
+
+
 def runnable_checkpoint_levels(engine) -> tuple[str, ...]:
     """The configured levels this stage can run (the others dropped with a warning)."""
     from infinipipe_hf.runtime.recompute.layers import runnable_levels
@@ -53,10 +63,12 @@ class DefaultPlanner:
     def _load_profile(self, engine):
         from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
         from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
+        from infinipipe_hf.runtime.attention.select import backend_for_kind
 
         c = engine.config
         profile = HardwareProfile.load(c.profile) if c.profile is not None else default_profile()
-        if engine.runner.backend is sdpa_backend and not profile.attention_mask_bytes_per_element:
+        routed = [backend_for_kind(engine.runner.backend, kind) for kind in ("slice", "hybrid")]
+        if sdpa_backend in routed and not profile.attention_mask_bytes_per_element:
             # The SDPA fallback keeps a dense mask (in the compute dtype) per slice with
             # context; plan with it so the memory model matches what this rank really holds.
             profile = dataclasses.replace(profile, attention_mask_bytes_per_element=float(
@@ -77,7 +89,7 @@ class DefaultPlanner:
                               max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
                               checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
                               sp_rounds=c.sp_rounds, checkpoint_levels=runnable_checkpoint_levels(engine),
-                              host_memory_budget_bytes=c.host_budget_bytes())
+                              host_memory_budget_bytes=c.host_budget_bytes(), grad_reduce=c.grad_reduce)
         return dict(spec=engine.spec, dims=engine.layout.dims, options=options)
 
     def __call__(self, lengths: list[int], engine):

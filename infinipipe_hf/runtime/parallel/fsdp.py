@@ -24,10 +24,15 @@ Loading: parameters go to the meta device before ``fully_shard``, ``to_empty`` t
 only each rank's shard on the device and the shard is copied from the full host tensor (which
 transformers memory-maps from safetensors).  A whole unsharded stage never reaches the device.
 
-One gradient reduction per step.  FSDP's gradient sync is off while the step's units run:
-unsharded gradients accumulate over every unit's backward; after the last one ``reduce_gradients``
-reduce-scatters them once (as ``torch.distributed.pipelining`` does for FSDP stages).  Gradients
-are summed, not averaged: every rank's loss is already divided by the global label count.
+When gradients are reduced: as the plan says (``Plan.grad_reduce``, ``ir.grad_reduce``).
+``step``: FSDP's gradient sync is off while the step's units run; unsharded gradients accumulate
+over every unit's backward; after the last one ``reduce_gradients`` reduce-scatters them once (as
+``torch.distributed.pipelining`` does for FSDP stages).  ``unit``: sync is on, so every module's
+backward reduce-scatters its gradient into the sharded ``.grad`` and no unsharded gradient
+outlives its module's backward (ZeRO-3's memory).  The LM head is the exception: the chunked loss
+runs it once per chunk and SP ranks' chunk counts differ, so its reduction is chained to the final
+norm's, which runs once per unit.  Gradients are summed, not averaged: every rank's loss is
+already divided by the global label count.
 
 When parameters are all-gathered.  FSDP all-gathers are collectives over the shard group, so
 every rank of the group must unshard the same modules in the same order.  SP ranks of a stage run
@@ -35,8 +40,8 @@ the same action list, so under ``"sp"``/``"hybrid"`` parameters are gathered per
 resharded after each forward, re-gathered for its backward).  DP replicas run *different* unit
 lists (elastic units are dealt to replicas by cost), so when the shard group spans replicas
 (``"dp"``, ``"sp+dp"``) every module is gathered once when the step starts and resharded after
-the reduction.  Trade-off: during a step the stage then holds full parameters (and, in every
-mode, full gradients, the price of one reduction per step); between steps everything is sharded.
+the reduction.  Trade-off: during a step the stage then holds full parameters (and, reducing
+once per step, full gradients in every mode); between steps everything is sharded.
 The final norm and LM head stay gathered from their first use to the end of the step in every
 mode, so a unit's chunked loss does not all-gather the head once per chunk.
 """
@@ -45,6 +50,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from infinipipe_hf.ir.grad_reduce import check_grad_reduce, unit_reduce_problem
 from infinipipe_hf.layout import SHARD_TABLE, ShardMode
 from infinipipe_hf.runtime.parallel.fsdp_api import copy_full_, fsdp2_api, is_dtensor
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
@@ -73,6 +79,8 @@ class StageSharding:
         """Gather every module once per step (shard group spans DP replicas, whose unit lists
         differ) instead of per unit.  Tests may set it to ``False`` with plans whose replicas
         run identical action sequences, to exercise the per-unit path on DP groups."""
+        self.grad_reduce = "step"
+        """The running step's gradient reduction (``begin_step``, from the plan)."""
         self.compute_dtype = compute_dtype
         mp = MixedPrecisionPolicy()
         if compute_dtype is not None:
@@ -89,6 +97,9 @@ class StageSharding:
             stage.compute_device = device  # the parameters say "cpu"; the stage runs here
         host = self._to_meta(stage.hf_model)
         self.modules, self.keep_gathered = self._wrap(stage, fully_shard, kw)
+        self.head = self.modules[-1] if stage.is_last else None
+        """The LM head (with a tied embedding on a one-stage pipeline): its chunked loss runs it a
+        different number of times on each SP rank, so ``unit`` reduces it with the norm."""
         self.root = fully_shard(stage.hf_model, **kw)
         leftover = [n for n, p in stage.hf_model.named_parameters() if not is_dtensor(p)]
         if leftover:
@@ -98,6 +109,8 @@ class StageSharding:
         # The root never runs forward, so FSDP's lazy root initialisation (shared communication
         # state for every group) is triggered by hand, once the shards are real tensors.
         self._root_state()._lazy_init()
+        if self.head is not None:
+            self._chain_head_reduce()
         for m in self.modules:
             m.set_gradient_divide_factor(1.0)  # sum: losses are already globally normalised
             m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
@@ -182,19 +195,43 @@ class StageSharding:
         return fully_shard.state(self.root)
 
     # --- a step --------------------------------------------------------------------------
-    def _set(self, *, sync: bool, reshard: bool) -> None:
+    def _set(self, *, sync: bool, reshard: bool, per_unit: bool = False) -> None:
+        """Sync on for every module (``sync``), or, with ``per_unit``, for all but the LM head."""
         for m in self.modules:
-            m.set_requires_gradient_sync(sync, recurse=False)
+            m.set_requires_gradient_sync(sync or (per_unit and m is not self.head), recurse=False)
             keep = id(m) in self.keep_gathered or self.gather_per_step
             m.set_reshard_after_backward(reshard or not keep, recurse=False)
             m.set_reshard_after_forward(not keep and not self.gather_per_step, recurse=False)
 
-    def begin_step(self) -> None:
-        """Before a training step's first unit: accumulate gradients unreduced until the end."""
+    def begin_step(self, grad_reduce: str = "step") -> None:
+        """Before a training step's first unit: ``step`` accumulates gradients unreduced until the
+        end, ``unit`` reduce-scatters them after every backward (module docstring)."""
+        check_grad_reduce_runnable(grad_reduce, self.layout.dims)
+        self.grad_reduce = grad_reduce
         self.root.set_is_last_backward(False)
-        self._set(sync=False, reshard=False)
+        self._set(sync=False, reshard=False, per_unit=grad_reduce == "unit")
         if self.gather_per_step:
             self._gather_all()
+
+    @staticmethod
+    def _group(module):
+        return module._get_fsdp_state()._fsdp_param_group
+
+    def _chain_head_reduce(self) -> None:
+        """Under ``unit``, reduce the LM head's gradient when the final norm's is reduced: once per
+        unit on every rank (the norm runs once per unit, before the head's loss chunks, whose
+        number differs between SP ranks), and before the unit's decoder layers run backward."""
+        norm, head = self._group(self.modules[-2]), self._group(self.head)
+        norm_post_backward = norm.post_backward
+
+        def post_backward(*unused):
+            norm_post_backward(*unused)
+            if self.grad_reduce == "unit":
+                self.head.set_requires_gradient_sync(True, recurse=False)
+                head.post_backward()
+                self.head.set_requires_gradient_sync(False, recurse=False)
+
+        norm.post_backward = post_backward
 
     def begin_forward_only(self) -> None:
         """Before an evaluation step (forwards only)."""
@@ -210,8 +247,15 @@ class StageSharding:
     def reduce_gradients(self) -> None:
         """After the step's last backward: reduce-scatter the accumulated gradients into the sharded
         ``.grad`` (plus FSDP's all-reduce over DP for ``"hybrid"``) and reshard every module.
-        Collective over the shard group: every rank calls it, with or without units this step."""
-        self._set(sync=True, reshard=True)
+        Collective over the shard group: every rank calls it, with or without units this step.
+        After per-unit reduction nothing is left to reduce (but a tied head's embedding part):
+        ``post_backward`` then only reshards (no second, all-zero reduce-scatter)."""
+        per_unit, self.grad_reduce = self.grad_reduce == "unit", "step"
+        self._set(sync=not per_unit, reshard=True)
+        if per_unit and self.head is not None and len(self._group(self.head).modules) > 1:
+            # A tied head grouped with the embeddings: the embeddings' backward runs after the
+            # head's reduction in each unit, so their last gradient is reduced here.
+            self.head.set_requires_gradient_sync(True, recurse=False)
         self.root.set_is_last_backward(True)
         state = self._root_state()
         # What torch.distributed.pipelining does for an FSDP stage after its last backward.
@@ -221,6 +265,7 @@ class StageSharding:
         state._root_post_backward_final_callback()
         for m in self.modules:
             m.reshard()
+            m.set_requires_gradient_sync(True, recurse=False)  # FSDP's default between steps
 
     def finish_forward_only(self) -> None:
         """After an evaluation step: reshard everything and drop FSDP's per-pass bookkeeping."""
@@ -228,6 +273,7 @@ class StageSharding:
 
     def abort_step(self) -> None:
         """After a failed step: reshard, and drop the step's unreduced gradients."""
+        self.grad_reduce = "step"
         try:
             self.root.reset_iter_state()
         finally:
@@ -248,6 +294,16 @@ class StageSharding:
         spans_dp = "dp" in self.mode.shard_dims
         spans_sp = "sp" in self.mode.shard_dims
         return (spans_dp or lay.dp_rank == 0) and (spans_sp or lay.sp_rank == 0)
+
+
+def check_grad_reduce_runnable(grad_reduce: str, dims) -> None:
+    """``ValueError`` when a plan's ``grad_reduce`` cannot run on the layout ``dims`` (before any
+    collective, so every rank refuses the same plan alike)."""
+    check_grad_reduce(grad_reduce, allow_auto=False)
+    problem = unit_reduce_problem(dims) if grad_reduce == "unit" else None
+    if problem is not None:
+        raise ValueError(f"the plan reduces gradients per unit, which this engine cannot run: {problem} "
+                         f"(layout {dims.label}); plan with the engine's layout or grad_reduce='step'")
 
 
 def alone_mesh(layout: ParallelLayout, device: torch.device):

@@ -10,7 +10,9 @@ others hold identical copies) with the tied weight counted once, as the unsplit 
 ``global_sum`` adds a scalar over the world (the loss parts of the last stages).
 
 Sharded stages (``StageSharding``): FSDP2 reduce-scatters the accumulated gradients into each
-rank's shard first (and all-reduces over DP under ``"hybrid"``); then the tied pair sums its local
+rank's shard first (and all-reduces over DP under ``"hybrid"``), all at the end or, for a plan
+with ``grad_reduce="unit"``, most of it already after each backward (only the shard group's own
+reduce-scatters move: the local shards then hold the same sums); then the tied pair sums its local
 shards (both ends are sharded alike over groups of the same size, so shard i meets shard i) and
 the ranks FSDP did not cover (``sharding.extra_group``) sum theirs.  The norm adds local shard
 squares over the world, each piece of the model counted once (``holds_distinct_shard``).
@@ -106,8 +108,12 @@ class GradientSync:
         """L2 norm of the whole model's gradient (every stage, the tied weight once)."""
         lay = self.layout
         skip = {id(p) for p in self._tied()} if lay.is_last_stage else set()
-        local = sum(float(local_tensor(p.grad).detach().double().pow(2).sum())
-                    for p in self._trainable() if p.grad is not None and id(p) not in skip)
+        squares: dict[torch.device, list[torch.Tensor]] = {}  # one device sync per device, not per tensor
+        for p in self._trainable():
+            if p.grad is not None and id(p) not in skip:
+                g = local_tensor(p.grad).detach()
+                squares.setdefault(g.device, []).append(g.double().pow(2).sum())
+        local = sum(float(torch.stack(v).sum()) for v in squares.values())
         if self.sharding is not None:
             # Shards are spread over the shard group (and copies over the other groups): sum
             # over the world, each piece once.

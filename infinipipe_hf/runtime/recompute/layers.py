@@ -28,18 +28,20 @@ from infinipipe_hf.ir.levels import FULL, KEEP_ATTN, OFFLOAD, CheckpointMix
 from infinipipe_hf.runtime.offload.activation_hooks import offload_saved
 from infinipipe_hf.runtime.recompute.keep_attn import KeptAttention
 from infinipipe_hf.runtime.recompute.mlp_levels import mlp_level
-from infinipipe_hf.runtime.recompute.tiled_mlp import tiled_call
+from infinipipe_hf.runtime.recompute.tiled_attention import tiled_layer_call
 
 
 def run_decoder_layers(layers: Sequence[tuple[int, nn.Module]], hidden: torch.Tensor, *,
                        num_checkpointed: int, position_ids: torch.Tensor,
                        position_embeddings: tuple[torch.Tensor, torch.Tensor], unit_ctx,
                        finer_levels: Mapping[str, int] | None = None,
-                       mlp_tile_tokens: int | None = None) -> torch.Tensor:
+                       mlp_tile_tokens: int | None = None,
+                       attention_tile_tokens: int | None = None) -> torch.Tensor:
     """Run ``layers`` in order: the first ``finer_levels["offload"]`` checkpointed with their input
     in the host tier, the next ``num_checkpointed`` under activation checkpointing, the
     next ``finer_levels["keep_attn"]``, ``finer_levels["mlp"]`` and ``finer_levels["mlp_act"]``
-    at those levels; with ``mlp_tile_tokens`` every layer's MLP runs in tiles (``tiled_mlp.py``)."""
+    at those levels; with ``mlp_tile_tokens`` every layer's MLP runs in tiles (``tiled_mlp.py``), with
+    ``attention_tile_tokens`` every layer's token-wise parts (``tiled_attention.py``)."""
     if not 0 <= num_checkpointed <= len(layers):
         raise ValueError(f"num_checkpointed={num_checkpointed} must be between 0 and the stage's "
                          f"{len(layers)} decoder layers; fix the plan's checkpoint_layers")
@@ -52,7 +54,7 @@ def run_decoder_layers(layers: Sequence[tuple[int, nn.Module]], hidden: torch.Te
         # One store per unit call: the checkpoints' saved kwargs keep it alive until backward.
         kept_kwargs = dict(kwargs, epp_unit=dataclasses.replace(unit_ctx, kept_attention=KeptAttention()))
     for (_, layer), level in zip(layers, per_layer):
-        call = tiled_call(layer, mlp_tile_tokens)  # a checkpoint's replay runs it tiled too
+        call = tiled_layer_call(layer, mlp_tile_tokens, attention_tile_tokens)  # replays run tiled too
         if grad and level == FULL:
             hidden = checkpoint(call, hidden, use_reentrant=False, **kwargs)
         elif level == OFFLOAD:
@@ -61,7 +63,7 @@ def run_decoder_layers(layers: Sequence[tuple[int, nn.Module]], hidden: torch.Te
         elif level == KEEP_ATTN:
             hidden = checkpoint(call, hidden, use_reentrant=False, **kept_kwargs)
         else:
-            with mlp_level(layer, None if mlp_tile_tokens else level):
+            with mlp_level(layer, None if mlp_tile_tokens or attention_tile_tokens else level):
                 hidden = call(hidden, **kwargs)
         if isinstance(hidden, tuple):  # older decoder layers return (hidden,) tuples
             hidden = hidden[0]

@@ -12,7 +12,8 @@ Design: :func:`mlp_tiles` gives the layer's MLP an instance ``forward`` for the 
 block and restores what was there (the class's forward, or the per-call level switch of
 :mod:`.mlp_levels`), so state dicts, PEFT adapters and FSDP see the same modules.  A checkpointed
 layer replays its forward in backward outside any ``with`` block of the caller, so such layers
-are called through :func:`tiled_call`, which enters the block on every call, replay included
+are called through :func:`tiled_call` (or ``tiled_attention.tiled_layer_call``, which also
+tiles the attention side), which enters the block on every call, replay included
 (the replay then saves the same tensors as the first forward, as non-reentrant checkpointing
 requires).  Inside a tiled layer the MLP levels ``mlp`` / ``mlp_act`` add nothing (the tiles
 already recompute the MLP) and are not applied.
@@ -28,6 +29,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 _TILE_ATTR = "_epp_mlp_tile_tokens"
+TILE_ATTR = _TILE_ATTR
+"""The attribute holding a tiled MLP's tokens per tile while its block runs."""
 _PARTS = ("gate_proj", "up_proj", "down_proj")
 
 

@@ -30,11 +30,13 @@ def _chunk_ce_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
 
 def chunked_lm_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                     label_token_count: int, loss_chunk_tokens: int = 4096,
-                    label_smoothing: float = 0.0) -> torch.Tensor:
+                    label_smoothing: float = 0.0, label_index: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of token cross-entropies over ``labels != -100``, divided by ``label_token_count``.
 
     ``hidden`` is the final-normed ``[1, T, H]``; ``labels`` ``[1, T]`` are already shifted.
     ``label_smoothing`` as in ``torch.nn.functional.cross_entropy`` (and HF's ``LabelSmoother``).
+    ``label_index``: the flat positions of ``labels != -100`` if known (found on the host, they
+    spare the device synchronisation of ``nonzero``).
     """
     if label_token_count < 1:
         raise ValueError(f"label_token_count must be >= 1 (the step's global number of label tokens), "
@@ -45,7 +47,7 @@ def chunked_lm_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tens
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1).to(h.device)
-    idx = (y != -100).nonzero(as_tuple=True)[0]
+    idx = (y != -100).nonzero(as_tuple=True)[0] if label_index is None else label_index.to(h.device)
     if idx.numel() == 0:
         # Keep the graph connected so backward still returns a (zero) gradient upstream.
         return h.sum() * 0.0

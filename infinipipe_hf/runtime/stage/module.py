@@ -123,11 +123,12 @@ class StageModule(nn.Module):
 
     def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, unit_ctx,
                    num_checkpointed: int = 0, finer_levels: dict[str, int] | None = None,
-                   mlp_tile_tokens: int | None = None) -> torch.Tensor:
+                   mlp_tile_tokens: int | None = None, attention_tile_tokens: int | None = None) -> torch.Tensor:
         cos_sin = self.hf_model.model.rotary_emb(hidden, position_ids=position_ids)
         return run_decoder_layers(self.decoder_layers(), hidden, num_checkpointed=num_checkpointed,
                                   position_ids=position_ids, position_embeddings=cos_sin,
-                                  unit_ctx=unit_ctx, finer_levels=finer_levels, mlp_tile_tokens=mlp_tile_tokens)
+                                  unit_ctx=unit_ctx, finer_levels=finer_levels, mlp_tile_tokens=mlp_tile_tokens,
+                                  attention_tile_tokens=attention_tile_tokens)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.is_last, "only the last stage holds the final norm"

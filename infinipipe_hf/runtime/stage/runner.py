@@ -6,7 +6,9 @@ and the distributed executor (which only moves tensors between ranks).  ``forwar
 unit's ``backward``, which returns the gradient of the unit's input.  Cross-slice attention state
 lives in the stage's ``KVStore``; a sequence's entries are freed once its first slice finished
 backward (training) or its last slice finished forward (``forward_only``).  Unit tensors are built
-lazily per unit and cached for the step, so a stage only materialises what it runs.
+lazily per unit and cached for the step, so a stage only materialises what it runs; each
+sequence's ids and labels are converted once per step (``SequenceCache``), and what a unit needs
+once (its tensors, attention context, rotary tables) is built once per unit, never per layer.
 The trade-off: all per-step state is held in Python dicts keyed by unit id, so a unit id may be
 forwarded once per step (a plan never does otherwise; it is checked).
 
@@ -31,7 +33,7 @@ from infinipipe_hf.runtime.attention.types import EPPUnitContext
 from infinipipe_hf.runtime.parallel.sequence_parallel import SequenceParallel, SPUnit
 from infinipipe_hf.runtime.stage.loss import chunked_lm_loss
 from infinipipe_hf.runtime.stage.module import StageModule
-from infinipipe_hf.runtime.stage.unit_tensors import UnitTensors, build_unit_tensors
+from infinipipe_hf.runtime.stage.unit_tensors import SequenceCache, UnitTensors, build_unit_tensors
 
 
 @dataclass
@@ -42,7 +44,10 @@ class _Pending:
 
 class StageRunner:
     def __init__(self, stage: StageModule, *, loss_chunk_tokens: int = 4096, attention_backend: str = "auto",
-                 label_smoothing: float = 0.0, sequence_parallel: SequenceParallel | None = None):
+                 label_smoothing: float = 0.0, sequence_parallel: SequenceParallel | None = None,
+                 cache_sequences: bool = True, attention_table: dict | None = None):
+        """``cache_sequences=False`` converts a unit's sequences from the batch's lists for every
+        unit again (the slower path before ``SequenceCache``; kept for the overhead benchmark)."""
         if loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens must be >= 1, got {loss_chunk_tokens}")
         self.stage = stage
@@ -50,8 +55,11 @@ class StageRunner:
         self.loss_chunk_tokens = loss_chunk_tokens
         self.label_smoothing = label_smoothing
         self.attention_backend = attention_backend
-        self.backend = select_backend(attention_backend, stage.device)
+        # "auto" with the profile's measured table routes each unit kind to its fastest backend.
+        self.backend = select_backend(attention_backend, stage.device, table=attention_table)
         self.kv_store = KVStore()
+        self.cache_sequences = cache_sequences
+        self._sequences: SequenceCache | None = None
         self._plan: Plan | None = None
         self._batch: list[dict] | None = None
         self._label_token_count = 0
@@ -74,6 +82,7 @@ class StageRunner:
             raise ValueError(f"label_token_count must be >= 1, got {label_token_count}; "
                              f"is every label -100?")
         self._plan, self._batch = plan, batch
+        self._sequences = SequenceCache(batch) if self.cache_sequences else None
         self._label_token_count = int(label_token_count)
         self._tensors.clear()
         self._pending.clear()
@@ -88,7 +97,7 @@ class StageRunner:
         self._forwarded.clear()
         self._backward_done.clear()
         self.kv_store.clear()
-        self._plan = self._batch = None
+        self._plan = self._batch = self._sequences = None
         if left:
             raise RuntimeError(f"stage {self.stage.stage_index}: units {left} ran forward but never "
                                f"backward this step; every F<unit> of a training step needs its B<unit>")
@@ -107,7 +116,7 @@ class StageRunner:
                 raise ValueError(f"unit {unit_id} is not in the plan (units "
                                  f"{sorted(plan.unit_by_id)[:10]}...)")
             unit = plan.unit_by_id[unit_id]
-            t = build_unit_tensors(unit, self._batch)
+            t = build_unit_tensors(unit, self._batch, self._sequences)
             sp = self._sp_of(unit_id)
             if sp is not None:
                 shards = sp.tokens(unit.num_tokens)
@@ -170,10 +179,11 @@ class StageRunner:
             raise ValueError(f"the plan checkpoints {n_ckpt} whole layers and {finer or {}} of unit "
                              f"{unit_id} on stage {st.stage_index}, which has {len(st.layer_indices)} layers")
         h = st.run_layers(h, t.position_ids, self._context(t), n_ckpt, finer,
-                          mlp_tile_tokens=self._plan.mlp_tile_tokens.get(unit_id))
+                          mlp_tile_tokens=self._plan.mlp_tile_tokens.get(unit_id),
+                          attention_tile_tokens=self._plan.attention_tile_tokens.get(unit_id))
         if st.is_last:
             h = chunked_lm_loss(st.lm_head, st.final_norm(h), t.labels, self._label_token_count,
-                                self.loss_chunk_tokens, self.label_smoothing)
+                                self.loss_chunk_tokens, self.label_smoothing, label_index=t.label_index)
         return leaf, h
 
     # --- the API ---------------------------------------------------------------------------

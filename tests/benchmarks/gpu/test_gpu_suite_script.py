@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[3]
 SUITE = REPO / "benchmarks" / "gpu" / "gpu_suite.sh"
 OUT_FILES = {"gpu_suite.json", "gpu_suite.log", "gpu_profile.json", "memory_model_check.json",
              "single_gpu.json", "gpu_sim_vs_real.json", "gpu_demo.json", "offload_reach_gpu.json"}
-LIMITS = "LIMITS=(0 75 60 60 150 45 45 90)"
+LIMITS = "LIMITS=(0 80 60 55 150 60 35 90)"
 
 
 def _fake_env(tmp_path, failing: str = "NEVER", sleeping: str = "NEVER") -> dict:
@@ -54,7 +54,7 @@ def test_a_step_over_its_limit_is_stopped_and_reported_as_timed_out(tmp_path):
     env = _fake_env(tmp_path, sleeping="gpu.gpu_sim_vs_real")
     suite = tmp_path / "suite.sh"  # the same script with step 5's limit cut to 1 s
     assert LIMITS in SUITE.read_text()
-    suite.write_text(SUITE.read_text().replace(LIMITS, "LIMITS=(0 75 60 60 150 1 45 90)")
+    suite.write_text(SUITE.read_text().replace(LIMITS, "LIMITS=(0 80 60 55 150 1 35 90)")
                      .replace('cd "$(dirname "${BASH_SOURCE[0]}")/../.."', f'cd "{REPO}"'))
     p = subprocess.run(["bash", str(suite), str(tmp_path / "out")], env={**env, "SUITE_STEPS": "5 6"},
                        capture_output=True, text=True, timeout=120)
@@ -108,6 +108,10 @@ def test_dry_run_executes_every_step_on_cpu(tmp_path):
     assert "error" not in prof and prof["comparison"]
     sim = json.loads((out / "gpu_sim_vs_real.json").read_text())
     assert "step_predicted_over_measured" in sim and sim["actions"]
+    # step 5 simulates with the stage-depth profile it fitted first (per-unit stage costs)
+    depth = json.loads((out / "gpu_profile.json").read_text())["stage_depth_profile"]
+    assert set(depth["profile"]["stage_unit_s"]) == {"forward", "backward"}
+    assert sim["profile"].endswith("tiny.stage.profile.json")
     demo = json.loads((out / "gpu_demo.json").read_text())
     assert len(demo["losses"]) == 2 and demo["eval_loss_after"] < demo["eval_loss_before"]
     reach = json.loads((out / "offload_reach_gpu.json").read_text())

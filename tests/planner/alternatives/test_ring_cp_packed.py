@@ -1,17 +1,25 @@
 """``ring-cp-packed``: packed THD ring CP beside unpacked ``ring-cp``."""
+from dataclasses import replace
+
 import pytest
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.cost.model import GIB
+from infinipipe_hf.planner.cost.profile import default_profile
 from infinipipe_hf.planner.search.api import plan_alternative
 
 SPEC = ModelSpec.from_json_file(config_path("llama3-8b"))
+_CAL = default_profile().calibration
+NEUTRAL = replace(default_profile(), calibration=replace(_CAL, system_efficiency={}))
+"""The shipped profile with both ring systems at one whole-step efficiency (the shipped one prices
+torchtitan's and Megatron's apart), so the mechanisms compare alone."""
 
 
 def plan(schedule, lengths, **knobs):
-    return plan_alternative(lengths, SPEC, schedule, world_size=8, memory_budget_bytes=80 * GIB, **knobs).summary()
+    return plan_alternative(lengths, SPEC, schedule, world_size=8, memory_budget_bytes=80 * GIB, profile=NEUTRAL,
+                            **knobs).summary()
 
 
 def test_one_document_costs_what_unpacked_ring_cp_costs():

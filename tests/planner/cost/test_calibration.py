@@ -1,5 +1,7 @@
 """Calibration mechanisms: ideal by default, and each one moves step times the right way, for the
-pipeline cost model (EPP's FSDP2 actions) and the non-pipeline alternatives alike."""
+pipeline cost model (EPP's FSDP2 actions) and the non-pipeline alternatives alike; the shipped
+default carries the calibration, whole-step efficiency per system.  Mechanisms are checked on the
+uncalibrated profile (the ideal machine)."""
 import math
 from dataclasses import replace
 
@@ -9,10 +11,20 @@ from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
-from infinipipe_hf.planner.cost.calibration import Calibration, apply_calibration, overlapped, ring_extra_s
+from infinipipe_hf.planner.cost.calibration import (
+    Calibration,
+    apply_calibration,
+    for_system,
+    overlapped,
+    pricing_line,
+    pricing_record,
+    ring_extra_s,
+)
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.cost.profile import HardwareProfile, calibrated_profile, default_profile
+from infinipipe_hf.planner.cost.profile import HardwareProfile, calibrated_profile
+from infinipipe_hf.planner.cost.profile import default_profile as shipped_profile
+from infinipipe_hf.planner.cost.profile import uncalibrated_profile as default_profile
 from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step
 
 SPEC = ModelSpec.from_json_file(config_path("llama3-8b"))
@@ -30,7 +42,7 @@ def alt(schedule, profile, world=16, **knobs):
 
 def test_defaults_are_ideal_and_round_trip():
     p = default_profile()
-    assert p.calibration.is_ideal
+    assert p.calibration.is_ideal and Calibration().is_ideal
     g, r = [1.0, 2.0, 3.0], [0.5, 0.5]
     assert overlapped(10.0, g, r) == max(g) + max(10.0, sum(g) + sum(r)) + max(r)
     assert overlapped(1.0, g) == max(g) + max(1.0, sum(g))
@@ -54,7 +66,8 @@ def test_bad_values_and_double_application_are_errors():
 def test_compute_efficiency_slows_every_schedule_by_its_inverse():
     slow = apply_calibration(default_profile(), Calibration(compute_efficiency=0.5))
     for schedule in ("epp", "seq1f1b"):
-        base = plan_step(BATCH, SPEC, ParallelDims(pp_degree=2), PlanOptions(schedule=schedule, memory_budget_bytes=80 * GIB))
+        base = plan_step(BATCH, SPEC, ParallelDims(pp_degree=2), PlanOptions(schedule=schedule, memory_budget_bytes=80 * GIB,
+                                                                             profile=default_profile()))
         cal = plan_step(BATCH, SPEC, ParallelDims(pp_degree=2), PlanOptions(schedule=schedule, memory_budget_bytes=80 * GIB, profile=slow))
         assert cal.summary()["tokens_per_s"] < 0.6 * base.summary()["tokens_per_s"]
     one = alt("ulysses-zero3", default_profile(), world=1, checkpointing=8)
@@ -105,7 +118,61 @@ def test_ring_step_efficiency_and_merge_slow_ring_cp_only_at_cp_above_one():
 
 def test_shipped_calibrated_profile_is_the_default_with_a_fitted_calibration():
     p = calibrated_profile()
+    assert p == shipped_profile() and HardwareProfile.load("default") == p
     assert not p.calibration.is_ideal and 0 < p.calibration.compute_efficiency < 1
     k = 1 / p.calibration.compute_efficiency
     assert p.layer_forward.token_s == pytest.approx(default_profile().layer_forward.token_s * k)
     assert math.isfinite(FlatCost.of(SPEC, 8, 80 * GIB, p).states.round_time(1.0, 2.0))
+    assert HardwareProfile.load("uncalibrated").calibration.is_ideal
+
+
+def test_each_system_is_priced_at_its_own_efficiency_unmeasured_ones_at_epps():
+    p = shipped_profile()
+    c = p.calibration
+    assert set(c.system_efficiency) == {"ulysses-zero3", "ring-cp", "ring-cp-packed"}
+    assert c.efficiency_of("flexsp") == c.efficiency_of("alst") == c.compute_efficiency
+    assert for_system(p, "flexsp") is p
+    tt = for_system(p, "ring-cp")
+    assert tt.calibration.compute_efficiency == c.system_efficiency["ring-cp"]
+    k = c.compute_efficiency / c.system_efficiency["ring-cp"]
+    for key in ("layer_forward", "layer_backward", "head_forward", "head_backward"):
+        assert getattr(tt, key).token_s == pytest.approx(getattr(p, key).token_s * k)
+        assert getattr(tt, key).fixed_s == pytest.approx(getattr(p, key).fixed_s * k)
+    assert tt.embedding_token_s == pytest.approx(p.embedding_token_s * k)
+    # The same system efficiency from any starting point: the uncalibrated layer speed divided by it.
+    assert tt.layer_forward.token_s == pytest.approx(default_profile().layer_forward.token_s / c.system_efficiency["ring-cp"])
+    assert for_system(tt, "ring-cp") is tt  # applied once
+
+
+def test_alternatives_plan_at_their_system_efficiency():
+    """ZeRO-3 + Ulysses at torchtitan's measured efficiency is slower than the same plan at EPP's;
+    FlexSP (no measurement) is priced at EPP's, exactly as with no per-system entry."""
+    p = shipped_profile()
+    neutral = replace(p, calibration=replace(p.calibration, system_efficiency={}))
+    # One node: compute-bound rounds (across nodes the gathers hide compute and no efficiency shows).
+    z_cal, z_neu = (alt("ulysses-zero3", q, world=8, sp_degrees=[1], checkpointing=16) for q in (p, neutral))
+    assert z_cal["info"] == z_neu["info"] and z_cal["tokens_per_s"] < z_neu["tokens_per_s"]
+    c = p.calibration
+    assert z_cal["tokens_per_s"] / z_neu["tokens_per_s"] > c.system_efficiency["ulysses-zero3"] / c.compute_efficiency - 0.02
+    f_cal, f_neu = (alt("flexsp", q, world=8) for q in (p, neutral))
+    assert f_cal["tokens_per_s"] == f_neu["tokens_per_s"]
+    flat = FlatCost.of(SPEC, 8, 80 * GIB, p)
+    assert flat.for_system("flexsp") is flat and flat.for_system("ring-cp") is flat.for_system("ring-cp")
+
+
+def test_pricing_names_the_profile_and_every_efficiency():
+    p = shipped_profile()
+    r = pricing_record(p, ("ulysses-zero3", "flexsp"))
+    assert r["profile"] == p.name and r["epp_efficiency"] == p.calibration.compute_efficiency
+    assert r["system_efficiency"]["flexsp"] == p.calibration.compute_efficiency
+    line = pricing_line(p, ("ulysses-zero3", "flexsp"))
+    assert p.name in line and "flexsp" in line and "no measurement: EPP's" in line
+
+
+def test_system_efficiency_round_trips_and_bad_values_are_errors():
+    c = Calibration(compute_efficiency=0.8, system_efficiency={"ring-cp": 0.7})
+    assert Calibration.from_dict(c.to_dict()) == c and not c.is_ideal
+    with pytest.raises(ValueError, match=r"system_efficiency\['ring-cp'\] must be in"):
+        Calibration(system_efficiency={"ring-cp": 0.0})
+    with pytest.raises(ValueError, match="must map schedule names"):
+        Calibration.from_dict({"system_efficiency": 0.7})

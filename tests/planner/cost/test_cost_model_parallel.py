@@ -12,7 +12,7 @@ from infinipipe_hf.planner.cost.activations import _act_elements
 from infinipipe_hf.planner.cost.collectives import all_gather_time, all_reduce_time
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.cost.profile import default_profile
+from infinipipe_hf.planner.cost.profile import default_profile, uncalibrated_profile
 
 LLAMA2_7B = ModelSpec.from_json_file(config_path("llama2-7b"))  # 32 heads, 32 K/V heads
 LLAMA_30B = ModelSpec.from_json_file(config_path("llama-30b"))  # 52 heads
@@ -23,7 +23,8 @@ PROFILE = default_profile()
 def test_sp1_unsharded_numbers_are_unchanged():
     # Values printed by the cost model before sequence parallelism and sharding existed (main at
     # d17d21c): the default layout must keep every number bit for bit.
-    c = CostModel(LLAMA2_7B, dims=ParallelDims(pp_degree=4, sp_degree=1, shard="none", dp_degree=1))
+    # On the uncalibrated layer fit the numbers were printed with (the default now adds EPP's efficiency).
+    c = CostModel(LLAMA2_7B, uncalibrated_profile(), dims=ParallelDims(pp_degree=4, sp_degree=1, shard="none", dp_degree=1))
     sh = UnitShape.of([Segment(0, 4096, 8192)])
     assert c.compute.forward_time(0, sh) == 0.032690150641629966
     # The recompute of a whole layer does not count down_proj's GEMM, which no checkpoint replay

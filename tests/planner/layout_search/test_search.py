@@ -8,6 +8,7 @@ from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import SHARD_MODES, ParallelDims
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.layout_search.host_tier import planned_alternatives
+from infinipipe_hf.planner.layout_search.prune import PrunedOutcome
 from infinipipe_hf.planner.layout_search.result import LayoutOutcome, NoLayoutFits
 from infinipipe_hf.planner.layout_search.search import enumerate_layouts, fits_alone, pick, search_layouts
 from infinipipe_hf.planner.registry import get_schedule
@@ -82,7 +83,11 @@ def test_pick_is_the_fastest_of_a_brute_force(budget_gib):
     brute = _brute_force([o.layout for o in search.layouts], budget_gib)
     fastest = max(r.simulation.tokens_per_s for r in brute.values() if r.feasible)
     assert search.recommended.tokens_per_s == pytest.approx(fastest, rel=1e-12)
-    for o in search.layouts:  # pruning only removes layouts plan_step cannot fit either
+    for o in search.layouts:  # ruling out only removes layouts plan_step cannot fit either
+        if isinstance(o, PrunedOutcome):  # pruning only layouts slower than the pick
+            got = brute[o.layout].simulation.tokens_per_s if brute[o.layout].feasible else 0.0
+            assert got <= o.bound_tokens_per_s < fastest
+            continue
         assert o.feasible == brute[o.layout].feasible, o.layout
         if o.feasible:
             assert o.tokens_per_s == pytest.approx(brute[o.layout].simulation.tokens_per_s, rel=1e-12)
@@ -133,9 +138,13 @@ def test_tie_break():
 def test_process_pool_gives_the_same_search():
     kw = dict(world_size=4, gpus_per_node=4, memory_budget_bytes=0.1 * GIB, alternatives=False,
               plan_options=OPTIONS)
-    one, two = search_layouts(LENGTHS, SPEC, **kw), search_layouts(LENGTHS, SPEC, workers=2, **kw)
+    one, two = (search_layouts(LENGTHS, SPEC, prune=False, **kw),
+                search_layouts(LENGTHS, SPEC, workers=2, prune=False, **kw))
     assert [(o.layout, o.tokens_per_s, o.error) for o in one.layouts] == \
         [(o.layout, o.tokens_per_s, o.error) for o in two.layouts]
+    pruned = search_layouts(LENGTHS, SPEC, workers=2, **kw)  # which are pruned may vary, the pick cannot
+    assert (pruned.recommended.layout, pruned.recommended.tokens_per_s) == \
+        (one.recommended.layout, one.recommended.tokens_per_s)
     with pytest.raises(ValueError, match="workers must be a positive integer"):
         search_layouts(LENGTHS, SPEC, world_size=4, gpus_per_node=4, workers=0)
 

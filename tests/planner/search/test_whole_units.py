@@ -88,10 +88,33 @@ def test_other_layouts_and_batches_never_see_it(case):
 
 
 def test_too_long_for_every_candidate_says_so():
-    r = _plan(lengths=(524288,))
+    r = _plan(lengths=(2 * 524288,))
     assert not r.feasible and "cannot fit" in r.error
-    tried = _tried(r)
-    assert tried and not tried[0]["feasible"] and "host memory" in tried[0]["error"]
+    tried = [c for c in r.candidates if c.get("candidate") in (whole_units.KNOB, whole_units.KNOB_ATTENTION)]
+    assert [c["candidate"] for c in tried] == [whole_units.KNOB, whole_units.KNOB_ATTENTION]
+    assert not any(c["feasible"] for c in tried) and "host memory" in tried[0]["error"]
+
+
+def test_attention_side_in_tiles_when_the_mlp_tiles_do_not_fit():
+    """524,288 tokens on one GPU: the MLP-tiled unit does not fit the device, the attention-tiled
+    one does; every layer recomputed or offloaded, the tiles' projections priced, the peaks within
+    both budgets, the key through JSON and the validator."""
+    r = _plan(lengths=(524288,))
+    tried = {c["candidate"]: c for c in r.candidates if c.get("candidate", "").startswith("whole_sequences")}
+    assert not tried[whole_units.KNOB]["feasible"]
+    plan = r.plan
+    assert r.feasible and plan.info["candidate"] == whole_units.KNOB_ATTENTION and len(plan.units) == 1
+    assert plan.attention_tile_tokens == plan.mlp_tile_tokens == {0: SPEC.hidden_size}
+    mix = plan.checkpoint_mix(0, 0)
+    assert mix.full + mix.offload == SPEC.num_layers and mix.offload > 0
+    assert max(r.simulation.peak_memory_bytes) <= BUDGET and r.host_peak_memory_bytes <= HOST
+    validate(plan, None)
+    assert Plan.from_json(plan.to_json()).attention_tile_tokens == plan.attention_tile_tokens
+    from infinipipe_hf.planner.simulate.simulator import simulate
+    cost = PlanOptions(memory_budget_bytes=BUDGET, host_memory_budget_bytes=HOST).cost(SPEC, ParallelDims(state_offload="states"))
+    untiled = simulate(dataclasses.replace(plan, attention_tile_tokens={}), cost)
+    assert untiled.recompute_time_s < simulate(plan, cost).recompute_time_s  # the tiles' q/k/v/o reruns
+    assert max(untiled.peak_memory_bytes) > BUDGET  # the attention side whole does not fit
 
 
 def test_plan_per_replica_by_hand():

@@ -244,3 +244,23 @@ def test_whole_sequence_tiled_unit():
     untiled = dataclasses.replace(plan, mlp_tile_tokens={})
     for uid, want in predicted(cost, untiled, 0).items():  # untiled, the kept MLPs would count
         assert probe.saved[0, uid] < (1 - TOLERANCE) * want
+
+
+def test_whole_sequence_tiled_attention_unit():
+    """A whole sequence with its attention side in tiles (``attention_tile_tokens``), as the
+    whole-unit candidate plans it (every layer offloaded or checkpointed: the timeline's bytes),
+    and one with every layer kept: what such a layer keeps is the kernel's q, k, v and output and
+    the layer input (``attention_tiled_bytes_per_token``), well under a whole layer."""
+    lengths = [3 * S, 100]
+    units = [Unit(0, (Segment(0, 0, 3 * S),)), Unit(1, (Segment(1, 0, 100),))]
+    plan = Plan("test", 1, 1, lengths, units, {0: [[F(0), B(0), F(1), B(1)]]}, {}, layers_per_stage=[LAYERS])
+    plan.checkpoint_layers = {0: {0: 1, 1: 0}}
+    plan.checkpoint_levels = {0: {0: {"offload": LAYERS - 1}}}
+    plan.mlp_tile_tokens = plan.attention_tile_tokens = {0: 64, 1: 64}
+    probe, cost = run(plan, lengths)
+    got = probe.saved.pop((0, 1))  # unit 1 keeps its layers: the activations' attention-tiled bytes
+    want = cost.acts.unit_activation_bytes(0, units[1].segments, 0, attention_tiled=True)
+    print(f"unit 1, every layer kept, attention side tiled: device {got} B, model {want:.0f} B, ratio {got / want:.4f}")
+    check_activations(probe, cost, dataclasses.replace(plan, units=[units[0]], actions={0: [[F(0), B(0)]]}))
+    assert abs(got / want - 1) <= TOLERANCE
+    assert got < (1 - TOLERANCE) * cost.acts.unit_activation_bytes(0, units[1].segments, 0, mlp_tiled=True)

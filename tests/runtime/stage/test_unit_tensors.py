@@ -73,3 +73,44 @@ def test_chunked_loss_without_labels_is_zero_with_graph():
     assert loss.item() == 0.0 and torch.count_nonzero(h.grad) == 0
     with pytest.raises(ValueError, match="label_token_count must be >= 1"):
         chunked_lm_loss(head, h, torch.zeros(1, 3, dtype=torch.long), 0)
+
+
+def test_a_step_converts_each_sequence_once_and_builds_the_same_tensors(monkeypatch):
+    from infinipipe_hf.runtime.stage import unit_tensors as ut
+
+    batch = [{"input_ids": list(range(100, 120)), "labels": list(range(20))}, {"input_ids": [7, 8, 9]}]
+    units = [Unit(0, (Segment(0, 0, 8),)), Unit(1, (Segment(0, 8, 16),)), Unit(2, (Segment(0, 16, 20), Segment(1, 0, 3)))]
+    fresh = [build_unit_tensors(u, batch) for u in units]
+    calls = []
+    real = ut._as_long
+    monkeypatch.setattr(ut, "_as_long", lambda x, what, i: calls.append((what, i)) or real(x, what, i))
+    cache = ut.SequenceCache(batch)
+    cached = [build_unit_tensors(u, batch, cache) for u in units]
+    # ids and labels of sequence 0 once for its three slices, not once per unit
+    assert sorted(calls) == [("input_ids", 0), ("input_ids", 1), ("labels", 0)]
+    for a, b in zip(fresh, cached):
+        for name in ("input_ids", "position_ids", "labels", "cu_seqlens_q", "cu_seqlens_k"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert (a.segments, a.num_label_tokens) == (b.segments, b.num_label_tokens)
+
+
+def test_moving_to_a_device_keeps_the_offsets_on_the_host():
+    t = build_unit_tensors(Unit(0, (Segment(0, 2, 6),)), [{"input_ids": list(range(10))}])
+    moved = t.to(torch.device("meta"))
+    assert moved.input_ids.device.type == moved.labels.device.type == moved.position_ids.device.type == "meta"
+    assert moved.cu_seqlens_q is t.cu_seqlens_q and moved.cu_seqlens_k.device.type == "cpu"
+    assert t.to("cpu").input_ids is t.input_ids  # already there: no copy
+
+
+def test_label_positions_are_found_on_the_host_and_give_the_same_loss():
+    batch = [{"input_ids": [1, 2, 3, 4, 5, 6], "labels": [1, -100, -100, 4, 5, 6]}, {"input_ids": [7, 8]}]
+    t = build_unit_tensors(Unit(0, (Segment(0, 0, 6), Segment(1, 0, 2))), batch)
+    assert t.label_index.tolist() == [2, 3, 4, 6]  # shifted: [-100, -100, 4, 5, 6, -100, 8, -100]
+    shard = t.shard(2, 6, 4)
+    assert shard.label_index.tolist() == [0, 1, 2] and shard.num_label_tokens == 3
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(4, 9, bias=False).double()
+    hidden = torch.randn(1, 8, 4, generator=g, dtype=torch.float64)
+    want = chunked_lm_loss(head, hidden, t.labels, 4, 2)
+    got = chunked_lm_loss(head, hidden, t.labels, 4, 2, label_index=t.label_index)
+    assert torch.equal(got, want)

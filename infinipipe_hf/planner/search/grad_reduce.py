@@ -1,0 +1,78 @@
+"""The planner's choice of when a sharded stage reduces its gradients (``ir.grad_reduce``).
+
+``auto`` plans the step both ways where ``unit`` can run (the shard group spans SP ranks only,
+:func:`~infinipipe_hf.ir.grad_reduce.unit_reduce_problem`) and keeps the faster feasible plan as
+simulated: ``step`` holds every unsharded fp32 gradient through the step (more recompute, or no
+fit, where memory is tight) but pays one reduce-scatter per layer per step; ``unit`` frees them
+after each backward for a reduce-scatter per unit and layer (slower on many small units).  Both
+are priced by the same cost model (``CostModel(grad_reduce=...)``), so the pick is the
+simulator's, not a rule of thumb.  The plan records it (``Plan.grad_reduce``); the runtime
+follows the plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+from infinipipe_hf.ir.grad_reduce import check_grad_reduce, unit_reduce_problem
+from infinipipe_hf.planner.cost.model import CostModel
+from infinipipe_hf.planner.search.result import PlanResult
+
+
+def reduce_modes(asked: str, cost: CostModel) -> tuple[str, ...]:
+    """The modes to plan for ``asked`` on ``cost``'s layout.  ``auto``: both where ``unit`` runs
+    and ``cost`` was built with the default ``step``; else ``cost``'s own (a cost built with
+    ``unit`` on a layout that cannot run it stays a what-if).  ``ValueError`` when ``unit`` is
+    asked for a layout that cannot run it."""
+    check_grad_reduce(asked)
+    problem = unit_reduce_problem(cost.dims)
+    if asked == "auto":
+        own = cost.ctx.grad_reduce
+        return ("step", "unit") if problem is None and own == "step" else (own,)
+    if asked == "unit" and problem is not None:
+        raise ValueError(f"{problem} (layout {cost.dims.label})")
+    return (asked,)
+
+
+def with_reduce(cost: CostModel, mode: str) -> CostModel:
+    """``cost`` priced with ``grad_reduce=mode`` (itself when it already is)."""
+    if cost.ctx.grad_reduce == mode:
+        return cost
+    return CostModel.of_context(dataclasses.replace(cost.ctx, grad_reduce=mode))  # also unsharded (bounds)
+
+
+def faster(a: PlanResult, b: PlanResult) -> PlanResult:
+    """The feasible result with the shorter simulated step (``a`` on ties or when neither fits)."""
+    if a.feasible != b.feasible:
+        return a if a.feasible else b
+    if not a.feasible:
+        return a
+    return b if b.simulation.step_time_s < a.simulation.step_time_s else a
+
+
+def plan_each_reduce(plan_one: Callable[[str, CostModel], PlanResult], cost: CostModel,
+                     modes: tuple[str, ...], t0: float) -> PlanResult:
+    """Plan with each of ``modes`` (``plan_one(mode, cost)``) and keep the faster; the result's
+    planning time covers all of them and its plan's ``info["grad_reduce_tried"]`` lists each
+    mode's simulated step time (``None``: no plan fit)."""
+    results = {mode: plan_one(mode, with_reduce(cost, mode)) for mode in modes}
+    best = results[modes[0]]
+    for r in list(results.values())[1:]:
+        best = faster(best, r)
+    best.planning_time_s = time.perf_counter() - t0
+    if best.plan is not None and len(modes) > 1:
+        best.plan.info["grad_reduce_tried"] = {
+            m: (r.simulation.step_time_s if r.feasible else None) for m, r in results.items()}
+    return best
+
+
+def plans_otherwise(asked: str, planned, layout) -> bool:
+    """Whether ``layout`` may plan otherwise than the outcome ``planned`` of a layout priced alike
+    (the layout search's pricing key) because only one of them can reduce gradients per unit
+    (``sp`` but not ``hybrid`` across DP replicas)."""
+    if asked == "step" or planned.result is None:
+        return False
+    here, there = unit_reduce_problem(layout) is None, unit_reduce_problem(planned.layout) is None
+    shared = getattr(planned.result.plan, "grad_reduce", "step")
+    return here != there and not (shared == "step" and not here)

@@ -1,0 +1,23 @@
+"""``benchmarks/planner/verdict.py``: held-out batches (not the tables' seed), and the per-unit
+gradient reduction holds the states ZeRO-3 holds, the per-step one more."""
+from benchmarks.planner import verdict
+from benchmarks.planner.planner_tables.setups import batches
+
+
+def test_batches_are_the_four_kinds_and_held_out():
+    got = verdict.held_out_batches(n=32)
+    assert list(got) == ["short-only", "slimpajama-like", "prolong-like", "real mix"]
+    assert all(len(v) == 32 for v in got.values())
+    tables = batches(quick=False)
+    assert got["short-only"] != tables["synthetic:short-only"][:32]
+    assert max(got["short-only"]) <= 2048 and max(got["slimpajama-like"]) <= 131072
+
+
+def test_what_if_frees_the_unsharded_gradients():
+    lengths = verdict.held_out_batches(n=32)["short-only"]
+    got = verdict.per_unit_reduce_what_if(lengths, 71.6 * 2**30)
+    # 13B on one stage: about 4 bytes per parameter more when gradients are reduced once per step.
+    assert 40 < got["step"]["static_state_gib"] - got["unit"]["static_state_gib"] < 50
+    # Both fit 32 short sequences; per-unit reduction pays a reduce-scatter per unit, so it is faster
+    # only where the kept gradients bind memory (the 512-sequence batches), not on a batch this small.
+    assert got["unit"]["feasible"] and got["step"]["feasible"]
