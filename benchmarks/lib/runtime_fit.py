@@ -181,13 +181,18 @@ def row_errors(profile: HardwareProfile, spec: ModelSpec, rows: Sequence[Mapping
         pred = predict_row(cost, r)
         if pred is None:
             continue
-        entry = {k: r[k] for k in ("kind", "segments", "level", "tokens") if k in r}
-        for key, p in zip(("fwd", "bwd"), pred):
-            entry[f"{key}_measured_s"] = r[f"{key}_s"]
-            entry[f"{key}_predicted_s"] = p
-            entry[f"{key}_ratio"] = r[f"{key}_s"] / p if p > 0 else float("inf")
-        out.append(entry)
+        out.append(error_entry(r, ("kind", "segments", "level", "tokens"), pred))
     return out
+
+
+def error_entry(row: Mapping[str, Any], keys: Sequence[str], predicted: tuple[float, float]) -> dict:
+    """``row``'s ``keys`` with its measured and predicted forward/backward seconds and their ratio."""
+    entry = {k: row[k] for k in keys if k in row}
+    for key, p in zip(("fwd", "bwd"), predicted):
+        entry[f"{key}_measured_s"] = row[f"{key}_s"]
+        entry[f"{key}_predicted_s"] = p
+        entry[f"{key}_ratio"] = row[f"{key}_s"] / p if p > 0 else float("inf")
+    return entry
 
 
 def _misses(errors: Sequence[Mapping[str, Any]], min_seconds: float = 0.0):

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from benchmarks.lib.runtime_fit import row_segments
+from benchmarks.lib.runtime_fit import error_entry, row_segments
 from benchmarks.lib.runtime_rows import UnitCase, _place, _prepare_units, _Sampler, _unit_round
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
@@ -149,10 +149,5 @@ def depth_errors(profile: HardwareProfile, spec: ModelSpec, rows: Sequence[Mappi
                                  ParallelDims(pp_degree=3), layers_per_stage=[1, d, 1])
         shape = UnitShape.of(row_segments(r))
         pred = (costs[d].compute.forward_time(1, shape), costs[d].backward_time(1, shape))
-        entry = {k: r[k] for k in ("kind", "segments", "depth", "backend", "tokens")}
-        for key, p in zip(("fwd", "bwd"), pred):
-            entry[f"{key}_measured_s"] = r[f"{key}_s"]
-            entry[f"{key}_predicted_s"] = p
-            entry[f"{key}_ratio"] = r[f"{key}_s"] / p if p > 0 else float("inf")
-        out.append(entry)
+        out.append(error_entry(r, ("kind", "segments", "depth", "backend", "tokens"), pred))
     return out

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from infinipipe_hf.runtime.recompute.tiled_mlp import TILE_ATTR as MLP_TILE_ATTR
-from infinipipe_hf.runtime.recompute.tiled_mlp import check_tile_tokens, mlp_tiles
+from infinipipe_hf.runtime.recompute.tiled_mlp import check_tile_tokens, instance_attributes, mlp_tiles
 
 _TILE_ATTR = "_epp_attention_tile_tokens"
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
@@ -64,17 +64,8 @@ def attention_tiles(layer: nn.Module, tile_tokens: int | None) -> Iterator[None]
     if why is not None:
         raise ValueError(f"the attention side cannot run in tiles: {why}; plan without "
                          f"attention_tile_tokens for this model")
-    prior = {name: vars(layer)[name] for name in ("forward", _TILE_ATTR) if name in vars(layer)}
-    layer.forward = MethodType(_tiled_layer_forward, layer)
-    setattr(layer, _TILE_ATTR, tile_tokens)
-    try:
+    with instance_attributes(layer, forward=MethodType(_tiled_layer_forward, layer), **{_TILE_ATTR: tile_tokens}):
         yield
-    finally:
-        for name in ("forward", _TILE_ATTR):  # as it was, also when blocks nest
-            if name in prior:
-                setattr(layer, name, prior[name])
-            else:
-                delattr(layer, name)
 
 
 def tiled_layer_call(layer: nn.Module, mlp_tile_tokens: int | None,

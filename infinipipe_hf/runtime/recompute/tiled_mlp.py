@@ -57,18 +57,25 @@ def mlp_tiles(layer: nn.Module, tile_tokens: int | None) -> Iterator[None]:
     if not supports_tiles(layer):
         raise ValueError(f"{type(layer).__name__} has no gated MLP (gate_proj, up_proj, down_proj) to run in "
                          f"tiles; plan without mlp_tile_tokens for this model")
-    mlp = layer.mlp
-    prior = {name: vars(mlp)[name] for name in ("forward", _TILE_ATTR) if name in vars(mlp)}
-    mlp.forward = MethodType(_tiled_forward, mlp)
-    setattr(mlp, _TILE_ATTR, tile_tokens)
+    with instance_attributes(layer.mlp, forward=MethodType(_tiled_forward, layer.mlp), **{_TILE_ATTR: tile_tokens}):
+        yield
+
+
+@contextmanager
+def instance_attributes(module: nn.Module, **values) -> Iterator[None]:
+    """Set ``values`` as ``module``'s instance attributes inside the block and restore what was
+    there after (also when blocks nest), so state dicts, PEFT adapters and FSDP see the same modules."""
+    prior = {name: vars(module)[name] for name in values if name in vars(module)}
+    for name, value in values.items():
+        setattr(module, name, value)
     try:
         yield
     finally:
-        for name in ("forward", _TILE_ATTR):  # as it was, also when blocks nest
+        for name in values:
             if name in prior:
-                setattr(mlp, name, prior[name])
+                setattr(module, name, prior[name])
             else:
-                delattr(mlp, name)
+                delattr(module, name)
 
 
 def tiled_call(layer: nn.Module, tile_tokens: int | None) -> Callable:
