@@ -92,7 +92,10 @@ def _run_times(sched, batches, rows, run_c: int, cost: CostModel) -> list[float]
             continue
         lengths = [int(n) for n in lengths]
         replicas = assign_sequences(lengths, cost.dims.dp_degree, cost)
-        plan = sched.plan(lengths, replicas, cost, PackKnobs.from_record(r), "uniform")
+        try:
+            plan = sched.plan(lengths, replicas, cost, PackKnobs.from_record(r), "uniform")
+        except ValueError:  # no uniform count of this setting fits this batch: the run cannot use it
+            return None
         plan.checkpoint_layers = {s: {u: min(run_c, cost.layers_per_stage[s]) for u in per}
                                   for s, per in plan.checkpoint_layers.items()}
         sim = simulate(plan, cost)

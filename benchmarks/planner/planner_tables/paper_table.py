@@ -21,8 +21,11 @@ ratios ``*-whole``); the what-ifs (reduce per unit, slow network) plan EPP as na
 """
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 from infinipipe_hf.data import synthetic
 from infinipipe_hf.planner.cost.profile import default_profile
@@ -42,6 +45,10 @@ LAYOUT = dict(pp=4, sp=8, dp=1, shard="sp", gpus_per_node=8)
 SLOW_INTER_NODE_GBPS = 12.5
 FIXED_SLICES = (4, 8)
 """Seq1F1B is usually run with a fixed slice count; its best static setting at these counts too."""
+SETTING_CACHE = Path(os.environ.get("PAPER_TABLE_CACHE", tempfile.gettempdir())) / "infinipipe_paper_table"
+"""Each finished setting's row, so a run that stops (or runs split: ``PAPER_TABLE_MODELS=llama2-7b``
+in one process, another model in the next) resumes; a final run over every model assembles the
+table from it.  Delete it after changing the planner."""
 PAPER = {"seq1f1b": 1.40, "flexsp": 1.69, "ulysses-zero3": 2.07}
 """The paper's largest speedups of EPP over each baseline (its abstract and evaluation)."""
 
@@ -52,9 +59,19 @@ def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:
     base = profile or default_profile()
     slow = replace(base, inter_node_bandwidth_bytes_per_s=SLOW_INTER_NODE_GBPS * 1e9)
     rows = []
+    only = [m for m in os.environ.get("PAPER_TABLE_MODELS", "").split(",") if m]
+    from_cache = 0  # settings planned by an earlier or a parallel run (wall_time_s then counts only this one)
     for model in models:
+        if only and model not in only:
+            continue
         for dataset, gen in DATASETS.items():
             for cap in CAPS:
+                cached = _cached_row(model, dataset, cap, n, base)
+                if cached is not None:
+                    print(f"  {model} {dataset} {cap // 1024}K: from {SETTING_CACHE}", flush=True)
+                    rows.append(cached)
+                    from_cache += 1
+                    continue
                 batches = [gen(n=512, max_len=cap, seed=s) for s in range(n)]
                 print(f"  {model} {dataset} {cap // 1024}K ({n} batches)", flush=True)
                 out = plan_run(batches, model, profile=base, memory_gib=memory_gib, epp_unit_reduce=True,
@@ -66,11 +83,29 @@ def run(quick: bool, profile=None, memory_gib: float = 80.0) -> dict:
                        "slow_network": slow_out, "ratios": _ratios(out), "slow_ratios": _ratios(slow_out),
                        "rounds": rounds_of(out)}
                 rows.append(row)
+                _cache_row(row, base)
                 print("  " + _line(row), flush=True)
     return {"layout": {**LAYOUT, "gpus": 32}, "memory_budget_gib": memory_gib,
             "batches": {k: f"synthetic.{v.__name__}(n=512, max_len=cap, seed=0..{n - 1})" for k, v in DATASETS.items()},
             "slow_inter_node_gbps": SLOW_INTER_NODE_GBPS, "paper_max_speedup": PAPER, "rows": rows,
+            "settings_from_cache": from_cache,
             "summary": _summary(rows)}
+
+
+def _setting_file(model: str, dataset: str, cap: int, n: int, profile) -> Path:
+    return SETTING_CACHE / f"{model}_{dataset}_{cap}_{n}_{profile.name}.json"
+
+
+def _cached_row(model: str, dataset: str, cap: int, n: int, profile) -> dict | None:
+    """A setting an interrupted or split run already planned with this code's profile, or None."""
+    path = _setting_file(model, dataset, cap, n, profile)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _cache_row(row: dict, profile) -> None:
+    SETTING_CACHE.mkdir(parents=True, exist_ok=True)
+    path = _setting_file(row["model"], row["dataset"], row["cap"], row["num_batches"], profile)
+    path.write_text(json.dumps(row))
 
 
 def _ratios(out: dict) -> dict:

@@ -74,3 +74,17 @@ def test_leanest_plan_takes_the_balance_with_the_lower_peak():
              for b in ("tokens", "compute")}
     assert plan.info["num_slices"] == 64
     assert max(simulate(plan, cost).peak_memory_bytes) == min(peaks.values())
+
+
+def test_static_setting_that_cannot_replan_a_batch_is_skipped_not_raised():
+    """A run's checkpoint count replanned on a batch whose uniform plan fits nowhere makes the
+    setting unusable for the run (None), as a simulated overflow does, instead of ending the table."""
+    from benchmarks.lib.static_pipeline import _run_times
+
+    class Refuses:
+        def plan(self, *args, **kwargs):
+            raise ValueError("no uniform count fits")
+
+    row = {"checkpoint_layers": 2, "step_time_s": 1.0, "pack_tokens": 65536}
+    assert _run_times(Refuses(), [LENGTHS], [row], 3, _cost()) is None
+    assert _run_times(Refuses(), [LENGTHS], [row], 2, _cost()) == [1.0]
