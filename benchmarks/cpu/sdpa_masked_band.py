@@ -5,7 +5,8 @@ The cost model prices a segment of ``n`` tokens after ``C`` tokens of context by
 block-skipping causal kernel works.  The runtime's ``sdpa`` backend runs such a segment with an
 explicit boolean mask (``runtime/attention/sdpa.py``), and torch's CPU kernel then computes some
 of the masked blocks too.  Per shape, forward plus backward of one attention call (the benchmark
-model's 8 heads of 32 dims, one thread, median of repeats, best of three interleaved rounds):
+model's 8 heads of 32 dims; one thread's CPU time on the runtime rows' clock, median of repeats,
+best of three interleaved rounds):
 
 - ``masked_ms``: the masked call of ``n`` queries over ``C + n`` keys, as the runtime makes it;
 - ``band_ms``: the band model's price, the causal ``(C + n)^2`` call scaled by its share of pairs;
@@ -19,13 +20,15 @@ import argparse
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.lib.paths import RESULTS
+from benchmarks.lib.row_clock import RowClock
+from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.runtime.attention.types import segment_mask
 
 HEADS, HEAD_DIM = 8, 32
@@ -34,12 +37,10 @@ SHAPES = ((256, 256), (512, 512), (512, 1024), (1024, 1024), (1024, 2048), (384,
 
 
 def _median_ms(fn, repeat: int) -> float:
-    times = []
+    clock = RowClock()
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
+        clock.run(fn)
+    return clock.seconds() * 1e3
 
 
 def _call(q, k, v, **kw):
@@ -57,7 +58,7 @@ def measure(n: int, context: int, repeat: int, rounds: int) -> dict:
     masked = _call(q, k, v, attn_mask=mask)
     causal_big = _call(q_big, k, v, is_causal=True)
     best = min((_median_ms(masked, repeat), _median_ms(causal_big, repeat)) for _ in range(rounds))
-    band_share = (n * n + 2 * context * n) / (total * total)
+    band_share = UnitShape.of([Segment(0, context, total)]).pairs / (total * total)
     band = best[1] * band_share
     return {"n": n, "context": context, "masked_ms": best[0], "causal_total_ms": best[1],
             "band_share": band_share, "band_ms": band, "masked_over_band": best[0] / band}

@@ -4,10 +4,9 @@ from infinipipe_hf.ir.units import Segment
 from infinipipe_hf.planner.cost.compute import UnitShape
 
 
-def test_row_prices_the_band_of_the_cost_model(tmp_path):
+def test_row_prices_the_band_of_the_cost_model():
     row = bench.measure(48, 80, repeat=1, rounds=1)
     pairs = UnitShape.of([Segment(0, 80, 128)]).pairs
     assert row["band_share"] == pairs / 128 ** 2
     assert row["band_ms"] == row["causal_total_ms"] * row["band_share"]
     assert row["masked_ms"] > 0 and row["masked_over_band"] == row["masked_ms"] / row["band_ms"]
-
