@@ -116,6 +116,7 @@ def fit_cpu_profile(quick: bool = False, log=print, model_cfg: dict | None = Non
     from benchmarks.lib.runtime_fit import fit_runtime_profile, row_errors, worst_error, worst_row
     from benchmarks.lib.shared_cores import profile_dict
     from infinipipe_hf.planner.cost.activations import act_elements
+    from infinipipe_hf.runtime.attention.select import context_pairs
 
     model_cfg = model_cfg or MODEL
     spec = spec_of(model_cfg)
@@ -130,7 +131,7 @@ def fit_cpu_profile(quick: bool = False, log=print, model_cfg: dict | None = Non
         activation_bytes_per_token_per_layer=act_elements(spec.hidden_size, spec.intermediate_size,
                                                           spec.kv_dim, 4) * 4.0,
         attention_mask_bytes_per_element=4.0, state_bytes_per_param=8.0,
-        memory_gib=64.0, device="cpu", gpus_per_node=64,
+        memory_gib=64.0, device="cpu", gpus_per_node=64, context_pairs=context_pairs("cpu"),
         meta={"note": "per-thread CPU seconds through the runtime; benchmarks/cpu/cpu_profile.py"})
     # SP all-to-alls go over the same gloo loopback as the pipeline's messages; every rank is on
     # this one machine (gpus_per_node = 64: no group crosses "nodes").

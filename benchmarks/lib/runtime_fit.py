@@ -59,12 +59,13 @@ def _nnls_relative(features: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def fit_layer(rows: Sequence[Mapping[str, Any]], key: str) -> TimeCoefficients:
-    """``key`` (``fwd_s`` / ``bwd_s``) of level-free ``unit_layer`` rows as a layer's coefficients."""
+def fit_layer(rows: Sequence[Mapping[str, Any]], key: str, context_pairs: str = "band") -> TimeCoefficients:
+    """``key`` (``fwd_s`` / ``bwd_s``) of level-free ``unit_layer`` rows as a layer's coefficients,
+    pairs counted as ``context_pairs`` (``HardwareProfile.context_pairs``) says the kernel runs them."""
     rows = [r for r in rows if r.get("kind") == "unit_layer" and r.get("level") is None]
     if len(rows) < 3:
         raise ValueError(f"fitting a layer needs >= 3 unit_layer rows without a checkpoint level, got {len(rows)}")
-    shapes = [UnitShape.of(row_segments(r)) for r in rows]
+    shapes = [UnitShape.of(row_segments(r), context_pairs) for r in rows]
     x = np.array([[s.pairs, s.tokens, 1.0] for s in shapes])
     a1, a2, b = _nnls_relative(x, np.array([r[key] for r in rows], dtype=float))
     return TimeCoefficients(float(a1), float(a2), float(b))
@@ -95,9 +96,11 @@ def fit_runtime_profile(rows: Sequence[Mapping[str, Any]], spec: ModelSpec, *, n
     """A profile of ``spec``'s shape from runtime rows (module docstring).
 
     Fields the rows do not determine come from ``base`` (default: zero-initialised times, the
-    dataclass defaults) and then from ``fields`` (e.g. ``bytes_per_element=4``, memory figures)."""
-    layer_fwd = fit_layer(rows, "fwd_s")
-    layer_bwd = fit_layer(rows, "bwd_s")
+    dataclass defaults) and then from ``fields`` (e.g. ``bytes_per_element=4``, memory figures); the
+    layer is fitted with the pairs ``fields``' (else ``base``'s) ``context_pairs`` counts."""
+    context_pairs = fields.get("context_pairs", base.context_pairs if base is not None else "band")
+    layer_fwd = fit_layer(rows, "fwd_s", context_pairs)
+    layer_bwd = fit_layer(rows, "bwd_s", context_pairs)
     loss = [r for r in rows if r.get("kind") == "unit_loss"]
     head_fwd = fit_tokens([r["tokens"] for r in loss], [r["fwd_s"] for r in loss])
     # The backward row reruns each chunk's head forward (checkpointed); the cost model adds that.
@@ -159,7 +162,7 @@ def predict_row(cost: CostModel, row: Mapping[str, Any]) -> tuple[float, float] 
     """(forward, backward) seconds the cost model gives a row, or None for rows it does not time."""
     kind = row.get("kind")
     if kind == "unit_layer":
-        shape = UnitShape.of(row_segments(row))
+        shape = cost.shape_of(row_segments(row))
         level = row.get("level")
         mix = CheckpointMix(full=1) if level == FULL else CheckpointMix.of(0, {level: 1} if level else None)
         bwd = cost.backward_time(1, shape, mix.full) + cost.levels.finer_recompute_s(shape, mix)

@@ -28,7 +28,6 @@ from benchmarks.lib.runtime_fit import error_entry, row_segments
 from benchmarks.lib.runtime_rows import UnitCase, _place, _prepare_units, _Sampler, _unit_round
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
-from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.cost.profile import HardwareProfile
 
@@ -147,7 +146,7 @@ def depth_errors(profile: HardwareProfile, spec: ModelSpec, rows: Sequence[Mappi
         if d not in costs:
             costs[d] = CostModel(dataclasses.replace(spec, num_layers=d + 2), profile,
                                  ParallelDims(pp_degree=3), layers_per_stage=[1, d, 1])
-        shape = UnitShape.of(row_segments(r))
+        shape = costs[d].shape_of(row_segments(r))
         pred = (costs[d].compute.forward_time(1, shape), costs[d].backward_time(1, shape))
         out.append(error_entry(r, ("kind", "segments", "depth", "backend", "tokens"), pred))
     return out

@@ -106,5 +106,7 @@ def run_profile(config_dict: dict, *, device: str = "auto", dtype: str = "bf16",
     doc["attention_backends"] = {} if attention_tokens is not None and not attention_tokens else attention_table(
         spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, dev, tdtype, tokens=attention_tokens,
         warmup=warmup, repeat=repeat, budget_s=attention_budget_s, log=log)
-    profile = dataclasses.replace(profile, bytes_per_element=bpe, attention_backends=doc["attention_backends"])
+    from infinipipe_hf.runtime.attention.select import context_pairs
+    profile = dataclasses.replace(profile, bytes_per_element=bpe, attention_backends=doc["attention_backends"],
+                                  context_pairs=context_pairs(dev, doc["attention_backends"]))
     return profile, doc

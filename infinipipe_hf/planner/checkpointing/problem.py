@@ -48,7 +48,6 @@ from infinipipe_hf.planner.checkpointing.host_rows import HostRows, build_host_r
 from infinipipe_hf.planner.checkpointing.live_windows import live_windows
 from infinipipe_hf.planner.checkpointing.points import MemoryPoint, memory_points
 from infinipipe_hf.planner.checkpointing.sp_round_cells import RoundCells, slowest_member_pays
-from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import CostModel
 
 SHARING = ("cell", "diagonal")
@@ -216,7 +215,7 @@ def _add_cells(plan: Plan, base_cost: CostModel, dp_rank: int, p: int, levels: t
         lc = cost.levels if len(levels) > 1 else None
         if uid not in unit_facts:
             unit = plan.unit_by_id[uid]
-            shape = UnitShape.of(unit.segments)
+            shape = cost.shape_of(unit.segments)
             unit_facts[uid] = (unit.segments, shape, cost.recompute_time(p, shape, 1))
         segments, shape, layer_s = unit_facts[uid]
         cell_here[uid] = len(cells.stage)

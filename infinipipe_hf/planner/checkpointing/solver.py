@@ -48,7 +48,6 @@ from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
 from infinipipe_hf.planner.checkpointing.problem import SHARING, ReplicaProblem, build_problem
 from infinipipe_hf.planner.checkpointing.sp_round_cells import round_recompute_seconds
 from infinipipe_hf.planner.checkpointing.static_policies import static_cells
-from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 
 POLICIES = ("adaptive", "greedy", "none", "full", "uniform")
@@ -317,7 +316,7 @@ def recompute_seconds(plan: Plan, cost: CostModel, ck: dict[int, dict[int, int]]
                       levels: dict[int, dict[int, dict[str, int]]] | None = None) -> float:
     """Recompute seconds of a whole step under whole-layer counts ``ck`` and finer ``levels``."""
     by_id = plan.unit_by_id
-    shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
+    shapes = {u.id: cost.shape_of(u.segments) for u in plan.units}
     if has_sub_groups(plan):
         return round_recompute_seconds(plan, cost, shapes, ck, levels or {})
     total = float(sum(cost.recompute_time(s, shapes[u], c) for s, per in ck.items() for u, c in per.items()

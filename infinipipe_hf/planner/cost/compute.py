@@ -4,7 +4,8 @@ Time of one decoder layer on a unit with segments (context C_i, length s_i)::
 
     t = a1 * sum(s_i^2 + 2 C_i s_i) + a2 * sum(s_i) + b
 
-The band term is the causal attention a slice owns ((C+s)^2 - C^2 pairs); the token term the
+The band term is the causal attention a slice owns ((C+s)^2 - C^2 pairs; a kernel that runs a
+slice with context as a masked rectangle pays 2 s (C+s): ``HardwareProfile.context_pairs``); the token term the
 projections and MLP; ``b`` the launch overhead and small-GEMM under-use that makes tiny slices
 slow.  The coefficients come from a :class:`HardwareProfile` measured on a reference layer and
 are rescaled to the model by FLOP ratios (attention by q-dimension, linear layers by parameter
@@ -37,12 +38,15 @@ class UnitShape:
     tokens: int
 
     @staticmethod
-    def of(segments: Iterable[Segment]) -> "UnitShape":
+    def of(segments: Iterable[Segment], context_pairs: str = "band") -> "UnitShape":
+        """The shape of a unit; ``context_pairs="rectangle"`` (``HardwareProfile.context_pairs``)
+        counts a slice with context as its whole masked rectangle ``2 s (C + s)``, not the band."""
+        rectangle = context_pairs == "rectangle"
         pairs = 0
         tokens = 0
         for s in segments:
             n = s.end - s.start
-            pairs += n * n + 2 * s.start * n
+            pairs += n * n + 2 * s.start * n + (n * n if rectangle and s.start else 0)
             tokens += n
         return UnitShape(float(pairs), tokens)
 

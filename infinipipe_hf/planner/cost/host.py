@@ -105,7 +105,7 @@ class HostTierCost:
     def kv_exposed_s(self, stage_index: int, segments: Sequence[Segment], continuing: Sequence[bool],
                      backward: bool) -> float:
         """Exposed copy seconds of one action of a unit on a stage whose KV store is offloaded."""
-        shape = UnitShape.of(segments)
+        shape = UnitShape.of(segments, self.acts.profile.context_pairs)
         per_layer = self.copy_s(self.kv_copy_bytes(segments, continuing, backward))
         if not per_layer:
             return 0.0

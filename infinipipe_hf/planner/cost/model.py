@@ -194,6 +194,10 @@ class CostModel:
     def num_layers(self, stage_index: int) -> int:
         return self.ctx.layers_per_stage[stage_index]
 
+    def shape_of(self, segments) -> UnitShape:
+        """A unit's :class:`UnitShape` as this profile's attention kernel counts its pairs."""
+        return UnitShape.of(segments, self.ctx.profile.context_pairs)
+
     # --- what spans parts --------------------------------------------------------------------
     def recompute_time(self, stage_index: int, shape: UnitShape, checkpointed_layers: int) -> float:
         """Replay of whole checkpointed layers (their forward less ``down_proj``: :mod:`levels`)."""

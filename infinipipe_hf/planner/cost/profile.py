@@ -30,6 +30,9 @@ from infinipipe_hf.planner.cost.calibration import Calibration, apply_calibratio
 
 PROFILE_FORMAT_VERSION = 1
 
+CONTEXT_PAIRS = ("band", "rectangle")
+"""How an attention kernel counts the pairs of a slice with K/V context (``HardwareProfile.context_pairs``)."""
+
 KEYS = ("backward", "forward_full", "forward_mlp", "forward_mlp_act")
 """The keys of ``HardwareProfile.working_bytes_per_token`` (bytes per token, reference shape)."""
 
@@ -152,6 +155,12 @@ class HardwareProfile:
     gaps), ``{"forward": s, "backward": s}``, fitted from stages of two depths; empty: 0 (docs/gpu.md)."""
     attention_backends: dict[str, Any] = field(default_factory=dict)
     """Attention kernels timed per unit kind (``profiling/attention_backends.py``); empty: not measured."""
+    context_pairs: str = "band"
+    """What the attention kernel that runs slices with K/V context computes: ``"band"`` (flash,
+    varlen, FlexAttention: only the causal band the slice owns) or ``"rectangle"`` (SDPA with an
+    explicit mask, the only backend that trains on CPU: every query of the slice against every key
+    of its context and itself, masked blocks included).  Written by the profiler for the backend
+    the runtime picks on its device."""
 
     def __post_init__(self) -> None:
         for name in ("intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s",
@@ -161,6 +170,8 @@ class HardwareProfile:
         if not self.collective_latency_s >= 0:
             raise ValueError(f"profile field collective_latency_s must be >= 0, got {self.collective_latency_s!r}")
         check_working_fields(self.working_bytes_per_token)
+        if self.context_pairs not in CONTEXT_PAIRS:
+            raise ValueError(f"profile field context_pairs must be one of {CONTEXT_PAIRS}, got {self.context_pairs!r}")
         object.__setattr__(self, "calibration", Calibration.from_dict(self.calibration))
         if int(self.gpus_per_node) != self.gpus_per_node or self.gpus_per_node < 1:
             raise ValueError(f"profile field gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")

@@ -24,7 +24,6 @@ from typing import Sequence
 import numpy as np
 
 from infinipipe_hf.ir.units import Unit
-from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import CostModel
 
 # The estimate ignores some transient terms the exact memory model counts; aim a little lower.
@@ -112,9 +111,9 @@ class _Each:
     def __init__(self, units: list[Unit], cost: CostModel, members):
         self.units, self.cost, self.members = units, cost, members
         if members is None:
-            self.shapes = [UnitShape.of(u.segments) for u in units]
+            self.shapes = [cost.shape_of(u.segments) for u in units]
         else:
-            self.shapes = {m.id: UnitShape.of(m.segments) for ms in members.values() for m, _ in ms}
+            self.shapes = {m.id: cost.shape_of(m.segments) for ms in members.values() for m, _ in ms}
 
     def __call__(self, fn) -> list[float]:
         """``fn(cost, unit, shape)`` per unit (or the max over a round's units)."""

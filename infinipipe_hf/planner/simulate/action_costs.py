@@ -26,11 +26,12 @@ class ActionCosts:
 
     def __init__(self, plan: Plan, cost: CostModel, steps=None) -> None:
         self.plan, self.cost = plan, cost
-        self.shapes = {u.id: UnitShape.of(u.segments) for u in plan.units}
+        profile = getattr(cost, "profile", None)  # stand-in cost models in tests carry none
+        context_pairs = profile.context_pairs if profile else "band"
+        self.shapes = {u.id: UnitShape.of(u.segments, context_pairs) for u in plan.units}
         self.tokens = {u.id: u.num_tokens for u in plan.units}
         self.groups = unit_cost_map(plan, cost) if plan.sp_groups else {}
         self.steps = steps
-        profile = getattr(cost, "profile", None)  # stand-in cost models in tests carry none
         self.group_fixed_s = profile.calibration.group_round_s / (2 * plan.pp_degree) if profile else 0.0
 
     def _shape(self, uid: int) -> UnitShape:

@@ -102,6 +102,18 @@ def backend_for_kind(backend: AttentionBackend, kind: str) -> AttentionBackend:
     return backend.for_kind(kind) if isinstance(backend, RoutedBackend) else backend
 
 
+_MASKS_CONTEXT = frozenset({"sdpa"})
+"""Backends that run a slice with K/V context through an explicit mask, masked blocks included."""
+
+
+def context_pairs(device: torch.device | str, table: Mapping[str, Any] | None = None) -> str:
+    """How the backend ``"auto"`` runs slices with K/V context on ``device`` counts their pairs
+    (``HardwareProfile.context_pairs``): ``"rectangle"`` for SDPA's masked call, else ``"band"``."""
+    fn = backend_for_kind(select_backend("auto", device, table), "slice")
+    name = next((n for n, (f, _) in _BACKENDS.items() if f is fn), None)
+    return "rectangle" if name in _MASKS_CONTEXT else "band"
+
+
 def select_backend(name: str, device: torch.device | str,
                    table: Mapping[str, Any] | None = None) -> AttentionBackend:
     """The backend ``name`` for ``device``.  ``"auto"``: per unit kind from the measured ``table``

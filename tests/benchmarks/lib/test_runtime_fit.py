@@ -27,11 +27,11 @@ BWD = TimeCoefficients(4e-8, 7e-5, 1.5e-3)
 SHAPES = [[[0, 128]], [[0, 512]], [[0, 1024]], [[512, 1024]], [[1024, 1536]], [[0, 64]] * 4, [[0, 300], [0, 100]]]
 
 
-def _layer_rows(level=None):
+def _layer_rows(level=None, context_pairs="band"):
     rows = []
     for segs in SHAPES:
         row = {"kind": "unit_layer", "segments": segs, "level": level}
-        shape = UnitShape.of(row_segments(row))
+        shape = UnitShape.of(row_segments(row), context_pairs)
         rows.append({**row, "fwd_s": FWD(shape.pairs, shape.tokens), "bwd_s": BWD(shape.pairs, shape.tokens),
                      "tokens": shape.tokens})
     return rows
@@ -52,6 +52,18 @@ def test_layer_fit_recovers_the_coefficients():
         assert got.fixed_s == pytest.approx(want.fixed_s, rel=1e-6)
     with pytest.raises(ValueError, match=">= 3 unit_layer rows"):
         fit_layer(rows[:2], "fwd_s")
+
+
+def test_layer_fit_counts_pairs_as_the_profiles_kernel_does():
+    """Rows timed on a kernel that computes the masked rectangle: the band count misfits them, the
+    rectangle count recovers the coefficients, and the fitted profile carries the count."""
+    rows = _layer_rows(context_pairs="rectangle")
+    got = fit_layer(rows, "fwd_s", "rectangle")
+    assert got.attn_pair_s == pytest.approx(FWD.attn_pair_s, rel=1e-6)
+    assert fit_layer(rows, "fwd_s").attn_pair_s != pytest.approx(FWD.attn_pair_s, rel=1e-3)
+    profile = fit_runtime_profile(rows + _loss_rows(), SPEC, name="rect", context_pairs="rectangle")
+    assert profile.context_pairs == "rectangle"
+    assert profile.layer_backward.attn_pair_s == pytest.approx(BWD.attn_pair_s, rel=1e-6)
 
 
 def test_profile_predicts_its_own_rows_and_checkpoint_levels_follow_the_cost_model():

@@ -144,3 +144,10 @@ def test_outside_a_stage_is_an_error():
     q, k, v = _qkv(4)
     with pytest.raises(RuntimeError, match="epp_unit"):
         epp_attention_forward(_Layer(), q, k, v, None)
+
+
+def test_cpu_profiles_count_context_slices_as_sdpa_runs_them():
+    """On CPU only SDPA trains, and it runs a slice with context through an explicit mask."""
+    from infinipipe_hf.runtime.attention.select import context_pairs
+
+    assert context_pairs("cpu") == "rectangle"
