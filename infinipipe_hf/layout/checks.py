@@ -5,7 +5,12 @@ calls them (``for_world``, ``check_model``, its own construction) and nothing el
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from infinipipe_hf.layout.shard_modes import ShardMode
+
+if TYPE_CHECKING:
+    from infinipipe_hf.layout.dims import ParallelDims
 
 
 def divisors(n: int) -> list[int]:
@@ -17,8 +22,10 @@ def positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def dp_for_world(world_size: int, pp_degree: int, sp_degree: int, dp_degree: int | None = None) -> int:
-    """``dp_degree`` of ``world_size`` processes at ``pp x sp``; ``ValueError`` naming what fits."""
+def dp_for_world(world_size: int, replica: "ParallelDims") -> int:
+    """DP replicas of ``replica`` (one replica's ``pp x sp`` ranks) that ``world_size`` processes
+    hold; ``ValueError`` naming what fits."""
+    pp_degree, sp_degree = replica.pp_degree, replica.sp_degree
     stage_ranks = pp_degree * sp_degree
     if world_size % stage_ranks != 0:
         if sp_degree == 1:
@@ -32,15 +39,19 @@ def dp_for_world(world_size: int, pp_degree: int, sp_degree: int, dp_degree: int
         raise ValueError(f"pp_degree={pp_degree} x sp_degree={sp_degree} = {stage_ranks} does not divide world "
                          f"size {world_size} (the processes launched); {hint}, or launch a multiple of "
                          f"{stage_ranks} processes")
-    dp = world_size // stage_ranks
-    if dp_degree is not None and dp_degree != dp:
-        raise ValueError(f"dp_degree={dp_degree} x pp_degree={pp_degree} x sp_degree={sp_degree} != world size "
-                         f"{world_size}; set dp_degree={dp} or leave it None")
-    return dp
+    return world_size // stage_ranks
 
 
-def check_heads(sp_degree: int, num_heads: int, pp_degree: int, world: int) -> None:
+def check_dp_request(world_size: int, dims: "ParallelDims", requested: int | None) -> None:
+    """``ValueError`` when a ``dp_degree`` was asked for and the world gives ``dims`` another one."""
+    if requested is not None and requested != dims.dp_degree:
+        raise ValueError(f"dp_degree={requested} x pp_degree={dims.pp_degree} x sp_degree={dims.sp_degree} != "
+                         f"world size {world_size}; set dp_degree={dims.dp_degree} or leave it None")
+
+
+def check_heads(dims: "ParallelDims", num_heads: int) -> None:
     """Ulysses gives each SP rank whole attention heads (unevenly when they do not divide)."""
+    sp_degree, pp_degree, world = dims.sp_degree, dims.pp_degree, dims.world_size
     if sp_degree <= num_heads:
         return
     ok = [d for d in divisors(world // pp_degree) if d <= num_heads] if world % pp_degree == 0 else []
@@ -50,7 +61,9 @@ def check_heads(sp_degree: int, num_heads: int, pp_degree: int, world: int) -> N
                         if ok else ""))
 
 
-def check_layers(pp_degree: int, num_layers: int) -> None:
+def check_layers(dims: "ParallelDims", num_layers: int) -> None:
+    """``ValueError`` when a stage would get no decoder layer."""
+    pp_degree = dims.pp_degree
     if pp_degree > num_layers:
         raise ValueError(f"pp_degree={pp_degree} is larger than the model's {num_layers} decoder layers (each "
                          f"stage needs at least one); use pp_degree <= {num_layers}")
@@ -60,11 +73,12 @@ _NO_GROUP = {"dp": ("data-parallel replicas", "DP", "launch more processes (worl
              "sp": ("sequence-parallel ranks", "SP", "set sp_degree >= 2")}
 
 
-def check_shard_group(mode: ShardMode, dp_degree: int, sp_degree: int) -> None:
-    """``ValueError`` unless every mesh dim FSDP2 spans for ``mode`` has two ranks or more."""
-    sizes = {"dp": dp_degree, "sp": sp_degree}
-    if not mode.sharded or all(sizes[d] >= 2 for d in mode.fsdp_dims):
+def check_shard_group(dims: "ParallelDims", mode: ShardMode) -> None:
+    """``ValueError`` unless every mesh dim FSDP2 spans for ``mode`` has two ranks or more in
+    ``dims`` (whose own shard mode is not read: ``for_world`` checks a mode before building it in)."""
+    if not mode.sharded or all(dims.degree(d) >= 2 for d in mode.fsdp_dims):
         return
+    dp_degree, sp_degree = dims.dp_degree, dims.sp_degree
     world = f"dp_degree={dp_degree}, sp_degree={sp_degree}"
     alt = [m for m, ok in (("sp", sp_degree > 1), ("dp", dp_degree > 1)) if ok]
     instead = f"use shard={alt[0]!r} or 'none'" if alt else "use shard='none'"
@@ -74,10 +88,3 @@ def check_shard_group(mode: ShardMode, dp_degree: int, sp_degree: int) -> None:
                          f"there is no {name} group; {fix} or {instead}")
     raise ValueError(f"shard={mode.name!r} {mode.summary}, which needs dp_degree >= 2 and sp_degree >= 2, "
                      f"but this run has {world}; {instead}")
-
-
-def sub_group_sizes(sp_degree: int) -> list[int]:
-    """Sizes of the aligned SP sub-groups that need a process group of their own: the powers of
-    two ``2 <= g < sp_degree`` dividing ``sp_degree`` (a group of one needs none, and the whole
-    SP group has its own)."""
-    return [g for g in (1 << k for k in range(1, sp_degree.bit_length())) if g < sp_degree and sp_degree % g == 0]

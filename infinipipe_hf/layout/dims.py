@@ -23,10 +23,18 @@ object; none of them re-derives or re-checks the degrees.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
+from math import prod
 
-from infinipipe_hf.layout.checks import check_heads, check_layers, check_shard_group, dp_for_world, positive_int
+from infinipipe_hf.layout.checks import (
+    check_dp_request,
+    check_heads,
+    check_layers,
+    check_shard_group,
+    dp_for_world,
+    positive_int,
+)
 from infinipipe_hf.layout.shard_modes import NO_SHARDING, SHARD_TABLE, ShardMode, shard_mode
 from infinipipe_hf.layout.state_offload import NO_OFFLOAD, StateOffload, state_offload
 
@@ -66,13 +74,14 @@ class ParallelDims:
         """The layout of ``world_size`` processes: ``dp_degree`` derived (or checked) from the world,
         the shard mode runnable, and, given a ``model`` (``num_layers``, ``num_attention_heads``),
         the degrees against it (its layers first: launching more processes cannot fix those)."""
-        positive_int("pp_degree", pp_degree)
-        positive_int("sp_degree", sp_degree)
+        replica = cls(pp_degree, sp_degree)  # one replica, unsharded: checks the degrees are positive
         if model is not None:
-            check_layers(pp_degree, model.num_layers)
-        dp = dp_for_world(world_size, pp_degree, sp_degree, dp_degree)
-        check_shard_group(shard_mode(shard), dp, sp_degree)  # first: it names the group a launch lacks
-        dims = cls(pp_degree, sp_degree, dp, shard, gpus_per_node, state_offload)
+            check_layers(replica, model.num_layers)
+        layout = replace(replica, dp_degree=dp_for_world(world_size, replica))
+        check_dp_request(world_size, layout, dp_degree)
+        mode = shard_mode(shard)
+        check_shard_group(layout, mode)  # before building it in: it names the group a launch lacks
+        dims = replace(layout, shard=mode, gpus_per_node=gpus_per_node, state_offload=state_offload)
         if model is not None:
             dims.check_model(model.num_layers, model.num_attention_heads)
         return dims
@@ -80,16 +89,16 @@ class ParallelDims:
     def check_runnable(self) -> None:
         """``ValueError`` unless the runtime can run this shard mode: every mesh dim FSDP2 spans has
         two ranks or more (a layout the planner prices may still not run, e.g. ``sp+dp`` at dp 1)."""
-        check_shard_group(self.shard, self.dp_degree, self.sp_degree)
+        check_shard_group(self, self.shard)
 
     def check_model(self, num_layers: int, num_attention_heads: int) -> None:
         """``ValueError`` when a stage would get no decoder layer or an SP rank no attention head."""
-        check_layers(self.pp_degree, num_layers)
-        check_heads(self.sp_degree, num_attention_heads, self.pp_degree, self.world_size)
+        check_layers(self, num_layers)
+        check_heads(self, num_attention_heads)
 
     def _no_group_message(self) -> str:
         options = [m.name for m in SHARD_TABLE.values()
-                   if m.sharded and m.degree(self.sp_degree, self.dp_degree) > 1]
+                   if m.sharded and self.ranks_over(m.shard_dims) > 1]
         hint = (f"use shard in ({', '.join(repr(m) for m in options)}) or 'none'" if options
                 else "use shard='none', or raise sp_degree or dp_degree to have ranks to shard over")
         return (f"shard={self.shard.name!r} shards over the stage's {self.shard.group}, which has one rank here "
@@ -100,10 +109,26 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.dp_degree * self.pp_degree * self.sp_degree
 
+    def degree(self, dim: str) -> int:
+        """Ranks along mesh dim ``dim`` (``"dp"``, ``"pp"`` or ``"sp"``)."""
+        return {"dp": self.dp_degree, "pp": self.pp_degree, "sp": self.sp_degree}[dim]
+
+    def ranks_over(self, dims: tuple[str, ...]) -> int:
+        """Ranks of a group spanning the mesh dims ``dims`` (1 for none)."""
+        return prod(self.degree(d) for d in dims)
+
     @property
     def shard_degree(self) -> int:
         """Ranks one stage's model states are split over (1 when unsharded)."""
-        return self.shard.degree(self.sp_degree, self.dp_degree)
+        return self.ranks_over(self.shard.shard_dims)
+
+    @property
+    def sub_group_sizes(self) -> list[int]:
+        """Sizes of the aligned SP sub-groups that need a process group of their own: the powers of
+        two ``2 <= g < sp_degree`` dividing ``sp_degree`` (a group of one needs none, and the whole
+        SP group has its own)."""
+        sp = self.sp_degree
+        return [g for g in (1 << k for k in range(1, sp.bit_length())) if g < sp and sp % g == 0]
 
     @property
     def replica_degree(self) -> int:

@@ -62,14 +62,6 @@ class ShardMode:
         """Modes with equal keys are priced alike (the cost model reads the dims only)."""
         return (self.shard_dims, self.replicate_dims)
 
-    def degree(self, sp_degree: int, dp_degree: int) -> int:
-        """Ranks one stage's states are split over (1 when unsharded)."""
-        sizes = {"sp": sp_degree, "dp": dp_degree}
-        n = 1
-        for dim in self.shard_dims:
-            n *= sizes[dim]
-        return n
-
 
 SHARD_TABLE: dict[str, ShardMode] = {m.name: m for m in (
     ShardMode("none", (), ("dp", "sp")),

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from infinipipe_hf.layout import MESH_DIMS, ParallelDims, sub_group_sizes
+from infinipipe_hf.layout import MESH_DIMS, ParallelDims
 
 
 def set_group_timeout(group, timeout: timedelta) -> None:
@@ -173,7 +173,7 @@ class ParallelLayout:
 
     def degree(self, dim: str) -> int:
         """Ranks along mesh dim ``dim`` (``"dp"``, ``"pp"`` or ``"sp"``)."""
-        return {"dp": self.dp_degree, "pp": self.pp_degree, "sp": self.sp_degree}[dim]
+        return self.dims.degree(dim)
 
     @property
     def has_tied_pair(self) -> bool:
@@ -242,7 +242,7 @@ class ParallelLayout:
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
-        for g in sub_group_sizes(self.sp_degree):
+        for g in self.dims.sub_group_sizes:
             names = (f"sp_over{g}", f"sp{g}")
             if unflatten and hasattr(self.mesh, "_unflatten"):
                 sub = self.mesh._unflatten("sp", (self.sp_degree // g, g), names)

@@ -71,9 +71,9 @@ def test_rounds_must_cover_the_sp_ranks_and_stay_in_one_replica():
 
 
 def test_aligned_sub_groups_and_the_sizes_that_need_a_process_group():
-    from infinipipe_hf.layout import ParallelDims, sub_group_sizes
+    from infinipipe_hf.layout import ParallelDims
 
-    assert [sub_group_sizes(n) for n in (1, 2, 4, 6, 8)] == [[], [], [2], [2], [2, 4]]
+    assert [ParallelDims(sp_degree=n).sub_group_sizes for n in (1, 2, 4, 6, 8)] == [[], [], [2], [2], [2, 4]]
     spec = ParallelDims(pp_degree=2, sp_degree=4)
     assert spec.sub_groups(2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert spec.sub_group(0, 1, 2, 2) == [6, 7] and spec.sub_group(0, 1, 3, 1) == [7]

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from infinipipe_hf import InfiniPipeConfig, PipelineEngine  # noqa: E402
-from infinipipe_hf.layout import shard_mode  # noqa: E402
+from infinipipe_hf.layout import ParallelDims, shard_mode  # noqa: E402
 from infinipipe_hf.layout.checks import check_shard_group  # noqa: E402
 from infinipipe_hf.runtime.parallel.fsdp_api import copy_full_, fsdp2_api  # noqa: E402
 from tests.helpers.reference import tiny_model  # noqa: E402
@@ -19,7 +19,7 @@ from tests.helpers.reference import tiny_model  # noqa: E402
 @pytest.mark.parametrize("shard, dp, sp", [("none", 1, 1), ("dp", 2, 1), ("dp", 2, 4), ("sp", 1, 2),
                                            ("sp", 3, 2), ("sp+dp", 2, 2), ("hybrid", 2, 4)])
 def test_worlds_with_a_group_pass(shard, dp, sp):
-    check_shard_group(shard_mode(shard), dp, sp)
+    check_shard_group(ParallelDims(1, sp, dp), shard_mode(shard))
 
 
 @pytest.mark.parametrize("shard, dp, sp, fragments", [
@@ -34,7 +34,7 @@ def test_worlds_with_a_group_pass(shard, dp, sp):
 ])
 def test_worlds_without_the_group_say_what_to_do(shard, dp, sp, fragments):
     with pytest.raises(ValueError) as info:
-        check_shard_group(shard_mode(shard), dp, sp)
+        check_shard_group(ParallelDims(1, sp, dp), shard_mode(shard))
     for f in fragments:
         assert f in str(info.value), (f, str(info.value))
 
