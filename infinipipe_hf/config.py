@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from infinipipe_hf.ir.grad_reduce import check_grad_reduce, unit_reduce_problem
 from infinipipe_hf.ir.levels import CHECKPOINTING
-from infinipipe_hf.layout import ParallelDims, shard_mode, state_offload
+from infinipipe_hf.layout import ParallelDims, ShardMode, shard_mode, state_offload
 
 CHECKPOINT_LEVELS = ("keep_attn", "mlp", "mlp_act")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash", "flex")
@@ -136,7 +136,7 @@ class InfiniPipeConfig:
             raise ValueError(f"pp_degree must be a positive integer, got {self.pp_degree!r}")
         if not isinstance(self.sp_degree, int) or self.sp_degree < 1:
             raise ValueError(f"sp_degree must be a positive integer, got {self.sp_degree!r}")
-        shard_mode(self.shard)  # ValueError naming SHARD_MODES when unknown
+        self.shard_row()  # ValueError naming SHARD_MODES when unknown
         check_grad_reduce(self.grad_reduce)
         if self.dp_degree is not None and (not isinstance(self.dp_degree, int) or self.dp_degree < 1):
             raise ValueError(f"dp_degree must be a positive integer or None, got {self.dp_degree!r}")
@@ -217,6 +217,11 @@ class InfiniPipeConfig:
         return planning_budget(device_memory_bytes, self.memory_margin, self.memory_reserve_gib,
                                self.memory_budget_gib)
 
+    def shard_row(self) -> ShardMode:
+        """The row of ``shard`` in the shard table (``ValueError`` naming the modes when unknown):
+        what the engine asks of the mode before the layout of a world exists."""
+        return shard_mode(self.shard)
+
     def layout(self, world_size: int, gpus_per_node: int | None = None, model=None) -> ParallelDims:
         """The job's layout on ``world_size`` processes (``ParallelDims.for_world``): ``dp_degree``
         derived (or checked) from the world, checked against ``model`` (a ``ModelSpec``) when given.
@@ -224,7 +229,7 @@ class InfiniPipeConfig:
         which decides which groups the planner prices as crossing nodes."""
         if gpus_per_node is None:
             gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
-        dims = ParallelDims.for_world(world_size, self.pp_degree, self.sp_degree, self.dp_degree, self.shard,
+        dims = ParallelDims.for_world(world_size, self.pp_degree, self.sp_degree, self.dp_degree, self.shard_row(),
                                       gpus_per_node, model, state_offload=self.state_offload)
         problem = unit_reduce_problem(dims) if self.grad_reduce == "unit" else None
         if problem is not None:

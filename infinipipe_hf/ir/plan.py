@@ -10,7 +10,9 @@ diffed, stored and replayed.
 With sequence parallelism (``sp_degree > 1``) a stage is a group of ``sp_degree`` GPUs: units and
 actions are those of the group as a whole (how a unit's tokens are split over its ranks is the
 runtime's business).  ``sp_degree`` and ``shard`` are written to JSON only when they differ from
-their defaults (1 and ``"none"``), and a JSON without them reads back with the defaults.
+their defaults (1 and ``"none"``), and a JSON without them reads back with the defaults.  The
+plan's degrees and shard mode are read back as a :class:`~infinipipe_hf.layout.ParallelDims`, the
+one place a shard mode's name becomes its row.
 """
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ from typing import Any
 
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import CheckpointMix
-from infinipipe_hf.ir.sp_rounds import SubGroup, whole_group
+from infinipipe_hf.ir.sp_rounds import SubGroup
 from infinipipe_hf.ir.units import Segment, Unit
-from infinipipe_hf.layout import shard_mode
+from infinipipe_hf.layout import NO_SHARDING, ParallelDims, ShardMode
 
 
 @dataclass
@@ -42,8 +44,8 @@ class Plan:
     """Free-form planner facts (chosen slice count, token budget...); serialised, never required."""
     sp_degree: int = 1
     """GPUs per stage sharing every unit (Ulysses sequence parallelism)."""
-    shard: str = "none"
-    """Model-state sharding the plan was costed with (``none``, ``sp``, ``dp``, ``sp+dp``, ``hybrid``)."""
+    shard: ShardMode = NO_SHARDING
+    """Model-state sharding the plan was costed with (a row of the shard table; JSON: its name)."""
     checkpoint_levels: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)
     """stage -> unit id -> level -> layers (``{"offload": n, "mlp": n}``), beside the whole
     layers of ``checkpoint_layers``; missing entries are 0.  JSON key ``checkpoint_levels``,
@@ -97,7 +99,41 @@ class Plan:
         return CheckpointMix.of(self.checkpointed(stage_index, unit_id), finer)
 
     def sub_group(self, unit_id: int) -> SubGroup:
-        return self.sp_groups.get(unit_id) or whole_group(self.sp_degree)
+        return self.sp_groups.get(unit_id) or SubGroup(0, self.sp_degree)
+
+    def check_sub_group(self, g: SubGroup, what: str = "sub-group") -> None:
+        """``ValueError`` unless ``g`` is an aligned sub-group of a stage's SP ranks: a power-of-two
+        size dividing ``sp_degree``, at an offset that is a multiple of it."""
+        sp = self.sp_degree
+        ok_size = g.size >= 1 and g.size & (g.size - 1) == 0 and sp % g.size == 0
+        if not ok_size or g.offset % g.size or not 0 <= g.offset < sp:
+            sizes = [n for n in (1 << k for k in range(sp.bit_length())) if sp % n == 0]
+            raise ValueError(f"{what} (offset {g.offset}, size {g.size}) is not an aligned SP sub-group of "
+                             f"sp_degree={sp}: the size must be one of {sizes} and the offset a "
+                             f"multiple of it below {sp}")
+
+    def check_rounds(self) -> None:
+        """``ValueError`` unless every unit is in exactly one round (without ``rounds``: each its own)
+        and each round's sub-groups partition the stage's SP ranks."""
+        rounds = self.rounds or [[u.id] for u in self.units]
+        ids = {u.id for u in self.units}
+        seen: dict[int, int] = {}
+        for r, members in enumerate(rounds):
+            covered: list[int] = []
+            for u in members:
+                if u not in ids:
+                    raise ValueError(f"round {r} names unit {u}, which the plan does not have")
+                if u in seen:
+                    raise ValueError(f"unit {u} is in round {seen[u]} and round {r}; a unit runs in one round")
+                seen[u] = r
+                self.check_sub_group(self.sub_group(u), f"unit {u}'s sub-group")
+                covered.extend(self.sub_group(u).ranks)
+            if sorted(covered) != list(range(self.sp_degree)):
+                raise ValueError(f"round {r} (units {list(members)}) covers SP ranks {sorted(covered)}; the "
+                                 f"sub-groups of a round must cover ranks 0..{self.sp_degree - 1} exactly once")
+        missing = sorted(ids - set(seen))
+        if missing:
+            raise ValueError(f"units {missing[:8]} are in no round; with rounds every unit is in one")
 
     def runs_on(self, unit_id: int, sp_rank: int) -> bool:
         """Whether SP rank ``sp_rank`` of a stage takes part in the unit."""
@@ -124,8 +160,8 @@ class Plan:
         }
         if self.sp_degree != 1:
             d["sp_degree"] = self.sp_degree
-        if shard_mode(self.shard).sharded:
-            d["shard"] = self.shard
+        if self.shard.sharded:
+            d["shard"] = self.shard.name
         d.update({
             "sequences": list(self.sequences),
             "units": [u.to_dict() for u in self.units],
@@ -171,10 +207,12 @@ class Plan:
 
     @staticmethod
     def from_dict(d: dict) -> "Plan":
+        layout = ParallelDims(int(d["pp_degree"]), int(d.get("sp_degree", 1)), int(d["dp_degree"]),
+                              str(d.get("shard", "none")))
         return Plan(
             schedule=d["schedule"],
-            pp_degree=int(d["pp_degree"]),
-            dp_degree=int(d["dp_degree"]),
+            pp_degree=layout.pp_degree,
+            dp_degree=layout.dp_degree,
             sequences=[int(x) for x in d["sequences"]],
             units=[Unit.from_dict(u) for u in d["units"]],
             actions={
@@ -187,8 +225,8 @@ class Plan:
             },
             layers_per_stage=[int(x) for x in d.get("layers_per_stage", [])],
             info=dict(d.get("info", {})),
-            sp_degree=int(d.get("sp_degree", 1)),
-            shard=str(d.get("shard", "none")),
+            sp_degree=layout.sp_degree,
+            shard=layout.shard,
             checkpoint_levels={
                 int(s): {int(u): {str(lv): int(n) for lv, n in per.items()} for u, per in per_unit.items()}
                 for s, per_unit in d.get("checkpoint_levels", {}).items()
@@ -219,7 +257,7 @@ class Plan:
         lines = [
             f"Plan[{self.schedule}] pp={self.pp_degree} dp={self.dp_degree} "
             + (f"sp={self.sp_degree} " if self.sp_degree != 1 else "")
-            + (f"shard={self.shard} " if shard_mode(self.shard).sharded else "")
+            + (f"shard={self.shard.name} " if self.shard.sharded else "")
             + f"sequences={len(self.sequences)} tokens={self.num_tokens} units={len(self.units)} "
             f"pipelines={self.num_pipelines}"
         ]

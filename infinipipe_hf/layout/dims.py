@@ -69,19 +69,20 @@ class ParallelDims:
 
     @classmethod
     def for_world(cls, world_size: int, pp_degree: int = 1, sp_degree: int = 1, dp_degree: int | None = None,
-                  shard: str | ShardMode = NO_SHARDING, gpus_per_node: int = 8, model=None,
+                  shard: ShardMode = NO_SHARDING, gpus_per_node: int = 8, model=None,
                   state_offload: str | StateOffload = NO_OFFLOAD) -> "ParallelDims":
         """The layout of ``world_size`` processes: ``dp_degree`` derived (or checked) from the world,
         the shard mode runnable, and, given a ``model`` (``num_layers``, ``num_attention_heads``),
-        the degrees against it (its layers first: launching more processes cannot fix those)."""
+        the degrees against it (its layers first: launching more processes cannot fix those).
+        ``shard`` is a row (``InfiniPipeConfig.shard_row()``): it is checked runnable on the world
+        before it is built in, which a name could not be."""
         replica = cls(pp_degree, sp_degree)  # one replica, unsharded: checks the degrees are positive
         if model is not None:
             check_layers(replica, model.num_layers)
         layout = replace(replica, dp_degree=dp_for_world(world_size, replica))
         check_dp_request(world_size, layout, dp_degree)
-        mode = shard_mode(shard)
-        check_shard_group(layout, mode)  # before building it in: it names the group a launch lacks
-        dims = replace(layout, shard=mode, gpus_per_node=gpus_per_node, state_offload=state_offload)
+        check_shard_group(layout, shard)  # before building it in: it names the group a launch lacks
+        dims = replace(layout, shard=shard, gpus_per_node=gpus_per_node, state_offload=state_offload)
         if model is not None:
             dims.check_model(model.num_layers, model.num_attention_heads)
         return dims

@@ -24,7 +24,7 @@ import logging
 import os
 
 from infinipipe_hf.config import InfiniPipeConfig
-from infinipipe_hf.layout import shard_mode
+from infinipipe_hf.layout import NO_SHARDING
 
 AUTO = "auto"
 SEARCH_BATCHES = 2
@@ -53,12 +53,10 @@ def check_auto_fields(args) -> None:
     sp = args.sp_degree
     if sp != AUTO and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
         raise ValueError(f"sp_degree must be a positive integer or 'auto', got {sp!r}")
-    if args.shard != AUTO:
-        shard_mode(args.shard)  # ValueError naming the modes
     from infinipipe_hf.trainer.pipeline_arguments import rename_in_message
 
     try:
-        InfiniPipeConfig(**placeholder_kwargs(args))  # the other fields' checks
+        InfiniPipeConfig(**placeholder_kwargs(args))  # the other fields' checks, a shard mode's name among them
     except ValueError as exc:
         raise ValueError(rename_in_message(str(exc))) from None
 
@@ -66,7 +64,7 @@ def check_auto_fields(args) -> None:
 def search_restrictions(args) -> tuple[tuple[int, ...] | None, tuple[str, ...] | None]:
     """``(sp_degrees, shards)`` the search may use: None (every one) for "auto" or the default."""
     sp = None if args.sp_degree in (AUTO, 1) else (int(args.sp_degree),)
-    shards = None if args.shard == AUTO or not shard_mode(args.shard).sharded else (args.shard,)
+    shards = None if args.shard in (AUTO, NO_SHARDING.name) else (args.shard,)
     return sp, shards
 
 

@@ -13,6 +13,7 @@ from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.sp_rounds import SubGroup
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.layout import shard_mode
 from tests.distributed.plans import one_f_one_b
 
 Member = tuple[int, int, list[tuple[int, int, int]]]
@@ -80,5 +81,5 @@ def rounds_plan(lengths: list[int], rounds_per_dp: list[list[list[Member]]], *, 
             if per:
                 finer.setdefault(s, {})[u.id] = per
     return Plan("epp", pp, len(rounds_per_dp), list(lengths), units, actions, ckpt,
-                layers_per_stage=list(layers_per_stage), sp_degree=sp, shard=shard,
+                layers_per_stage=list(layers_per_stage), sp_degree=sp, shard=shard_mode(shard),
                 checkpoint_levels=finer, sp_groups=groups, rounds=all_rounds)

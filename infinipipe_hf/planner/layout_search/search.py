@@ -30,11 +30,11 @@ place in ``SHARD_MODES``, then the lighter state offload.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.layout import SHARD_MODES, ParallelDims, divisors, shard_mode
+from infinipipe_hf.layout import SHARD_MODES, SHARD_TABLE, ParallelDims, ShardMode, divisors
 from infinipipe_hf.layout.state_offload import STATE_OFFLOADS
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.batch.select import check_batch
@@ -91,19 +91,19 @@ def sp_candidates(spec: ModelSpec, world_size: int, gpus_per_node: int) -> list[
     return out
 
 
-def _runnable(pp_degree: int, sp_degree: int, dp_degree: int, shard: str, gpus_per_node: int) -> ParallelDims | None:
-    """The layout, when the planner can price it and the runtime can run it."""
+def _runnable(layout: ParallelDims, mode: ShardMode) -> ParallelDims | None:
+    """``layout`` sharded by ``mode``, when the planner can price it and the runtime can run it."""
     try:
-        dims = ParallelDims(pp_degree, sp_degree, dp_degree, shard, gpus_per_node)
+        dims = replace(layout, shard=mode)
         dims.check_runnable()
     except ValueError:
         return None
     return dims
 
 
-def shard_candidates(pp_degree: int, sp_degree: int, dp_degree: int, gpus_per_node: int = 8) -> list[ParallelDims]:
-    """The layouts of these degrees, one per shard mode the layout's checks accept."""
-    found = (_runnable(pp_degree, sp_degree, dp_degree, s, gpus_per_node) for s in SHARD_MODES)
+def shard_candidates(layout: ParallelDims) -> list[ParallelDims]:
+    """The layouts of ``layout``'s degrees and nodes, one per shard mode the layout's checks accept."""
+    found = (_runnable(layout, mode) for mode in SHARD_TABLE.values())
     return [dims for dims in found if dims is not None]
 
 
@@ -119,8 +119,9 @@ def enumerate_layouts(spec: ModelSpec, world_size: int, gpus_per_node: int, *,
     if world_size > gpus_per_node and world_size % gpus_per_node:
         raise ValueError(f"world size {world_size} is not a whole number of nodes of {gpus_per_node} GPUs; "
                          f"set gpus_per_node (--gpus-per-node) to the GPUs each node runs, a divisor of {world_size}")
-    for s in shards or ():
-        shard_mode(s)  # ValueError naming the modes
+    unknown = [s for s in shards or () if s not in SHARD_MODES]  # the search matches names, never looks one up
+    if unknown:
+        raise ValueError(f"shard={unknown[0]!r} is not known; use one of {', '.join(SHARD_MODES)}")
     sps = sp_candidates(spec, world_size, gpus_per_node)
     allowed = [sp for sp in sps if sp_degrees is None or sp in sp_degrees]
     out = []
@@ -131,7 +132,8 @@ def enumerate_layouts(spec: ModelSpec, world_size: int, gpus_per_node: int, *,
             dp = world_size // (pp * sp)
             if dp_degrees is not None and dp not in dp_degrees:
                 continue
-            out.extend(d for d in shard_candidates(pp, sp, dp, gpus_per_node) if shards is None or d.shard.name in shards)
+            layouts = shard_candidates(ParallelDims(pp, sp, dp, gpus_per_node=gpus_per_node))
+            out.extend(d for d in layouts if shards is None or d.shard.name in shards)
     if not out:
         raise ValueError(_no_layout_message(spec, world_size, gpus_per_node, sps, sp_degrees, shards))
     return out
@@ -207,7 +209,7 @@ def plan_layout(inputs: SearchInputs, layout: ParallelDims) -> LayoutOutcome:
     ``inputs.longest`` also its largest one-sequence lengths."""
     t0 = time.perf_counter()
     if len(inputs.lengths) < layout.dp_degree:
-        return LayoutOutcome(layout, None, unfed_replicas_reason(len(inputs.lengths), layout.dp_degree), 0.0,
+        return LayoutOutcome(layout, None, unfed_replicas_reason(len(inputs.lengths), layout), 0.0,
                              unfed_replicas=True)
     outcome = _plan_fed_layout(inputs, layout, t0)
     if inputs.longest:
@@ -236,8 +238,9 @@ def _plan_fed_layout(inputs: SearchInputs, layout: ParallelDims, t0: float) -> L
                          sp_rounds=resolve_sp_rounds(options.sp_rounds, layout.sp_degree))
 
 
-def unfed_replicas_reason(num_sequences: int, dp_degree: int) -> str:
-    """Why a layout is ruled out for a batch with fewer sequences than its DP replicas."""
+def unfed_replicas_reason(num_sequences: int, layout: ParallelDims) -> str:
+    """Why ``layout`` is ruled out for a batch with fewer sequences than its DP replicas."""
+    dp_degree = layout.dp_degree
     return (f"{num_sequences} sequence{'s' if num_sequences != 1 else ''} for {dp_degree} DP replicas: a replica "
             f"would idle (the trainer gives each its own; search a batch of >= {dp_degree} sequences)")
 

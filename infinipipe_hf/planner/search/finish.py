@@ -31,7 +31,7 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
     elapsed = time.perf_counter() - t0
     if state.best is None:
         error = infeasible_message(ctx.lengths, cost, schedule.name, state.last_error, ctx.policy)
-        return PlanResult(schedule.name, None, None, False, error, elapsed, state.tried, cost.dims.sp_degree, cost.dims.shard.name)
+        return PlanResult(schedule.name, None, None, False, error, elapsed, state.tried, cost.dims.sp_degree, cost.dims.shard)
     plan, sim = state.best
     if ctx.policy == "adaptive":
         sim = final_solve(plan, sim, cost, ctx.time_limit_s, levels, sharing)
@@ -42,7 +42,7 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
     plan.info["host_peak_bytes_per_stage"] = host
     plan.info["host_peak_memory_bytes"] = max(host, default=0.0)
     return PlanResult(schedule.name, plan, sim, True, None, time.perf_counter() - t0, state.tried,
-                      cost.dims.sp_degree, cost.dims.shard.name)
+                      cost.dims.sp_degree, cost.dims.shard)
 
 
 def final_solve(plan: Plan, sim: SimulationResult, cost: CostModel, time_limit_s: float,

@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from infinipipe_hf.layout import shard_mode
+from infinipipe_hf.layout import NO_SHARDING, ShardMode
 from infinipipe_hf.planner.registry import get_schedule
 
 
@@ -25,7 +25,7 @@ class PlanResult:
     """One entry per configuration tried: knob values, step time, feasibility."""
     sp_degree: int = 1
     """GPUs per stage a pipeline plan (or the failed search) was costed for."""
-    shard: str = "none"
+    shard: ShardMode = NO_SHARDING
     """Model-state sharding a pipeline plan (or the failed search) was costed for."""
     world_size: int = 1
     """GPUs an alternative was planned for."""
@@ -55,7 +55,7 @@ class PlanResult:
         for key in ("host_peak_memory_bytes", "host_peak_bytes_per_stage"):  # a pipeline plan's host tier
             if key in info:
                 d.setdefault(key, info[key])
-        if shard_mode(self.shard).sharded and hasattr(self.plan, "grad_reduce"):
+        if self.shard.sharded and hasattr(self.plan, "grad_reduce"):
             d["grad_reduce"] = self.plan.grad_reduce  # when the sharded stages reduce gradients
         copy_totals = getattr(self.simulation, "copy_totals", None)  # a pipeline plan's host copy lanes
         if copy_totals is not None:

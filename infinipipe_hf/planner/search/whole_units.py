@@ -62,7 +62,7 @@ def whole_sequence_plan(ctx: PipelineContext, schedule: str, attention: bool = F
     tile = tile_tokens(cost)
     plan = Plan(schedule, 1, len(ctx.replicas), list(ctx.lengths), units, actions, {}, list(cost.layers_per_stage),
                 {"candidate": KNOB_ATTENTION if attention else KNOB, "num_slices": 1}, cost.dims.sp_degree,
-                cost.dims.shard.name)
+                cost.dims.shard)
     plan.mlp_tile_tokens = {u.id: tile for u in units if u.num_tokens > tile * cost.dims.sp_degree}
     if attention:
         plan.attention_tile_tokens = dict(plan.mlp_tile_tokens)

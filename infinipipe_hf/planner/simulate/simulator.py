@@ -114,10 +114,10 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
 def _check_cost(plan: Plan, cost: CostModel) -> None:
     """``ValueError`` unless ``cost`` was built for the plan's pp, sp and shard layout."""
     dims = cost.dims
-    got, want = (dims.pp_degree, dims.sp_degree, dims.shard.name), (plan.pp_degree, plan.sp_degree, plan.shard)
+    got, want = (dims.pp_degree, dims.sp_degree, dims.shard), (plan.pp_degree, plan.sp_degree, plan.shard)
     if got != want:
-        raise ValueError(f"cost model has pp_degree={got[0]}, sp_degree={got[1]}, shard={got[2]!r} but the plan has "
-                         f"pp_degree={want[0]}, sp_degree={want[1]}, shard={want[2]!r}; build the CostModel on the "
+        raise ValueError(f"cost model has pp_degree={got[0]}, sp_degree={got[1]}, shard={got[2].name!r} but the plan has "
+                         f"pp_degree={want[0]}, sp_degree={want[1]}, shard={want[2].name!r}; build the CostModel on the "
                          f"plan's layout")
 
 

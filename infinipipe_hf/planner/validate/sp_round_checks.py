@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import collapse_rounds, round_of
-from infinipipe_hf.ir.sp_rounds import check_rounds
 
 Problem = tuple[str, int | None, list[tuple[int, int]]] | None
 
@@ -26,9 +25,8 @@ def rounds_structure(plan: Plan) -> Problem:
     if plan.sp_degree == 1:
         return (f"the plan has SP rounds or sub-groups but sp_degree=1 gives a stage one rank; rounds "
                 f"need sp_degree >= 2 (drop 'rounds' and 'sp_groups', or plan with sp_degree >= 2)", None, [])
-    rounds = plan.rounds or [[u.id] for u in plan.units]
     try:
-        check_rounds(rounds, plan.sp_groups, plan.sp_degree, [u.id for u in plan.units])
+        plan.check_rounds()
     except ValueError as exc:
         return (f"SP rounds: {exc}", None, [])
     return None

@@ -21,7 +21,6 @@ from infinipipe_hf.ir.levels import PLAN_LEVELS
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import rank_classes, rank_view
 from infinipipe_hf.ir.units import Segment, Unit
-from infinipipe_hf.layout import SHARD_MODES
 from infinipipe_hf.planner.checkpointing.memory_walk import stage_timeline
 from infinipipe_hf.planner.checkpointing.points import memory_points, point_bytes, stage_peak_bytes
 from infinipipe_hf.planner.cost.model import CostModel
@@ -102,13 +101,11 @@ class _Checker:
         if plan.pp_degree < 1 or plan.dp_degree < 1 or plan.sp_degree < 1:
             self.fail(f"pp_degree={plan.pp_degree}, dp_degree={plan.dp_degree}, sp_degree={plan.sp_degree}; "
                       f"all must be >= 1")
-        if plan.shard not in SHARD_MODES:
-            self.fail(f"shard={plan.shard!r} is not known; use one of {', '.join(SHARD_MODES)}")
         dims = None if self.cost is None else self.cost.dims
-        cost_layout = None if dims is None else (dims.sp_degree, dims.shard.name)
+        cost_layout = None if dims is None else (dims.sp_degree, dims.shard)
         if dims is not None and cost_layout != (plan.sp_degree, plan.shard):
-            self.fail(f"the plan is for sp_degree={plan.sp_degree}, shard={plan.shard!r} but the cost model "
-                      f"for sp_degree={cost_layout[0]}, shard={cost_layout[1]!r}; validate with a "
+            self.fail(f"the plan is for sp_degree={plan.sp_degree}, shard={plan.shard.name!r} but the cost model "
+                      f"for sp_degree={cost_layout[0]}, shard={cost_layout[1].name!r}; validate with a "
                       f"CostModel built for the plan's layout")
         if sorted(plan.actions) != list(range(plan.dp_degree)):
             self.fail(f"action lists are keyed by dp ranks {sorted(plan.actions)}; expected 0..{plan.dp_degree - 1}")

@@ -13,7 +13,7 @@ import torch
 
 from infinipipe_hf.config import InfiniPipeConfig
 from infinipipe_hf.ir.model_spec import ModelSpec
-from infinipipe_hf.layout import ParallelDims, shard_mode, state_offload
+from infinipipe_hf.layout import ParallelDims, state_offload
 from infinipipe_hf.runtime.parallel.fsdp import StageSharding
 from infinipipe_hf.runtime.parallel.fsdp_api import fsdp2_api
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
@@ -58,10 +58,10 @@ def check_inputs(model, config: InfiniPipeConfig, dist) -> ModelSpec:
 def build_dims(config: InfiniPipeConfig, spec: ModelSpec, world: int, compute_dtype: torch.dtype | None) -> ParallelDims:
     """The job's layout, built once: the degrees against the world and the model
     (``ParallelDims``' checks), and the shard mode against this torch."""
-    mode = shard_mode(config.shard)
-    fsdp = mode.sharded or state_offload(config.state_offload).weights_on_host
-    if fsdp:
-        fsdp2_api(mode.name)  # first: without FSDP2 no world makes the shard mode run
+    mode, offload = config.shard_row(), state_offload(config.state_offload)
+    fsdp = mode.sharded or offload.weights_on_host
+    if fsdp:  # first: without FSDP2 no world makes the shard mode run
+        fsdp2_api(f"shard={mode.name!r}" if mode.sharded else f"state_offload={offload.name!r}")
     dims = config.layout(world, model=spec)
     if not fsdp and compute_dtype is not None:
         raise ValueError(f"compute_dtype={compute_dtype} is FSDP2 mixed precision and needs "

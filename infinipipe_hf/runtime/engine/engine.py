@@ -181,7 +181,7 @@ class PipelineEngine:
             if self.layout.world_size > 1 and not self.plan_agreement.all_agree(plan, step=self.step_count):
                 raise ValueError(f"step {self.step_count}: the plan passed to this rank differs from "
                                  f"other ranks' plans; pass the same plan on every rank")
-        check_runnable(plan, self.layout.sp_degree)
+        check_runnable(plan, self.layout.dims)
         check_grad_reduce_runnable(plan.grad_reduce, self.layout.dims)
         return batch, lengths, n_labels, plan, sim
 

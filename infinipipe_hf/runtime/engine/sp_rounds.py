@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.plan import Plan
-from infinipipe_hf.ir.sp_rounds import check_rounds
+from infinipipe_hf.layout import ParallelDims
 
 
 def rank_actions(plan: Plan, dp_rank: int, stage_index: int, sp_rank: int) -> list[Action]:
@@ -30,17 +30,18 @@ def rank_actions(plan: Plan, dp_rank: int, stage_index: int, sp_rank: int) -> li
     return [a for a in actions if plan.runs_on(a.unit, sp_rank)]
 
 
-def check_runnable(plan: Plan, sp_degree: int) -> None:
-    """``ValueError`` when ``plan``'s sub-groups or rounds cannot run on an engine of ``sp_degree``."""
+def check_runnable(plan: Plan, dims: ParallelDims) -> None:
+    """``ValueError`` when ``plan``'s sub-groups or rounds cannot run on an engine of layout ``dims``."""
     if not plan.sp_groups and not plan.rounds:
         return
+    sp_degree = dims.sp_degree
     if plan.sp_degree != sp_degree or sp_degree < 2:
         raise ValueError(f"the plan has SP sub-groups or rounds for sp_degree={plan.sp_degree} but the "
                          f"engine runs sp_degree={sp_degree}; rounds need sp_degree >= 2 and a plan made "
                          f"with the engine's sp_degree")
     rounds = plan.rounds or [[u.id] for u in plan.units]
     try:
-        check_rounds(rounds, plan.sp_groups, sp_degree, [u.id for u in plan.units])
+        plan.check_rounds()
     except ValueError as exc:
         raise ValueError(f"the plan's rounds cannot run: {exc}") from exc
     for r, members in enumerate(rounds):

@@ -64,7 +64,8 @@ class StageSharding:
         self.mode = layout.dims.shard
         """The layout's shard mode (checked runnable when the layout was built); unsharded stages
         with ``state_offload='states'`` run FSDP2 over their rank alone (``alone_mesh``)."""
-        fully_shard, MixedPrecisionPolicy, self._fsdp_module_type = fsdp2_api(self.mode.name)
+        fully_shard, MixedPrecisionPolicy, self._fsdp_module_type = fsdp2_api(
+            f"shard={self.mode.name!r}" if self.mode.sharded else f"state_offload={layout.dims.state_offload.name!r}")
         self.layout = layout
         self.device = device
         if not self.mode.sharded:

@@ -16,8 +16,9 @@ _MODULE_API = ("set_requires_gradient_sync", "set_is_last_backward", "set_reshar
 _STATE_API = ("_lazy_init", "_root_post_backward_final_callback")
 
 
-def fsdp2_api(shard: str):
-    """``(fully_shard, MixedPrecisionPolicy, FSDPModule)`` or a ``ValueError`` saying what is missing."""
+def fsdp2_api(setting: str):
+    """``(fully_shard, MixedPrecisionPolicy, FSDPModule)`` or a ``ValueError`` saying what is missing;
+    ``setting``: the layout setting that runs FSDP2, as the user wrote it (``"shard='sp'"``)."""
     try:
         import torch.distributed as dist
 
@@ -27,13 +28,13 @@ def fsdp2_api(shard: str):
         from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
         importlib.import_module("torch.distributed.tensor")  # DTensor
     except ImportError as exc:
-        raise ValueError(f"shard={shard!r} needs torch's FSDP2 (torch.distributed.fsdp.fully_shard), "
+        raise ValueError(f"{setting} needs torch's FSDP2 (torch.distributed.fsdp.fully_shard), "
                          f"which this torch {torch.__version__} lacks ({exc}); upgrade torch (tested "
                          f"with 2.13) or use shard='none'") from exc
     missing = [n for n in _MODULE_API if not hasattr(FSDPModule, n)]
     missing += [n for n in _STATE_API if not hasattr(FSDPState, n)]
     if missing:
-        raise ValueError(f"shard={shard!r}: this torch {torch.__version__} has FSDP2 without "
+        raise ValueError(f"{setting}: this torch {torch.__version__} has FSDP2 without "
                          f"{', '.join(missing)}; upgrade torch (tested with 2.13) or use shard='none'")
     return fully_shard, MixedPrecisionPolicy, FSDPModule
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from infinipipe_hf.ir.sp_rounds import SubGroup, whole_group
+from infinipipe_hf.ir.sp_rounds import SubGroup
 from infinipipe_hf.runtime.parallel.comm import wait_collective
 from infinipipe_hf.runtime.parallel.sp_shards import HeadShard, TokenShards, head_shards, token_shards
 
@@ -61,7 +61,7 @@ class SequenceParallel:
 
     def __init__(self, layout, *, num_heads: int, num_kv_heads: int, timeout_s: float,
                  sub_group: SubGroup | None = None, _clock: _Clock | None = None) -> None:
-        g = sub_group if sub_group is not None else whole_group(layout.sp_degree)
+        g = sub_group if sub_group is not None else SubGroup(0, layout.sp_degree)
         if g.size < 2:
             raise ValueError(f"SequenceParallel needs a group of >= 2 ranks, got sp_degree "
                              f"{layout.sp_degree} and a sub-group of {g.size}")
@@ -196,17 +196,17 @@ class _ToHeads(torch.autograd.Function):
     """Sequence-sharded Q/K/V -> head-sharded over all (padded) tokens; backward: the inverse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sp: SequenceParallel, tokens: TokenShards, what: str):
-        ctx.sp, ctx.tokens, ctx.what = sp, tokens, what
-        me, heads, sizes = sp.sp_rank, sp.heads, tokens.local_sizes
+    def forward(ctx, q, k, v, group: SequenceParallel, tokens: TokenShards, what: str):
+        ctx.group, ctx.tokens, ctx.what = group, tokens, what
+        me, heads, sizes = group.sp_rank, group.heads, tokens.local_sizes
         d = q.shape[-1]
-        assert q.shape[2] == sizes[me] and q.shape[1] == sp.num_heads, (q.shape, sizes, me)
+        assert q.shape[2] == sizes[me] and q.shape[1] == group.num_heads, (q.shape, sizes, me)
         q0, k0, v0 = q[0], k[0], v[0]
         views = [[q0[h.q_start:h.q_end], k0[h.kv_start:h.kv_end], v0[h.kv_start:h.kv_end]]
                  for h in heads]
         mine = heads[me]
         rows = mine.num_q + 2 * mine.num_kv
-        flat = sp.exchange(views, [rows * n * d for n in sizes], f"{what}, Q/K/V to heads")
+        flat = group.exchange(views, [rows * n * d for n in sizes], f"{what}, Q/K/V to heads")
         chunks, offset = [], 0
         for n in sizes:
             chunks.append(flat[offset:offset + rows * n * d].view(rows, n, d))
@@ -219,8 +219,8 @@ class _ToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
-        sp, tokens = ctx.sp, ctx.tokens
-        me, heads, sizes = sp.sp_rank, sp.heads, tokens.local_sizes
+        group, tokens = ctx.group, ctx.tokens
+        me, heads, sizes = group.sp_rank, group.heads, tokens.local_sizes
         mine = heads[me]
         ref = next(g for g in (gq, gk, gv) if g is not None)
         d = ref.shape[-1]
@@ -232,13 +232,13 @@ class _ToHeads(torch.autograd.Function):
         gq0, gk0, gv0 = full(gq, mine.num_q), full(gk, mine.num_kv), full(gv, mine.num_kv)
         off = _token_offsets(tokens)
         views = [[gq0[:, off[j]:off[j + 1]], gk0[:, off[j]:off[j + 1]], gv0[:, off[j]:off[j + 1]]]
-                 for j in range(sp.sp_degree)]
+                 for j in range(group.sp_degree)]
         n = sizes[me]
         rows = [h.num_q + 2 * h.num_kv for h in heads]
-        flat = sp.exchange(views, [r * n * d for r in rows], f"{ctx.what}, Q/K/V gradients")
+        flat = group.exchange(views, [r * n * d for r in rows], f"{ctx.what}, Q/K/V gradients")
         gq_parts = []
-        gk_local = ref.new_zeros(sp.num_kv_heads, n, d)
-        gv_local = ref.new_zeros(sp.num_kv_heads, n, d)
+        gk_local = ref.new_zeros(group.num_kv_heads, n, d)
+        gv_local = ref.new_zeros(group.num_kv_heads, n, d)
         offset = 0
         for h, r in zip(heads, rows):
             c = flat[offset:offset + r * n * d].view(r, n, d)
@@ -255,15 +255,15 @@ class _ToSequence(torch.autograd.Function):
     """Head-sharded attention output over all tokens -> this rank's tokens, every head."""
 
     @staticmethod
-    def forward(ctx, out, sp: SequenceParallel, tokens: TokenShards, what: str):
-        ctx.sp, ctx.tokens, ctx.what = sp, tokens, what
-        me, heads, sizes = sp.sp_rank, sp.heads, tokens.local_sizes
+    def forward(ctx, out, group: SequenceParallel, tokens: TokenShards, what: str):
+        ctx.group, ctx.tokens, ctx.what = group, tokens, what
+        me, heads, sizes = group.sp_rank, group.heads, tokens.local_sizes
         o0 = out[0]  # [padded tokens, my heads, d]
         d = o0.shape[-1]
         off = _token_offsets(tokens)
-        views = [[o0[off[j]:off[j + 1]]] for j in range(sp.sp_degree)]
+        views = [[o0[off[j]:off[j + 1]]] for j in range(group.sp_degree)]
         n = sizes[me]
-        flat = sp.exchange(views, [n * h.num_q * d for h in heads],
+        flat = group.exchange(views, [n * h.num_q * d for h in heads],
                            f"{what}, attention output to sequence")
         parts, offset = [], 0
         for h in heads:
@@ -273,13 +273,13 @@ class _ToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        sp, tokens = ctx.sp, ctx.tokens
-        me, heads, sizes = sp.sp_rank, sp.heads, tokens.local_sizes
+        group, tokens = ctx.group, ctx.tokens
+        me, heads, sizes = group.sp_rank, group.heads, tokens.local_sizes
         g0 = g[0]  # [my tokens, H, d]
         d = g0.shape[-1]
         views = [[g0[:, h.q_start:h.q_end]] for h in heads]
         mine = heads[me].num_q
-        flat = sp.exchange(views, [n * mine * d for n in sizes],
+        flat = group.exchange(views, [n * mine * d for n in sizes],
                            f"{ctx.what}, attention output gradients")
         return flat.view(tokens.padded_total, mine, d).unsqueeze(0), None, None, None
 

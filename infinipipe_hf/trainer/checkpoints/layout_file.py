@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from infinipipe_hf.layout import shard_mode
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.trainer.checkpoints.common import LAYOUT_NAME
 
 
@@ -34,11 +34,13 @@ def check_layout(engine, checkpoint_dir: str) -> None:
                          f"pp_degree={now[0]}, layers per stage {now[1]}; resume with the same pp_degree "
                          f"and layer_split={saved['layers_per_stage']}")
     dims = engine.layout.dims
-    saved_mode = shard_mode(saved.get("shard", "none"))  # a layout file without "shard": unsharded
-    was = (saved_mode.name, saved.get("dp_degree", dims.dp_degree), saved.get("sp_degree", 1))
-    if saved_mode != dims.shard or (saved_mode.sharded and was[1:] != (dims.dp_degree, dims.sp_degree)):
-        raise ValueError(f"checkpoint {checkpoint_dir} holds optimizer state saved with shard={was[0]!r}, "
-                         f"dp_degree={was[1]}, sp_degree={was[2]}, but this run has "
+    # The saved layout, read back as one (a file without "shard" or the degrees: unsharded, this run's DP).
+    was = ParallelDims(saved["pp_degree"], saved.get("sp_degree", 1), saved.get("dp_degree", dims.dp_degree),
+                       saved.get("shard", "none"))
+    same_groups = (was.dp_degree, was.sp_degree) == (dims.dp_degree, dims.sp_degree)
+    if was.shard != dims.shard or (was.shard.sharded and not same_groups):
+        raise ValueError(f"checkpoint {checkpoint_dir} holds optimizer state saved with shard={was.shard.name!r}, "
+                         f"dp_degree={was.dp_degree}, sp_degree={was.sp_degree}, but this run has "
                          f"shard={dims.shard.name!r}, dp_degree={dims.dp_degree}, sp_degree="
                          f"{dims.sp_degree}; resume with the same shard mode and degrees (its weights "
                          f"alone load into any layout with from_pretrained)")

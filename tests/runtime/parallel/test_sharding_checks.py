@@ -49,7 +49,7 @@ def test_torch_without_fsdp2_is_a_clear_error(monkeypatch):
     # torch built without it.
     monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", None)
     with pytest.raises(ValueError, match=r"shard='sp' needs torch's FSDP2 .*use shard='none'"):
-        fsdp2_api("sp")
+        fsdp2_api("shard='sp'")
     # The engine checks it first, before the world (a world of one has no DP group either).
     with pytest.raises(ValueError, match=r"shard='dp' needs torch's FSDP2"):
         PipelineEngine(tiny_model("llama", num_layers=2), InfiniPipeConfig(shard="dp"))
@@ -60,11 +60,11 @@ def test_fsdp2_without_what_we_drive_is_a_clear_error(monkeypatch):
 
     monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
     with pytest.raises(ValueError, match=r"FSDP2 without set_reduce_scatter_unused_params; upgrade"):
-        fsdp2_api("dp")
+        fsdp2_api("shard='dp'")
 
 
 def test_fsdp2_present_in_this_torch():
-    fully_shard, policy, module_type = fsdp2_api("dp")
+    fully_shard, policy, module_type = fsdp2_api("shard='dp'")
     assert callable(fully_shard) and policy().param_dtype is None and isinstance(module_type, type)
 
 
