@@ -19,51 +19,33 @@ from __future__ import annotations
 _EPS = 1e-9
 
 
-def _check_split(num_layers: int, pp_degree: int, layer_split: list[int]) -> list[int]:
-    split = list(layer_split)
-    if (len(split) != pp_degree or any(not isinstance(n, int) or n < 1 for n in split)
-            or sum(split) != num_layers):
-        raise ValueError(
-            f"layer_split={split} is invalid for a model with {num_layers} decoder layers and "
-            f"pp_degree={pp_degree}: it must list {pp_degree} positive layer counts summing to "
-            f"{num_layers}, e.g. {_even_split(num_layers, pp_degree)}")
-    return split
-
-
-def _even_split(num_layers: int, pp_degree: int) -> list[int]:
-    base, rem = divmod(num_layers, pp_degree)
-    return [base + (1 if i < rem else 0) for i in range(pp_degree)]
-
-
-def _stage_cost(lo: int, hi: int, stage: int, pp: int, first: float, last: float) -> float:
-    return (hi - lo) + (first if stage == 0 else 0.0) + (last if stage == pp - 1 else 0.0)
-
-
-def _balanced_split(num_layers: int, pp: int, first: float, last: float) -> list[int]:
+def _balanced_split(num_layers: int, extras: list[float]) -> list[int]:
+    """Layers per stage minimising the most expensive stage, then the sum of squared stage costs;
+    ``extras[s]``: stage ``s``'s cost beside its layers (one stage per entry)."""
     inf = float("inf")
-    L = num_layers
+    L, S = num_layers, len(extras)
     # best_max[p][l]: minimal max stage cost placing layers [0, l) on stages [0, p).
-    best_max = [[inf] * (L + 1) for _ in range(pp + 1)]
+    best_max = [[inf] * (L + 1) for _ in range(S + 1)]
     best_max[0][0] = 0.0
-    for p in range(1, pp + 1):
-        for l in range(p, L - (pp - p) + 1):
+    for p in range(1, S + 1):
+        for l in range(p, L - (S - p) + 1):
             for k in range(p - 1, l):
                 if best_max[p - 1][k] == inf:
                     continue
-                c = max(best_max[p - 1][k], _stage_cost(k, l, p - 1, pp, first, last))
+                c = max(best_max[p - 1][k], (l - k) + extras[p - 1])
                 if c < best_max[p][l]:
                     best_max[p][l] = c
-    cap = best_max[pp][L] + _EPS
+    cap = best_max[S][L] + _EPS
     # Second pass: among splits whose every stage is within the optimum, minimise sum of squares.
-    best_sq = [[inf] * (L + 1) for _ in range(pp + 1)]
-    choice = [[-1] * (L + 1) for _ in range(pp + 1)]
+    best_sq = [[inf] * (L + 1) for _ in range(S + 1)]
+    choice = [[-1] * (L + 1) for _ in range(S + 1)]
     best_sq[0][0] = 0.0
-    for p in range(1, pp + 1):
-        for l in range(p, L - (pp - p) + 1):
+    for p in range(1, S + 1):
+        for l in range(p, L - (S - p) + 1):
             for k in range(p - 1, l):
                 if best_sq[p - 1][k] == inf:
                     continue
-                c = _stage_cost(k, l, p - 1, pp, first, last)
+                c = (l - k) + extras[p - 1]
                 if c > cap:
                     continue
                 v = best_sq[p - 1][k] + c * c
@@ -71,9 +53,9 @@ def _balanced_split(num_layers: int, pp: int, first: float, last: float) -> list
                     best_sq[p][l] = v
                     choice[p][l] = k
     split, l = [], L
-    for p in range(pp, 0, -1):
+    for p in range(S, 0, -1):
         k = choice[p][l]
-        assert k >= 0, (num_layers, pp, first, last)
+        assert k >= 0, (num_layers, extras)
         split.append(l - k)
         l = k
     return split[::-1]
@@ -93,9 +75,20 @@ def partition_layers(num_layers: int, pp_degree: int, *, layer_split: list[int] 
         raise ValueError(f"stage extras must be >= 0, got first_stage_extra={first_stage_extra}, "
                          f"last_stage_extra={last_stage_extra}")
     if layer_split is not None:
-        split = _check_split(num_layers, pp_degree, layer_split)
+        split = list(layer_split)
+        if (len(split) != pp_degree or any(not isinstance(n, int) or n < 1 for n in split)
+                or sum(split) != num_layers):
+            base, rem = divmod(num_layers, pp_degree)
+            even = [base + (1 if i < rem else 0) for i in range(pp_degree)]
+            raise ValueError(
+                f"layer_split={split} is invalid for a model with {num_layers} decoder layers and "
+                f"pp_degree={pp_degree}: it must list {pp_degree} positive layer counts summing to "
+                f"{num_layers}, e.g. {even}")
     else:
-        split = _balanced_split(num_layers, pp_degree, float(first_stage_extra), float(last_stage_extra))
+        extras = [0.0] * pp_degree
+        extras[0] += float(first_stage_extra)
+        extras[-1] += float(last_stage_extra)
+        split = _balanced_split(num_layers, extras)
     ranges, lo = [], 0
     for n in split:
         ranges.append(range(lo, lo + n))

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from infinipipe_hf.layout import NO_SHARDING, ParallelDims, ShardMode
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.runtime.engine.engine import PipelineEngine
 from infinipipe_hf.trainer import notices
 from infinipipe_hf.trainer.auto_layout import is_auto
@@ -48,15 +48,15 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in hf_model_of(model).parameters())
 
 
-def apply_precision(model, args, shard: ShardMode = NO_SHARDING) -> torch.dtype | None:
-    """Cast for ``bf16=True``; with sharding return the compute dtype for FSDP2 instead."""
+def apply_precision(model, args, dims: ParallelDims) -> torch.dtype | None:
+    """Cast for ``bf16=True``; with ``dims`` sharded return the compute dtype for FSDP2 instead."""
     if not args.bf16:
         return None
     if not torch.cuda.is_available():
         notices.warn("bf16=True on CPU: the stage weights, activations and transfers are cast to "
                      "bfloat16 and run slowly on most CPUs; drop bf16=True to train in the model's "
                      "dtype")
-    if shard.sharded:
+    if dims.shard.sharded:
         return torch.bfloat16  # shards keep the model's dtype; FSDP2 computes in bf16
     model.to(torch.bfloat16)
     return None
@@ -99,7 +99,7 @@ def build_engine(model, args, planner=None, dims: ParallelDims | None = None) ->
     dims = preflight(model, args) if dims is None else dims
     base = hf_model_of(model)
     config = args.to_infinipipe_config()
-    compute_dtype = apply_precision(model, args, dims.shard)
+    compute_dtype = apply_precision(model, args, dims)
     # Trainer users set the deadline of every wait with ddp_timeout: timeout errors name it.
     return PipelineEngine(base, config, planner=planner, compute_dtype=compute_dtype,
                           timeout_setting="ddp_timeout (EPPTrainingArguments)", dims=dims)

@@ -14,7 +14,7 @@ from tests.planner.fakes import FakeCost
 def _sim(m=6, p=3):
     units = [Unit(i, (Segment(i, 0, 8),)) for i in range(m)]
     plan = Plan("packed-1f1b", p, 1, [8] * m, units,
-                {0: build_pipeline_actions(range(m), range(m), p, one_f_one_b_warmup(p))}, {0: {1: 2}})
+                {0: build_pipeline_actions(range(m), range(m), one_f_one_b_warmup(ParallelDims(p)))}, {0: {1: 2}})
     return plan, simulate(plan, FakeCost(p))
 
 

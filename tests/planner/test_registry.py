@@ -2,6 +2,7 @@
 import pytest
 
 from infinipipe_hf.config import InfiniPipeConfig
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.registry import ALTERNATIVES, PIPELINE_SCHEDULES, SCHEDULES, get_schedule
 from infinipipe_hf.planner.schedules.base import PIPELINE, ROUNDS
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineSchedule
@@ -34,9 +35,9 @@ def test_checkpoint_policy_and_warmups():
     assert {s.checkpoint_policy("adaptive") for s in (packed, seq, gpipe)} == {"uniform"}
     assert packed.checkpoint_policy("full") == "full"
     units = [object()] * 5
-    assert packed.warmup(4, units) == [3, 2, 1, 0]
-    assert seq.warmup(4, units, num_slices=3) == [5, 4, 3, 2]
-    assert gpipe.warmup(3, units) == [5, 5, 5]
+    assert packed.warmup(ParallelDims(4), units) == [3, 2, 1, 0]
+    assert seq.warmup(ParallelDims(4), units, num_slices=3) == [5, 4, 3, 2]
+    assert gpipe.warmup(ParallelDims(3), units) == [5, 5, 5]
 
 
 def test_knob_records_keep_their_key_order():
@@ -70,8 +71,8 @@ def test_a_new_schedule_is_one_module_and_one_registry_entry(tmp_path, monkeypat
         "from infinipipe_hf.planner.schedules.baseline import BaselineSchedule\n\n\n"
         "class ToySchedule(BaselineSchedule):\n"
         "    name = 'toy'\n\n"
-        "    def warmup(self, pp_degree, units, num_slices=1):\n"
-        "        return [max(1, w - 1) for w in gpipe_warmup(pp_degree, len(units))]\n")
+        "    def warmup(self, dims, units, num_slices=1):\n"
+        "        return [max(1, w - 1) for w in gpipe_warmup(dims, len(units))]\n")
     spec = importlib.util.spec_from_file_location("toy_schedule", module)
     toy = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "toy_schedule", toy)

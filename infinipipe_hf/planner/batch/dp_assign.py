@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.batch.layer_time import LayerTime
 from infinipipe_hf.planner.batch.select import select_sequences
 from infinipipe_hf.planner.cost.model import CostModel
@@ -48,9 +49,9 @@ def assign_sequences(lengths: Sequence[int], dp_degree: int, cost: CostModel) ->
     return replicas
 
 
-def idle_replicas(num_sequences: int, dp_degree: int) -> int:
-    """Replicas a batch of ``num_sequences`` sequences leaves without work."""
-    return max(int(dp_degree) - int(num_sequences), 0)
+def idle_replicas(num_sequences: int, dims: ParallelDims) -> int:
+    """DP replicas of ``dims`` a batch of ``num_sequences`` sequences leaves without work."""
+    return max(dims.dp_degree - int(num_sequences), 0)
 
 
 def replica_loads(lengths: Sequence[int], replicas: Sequence[Sequence[int]], cost: CostModel) -> list[float]:

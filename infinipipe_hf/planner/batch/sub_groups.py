@@ -33,6 +33,7 @@ import numpy as np
 
 from infinipipe_hf.ir.sp_rounds import SubGroup
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.batch.elastic import SlicingResult
 from infinipipe_hf.planner.batch.group_packing import RoundProblem, greedy_groups
 from infinipipe_hf.planner.batch.layer_time import LayerTime
@@ -73,9 +74,10 @@ class RoundedUnits:
         return out
 
 
-def group_sizes(sp_degree: int) -> list[int]:
-    """Sub-group sizes of an SP group: the powers of two dividing it (empty unless ``sp_degree`` is
-    itself a power of two above 1, the only groups that sub-groups tile)."""
+def group_sizes(dims: ParallelDims) -> list[int]:
+    """Sub-group sizes of a stage's SP group: the powers of two dividing it (empty unless ``sp_degree``
+    is itself a power of two above 1, the only groups that sub-groups tile)."""
+    sp_degree = dims.sp_degree
     if sp_degree < 2 or sp_degree & (sp_degree - 1):
         return []
     return [1 << k for k in range(sp_degree.bit_length())]
@@ -86,7 +88,7 @@ def elastic_rounds(res: SlicingResult, lengths: Sequence[int], cost: CostModel,
     """Rounds of ``res``'s units on ``cost.dims.sp_degree`` GPUs per stage; None when no unit would run
     on a sub-group (then the plan is plain whole-group EPP)."""
     sp = cost.dims.sp_degree
-    sizes = group_sizes(sp)
+    sizes = group_sizes(cost.dims)
     chains = [u for u in res.units if any(s.start > 0 or s.end < lengths[s.seq] for s in u.segments)]
     chained = {u.id for u in chains}
     pool = sorted((s.seq for u in res.units if u.id not in chained for s in u.segments),
@@ -96,7 +98,7 @@ def elastic_rounds(res: SlicingResult, lengths: Sequence[int], cost: CostModel,
     times = {g: LayerTime.of(cost.for_group(g)) for g in sizes}
     caps = {g: res.token_budget * g // sp for g in sizes}
     members = _pack_pool(pool, lengths, sizes, caps, times, res.time_budget_s)
-    rounds = _assemble(members, sp, times, lengths)
+    rounds = _assemble(members, times, lengths)
     solved = _solved_rounds(pool, lengths, sizes, caps, times, len(rounds))
     if solved is not None and _total(solved) < _total(rounds):
         rounds = solved
@@ -166,9 +168,10 @@ def _pack_pool(pool: list[int], lengths: Sequence[int], sizes: list[int], caps: 
     return members
 
 
-def _assemble(members: list[_Member], sp: int, times: dict[int, LayerTime],
-              lengths: Sequence[int]) -> list[list[_Member]]:
-    """Step 3: units into rounds covering the SP group, each round's units largest group first."""
+def _assemble(members: list[_Member], times: dict[int, LayerTime], lengths: Sequence[int]) -> list[list[_Member]]:
+    """Step 3: units into rounds covering the SP group, each round's units largest group first
+    (``times``: per group size, the whole SP group the largest)."""
+    sp = max(times)
     rounds: list[list[_Member]] = []
     free: list[list[tuple[int, int]]] = []  # per round: free aligned blocks (offset, size)
     for m in sorted(members, key=lambda m: (-m.time, -m.size, m.seqs[0])):
@@ -183,7 +186,7 @@ def _assemble(members: list[_Member], sp: int, times: dict[int, LayerTime],
             free.append([(0, sp)])
             _take(free[-1], (0, sp), m.size)
     for r in rounds:
-        _cover(r, sp, times, lengths)
+        _cover(r, times, lengths)
         r.sort(key=lambda m: (-m.size, -m.time, m.seqs[0]))
     return rounds
 
@@ -211,7 +214,7 @@ def _solved_rounds(pool: list[int], lengths: Sequence[int], sizes: list[int], ca
         for m in r:
             m.tokens = sum(lengths[q] for q in m.seqs)
             m.time = times[m.size].b + sum(times[m.size].segment(0, lengths[q]) for q in m.seqs)
-        _cover(r, sp, times, lengths)
+        _cover(r, times, lengths)
         r.sort(key=lambda m: (-m.size, -m.time, m.seqs[0]))
         rounds.append(r)
     return rounds
@@ -226,9 +229,10 @@ def _take(blocks: list[tuple[int, int]], block: tuple[int, int], size: int) -> N
         blocks.append((offset + have, have))
 
 
-def _cover(members: list[_Member], sp: int, times: dict[int, LayerTime], lengths: Sequence[int]) -> None:
-    """Double the slowest unit that fits the round's free ranks until the round covers them all."""
-    free = sp - sum(m.size for m in members)
+def _cover(members: list[_Member], times: dict[int, LayerTime], lengths: Sequence[int]) -> None:
+    """Double the slowest unit that fits the round's free ranks until the round covers them all
+    (the whole SP group: the largest size of ``times``)."""
+    free = max(times) - sum(m.size for m in members)
     while free > 0:
         m = max((m for m in members if m.size <= free), key=lambda m: (m.time, -m.seqs[0]))
         free -= m.size

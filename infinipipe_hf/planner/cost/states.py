@@ -155,24 +155,24 @@ def sharded_numel(shapes: Sequence[tuple[int, ...]], shard_degree: int) -> int:
     return total
 
 
-def unit_reduced_state_bytes(offload: StateOffload, shard: Sequence[int], numel: Sequence[int],
+def unit_reduced_state_bytes(offload: StateOffload, shard_numel: Sequence[int], numel: Sequence[int],
                               precision: StatePrecision, working: float | None = None) -> float:
     """Device bytes of a rank's states during a step when every backward reduces its units'
-    gradients (``grad_reduce="unit"``, ZeRO-3, ``states`` offload), ``shard`` / ``numel`` the elements
+    gradients (``grad_reduce="unit"``, ZeRO-3, ``states`` offload), ``shard_numel`` / ``numel`` the elements
     of each FSDP unit on the rank / unsharded: the kept shard (:meth:`StatePrecision.kept_bytes_per_param`)
     and its gradient (on host with ``states`` offload), the gathered copies (``working``; default
     three of the largest unit in the compute dtype), the largest unit's gradient in the reduce
     dtype and, with ``states`` offload, one shard fetched up in the weights' dtype."""
     p, on_host, largest = precision, offload.weights_on_host, max(numel)
-    kept = sum(shard) * (p.kept_bytes_per_param(offload) + (0.0 if on_host else p.grad_bytes_per_param))
+    kept = sum(shard_numel) * (p.kept_bytes_per_param(offload) + (0.0 if on_host else p.grad_bytes_per_param))
     working = 3 * largest * p.compute_bytes_per_param if working is None else working
-    return kept + working + largest * p.reduce_bytes_per_param + (max(shard) * p.weight_bytes_per_param
+    return kept + working + largest * p.reduce_bytes_per_param + (max(shard_numel) * p.weight_bytes_per_param
                                                                  if on_host else 0.0)
 
 
-def host_fetch_s(shard: Sequence[int], precision: StatePrecision, profile: HardwareProfile) -> list[float]:
-    """Seconds to copy each unit's shard of weights (``shard``: elements) up from host memory."""
-    return [n * precision.weight_bytes_per_param / profile.host_bandwidth_bytes_per_s for n in shard]
+def host_fetch_s(shard_numel: Sequence[int], precision: StatePrecision, profile: HardwareProfile) -> list[float]:
+    """Seconds to copy each unit's shard of weights (``shard_numel``: elements) up from host memory."""
+    return [n * precision.weight_bytes_per_param / profile.host_bandwidth_bytes_per_s for n in shard_numel]
 
 
 ADD_OVER_ADAMW = 28 / 12
@@ -181,11 +181,11 @@ fp32 AdamW reads weight, gradient and two moments and writes three (28 bytes per
 add reads two gradients and writes one (12 bytes)."""
 
 
-def host_drain_s(shard: Sequence[int], precision: StatePrecision, profile: HardwareProfile) -> list[float]:
+def host_drain_s(shard_numel: Sequence[int], precision: StatePrecision, profile: HardwareProfile) -> list[float]:
     """Seconds to copy each unit's reduced gradient shard down and add it to the host's accumulated
     gradient (the add at :data:`ADD_OVER_ADAMW` times the CPU optimizer's rate, module docstring)."""
     bw, rate = profile.host_bandwidth_bytes_per_s, profile.host_optimizer_params_per_s * ADD_OVER_ADAMW
-    return [n * precision.reduce_bytes_per_param / bw + n / rate for n in shard]
+    return [n * precision.reduce_bytes_per_param / bw + n / rate for n in shard_numel]
 
 
 def stage_state_bytes_per_rank(spec: ModelSpec, num_layers: int, *, embedding: bool, head: bool,

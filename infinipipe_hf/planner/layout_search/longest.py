@@ -57,7 +57,7 @@ def fits_alone(cost: CostModel, tokens: int, num_slices: Sequence[int] | None = 
     leaner (at pp 1 all slices of a sequence run forward before any backward, so their K/V store
     and saved layer inputs add up, while one slice fits)."""
     leanest = get_schedule(REFERENCE, PIPELINE).leanest_plan
-    ks = slice_count_candidates([tokens], num_slices, cost.dims.sp_degree)
+    ks = slice_count_candidates([tokens], num_slices, cost.dims)
     for k in (ks[-1], *ks[:-1]):  # the most slices first: the leanest wherever pp > 1
         try:
             if simulate(leanest(cost, tokens, k), cost).feasible:

@@ -1,7 +1,7 @@
 """Per-stage action lists of one pipeline: warm-up, one-forward-one-backward, cool-down (docs/algorithms.md).
 
 Design: a pipeline is two orders -- the forward order of its units and their backward order --
-plus a warm-up count per stage.  Stage ``r`` runs ``warmup[r]`` forwards, then alternates one
+plus a warm-up count per stage (one entry per stage: the warm-up list is the stage count).  Stage ``r`` runs ``warmup[r]`` forwards, then alternates one
 forward / one backward (as Megatron's 1F1B: the last stage, warm-up 0, runs ``F0 B0 F1 B1``),
 then drains the remaining backwards.  Slices of one long sequence must run
 backward last slice first (the K/V gradients of later slices flow into earlier ones), so
@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 from infinipipe_hf.ir.actions import Action, B, F
 from infinipipe_hf.ir.units import Unit
+from infinipipe_hf.layout import ParallelDims
 
 
 def backward_order(units: Sequence[Unit], lengths: Sequence[int]) -> list[int]:
@@ -71,24 +72,22 @@ def backward_order(units: Sequence[Unit], lengths: Sequence[int]) -> list[int]:
     return order
 
 
-def build_pipeline_actions(forward_order: Sequence[int], backward_order: Sequence[int], pp_degree: int,
+def build_pipeline_actions(forward_order: Sequence[int], backward_order: Sequence[int],
                            warmup: Sequence[int]) -> list[list[Action]]:
-    """Action lists of one pipeline, one list per stage (see the module docstring)."""
+    """Action lists of one pipeline, one list per stage of ``warmup`` (see the module docstring)."""
     fwd = list(forward_order)
     bwd = list(backward_order)
     n = len(fwd)
-    if pp_degree < 1:
-        raise ValueError(f"pp_degree must be >= 1, got {pp_degree}")
     if len(set(fwd)) != n or sorted(fwd) != sorted(bwd):
         raise ValueError(f"forward order {fwd} and backward order {bwd} must hold the same unit ids once each")
-    if len(warmup) != pp_degree or any(w < 0 for w in warmup):
-        raise ValueError(f"warmup must give a non-negative forward count per stage ({pp_degree} stages), "
+    if not warmup or any(w < 0 for w in warmup):
+        raise ValueError(f"warmup must give a non-negative forward count for each stage (one stage or more), "
                          f"got {list(warmup)}")
     capped = [min(int(w), n) for w in warmup]
     if any(a < b for a, b in zip(capped, capped[1:])):
         raise ValueError(f"warmup {list(warmup)} grows from one stage to the next, so a stage would wait "
                          f"for forwards its predecessor has not run (deadlock); use non-increasing "
-                         f"counts such as one_f_one_b_warmup({pp_degree})")
+                         f"counts such as one_f_one_b_warmup's {list(range(len(warmup) - 1, -1, -1))}")
     fpos = {uid: i for i, uid in enumerate(fwd)}
     # need[k]: forwards that must have run before the k-th backward (its unit and all before it).
     need: list[int] = []
@@ -112,30 +111,27 @@ def build_pipeline_actions(forward_order: Sequence[int], backward_order: Sequenc
 
 
 # Warm-up counts per stage; each pipeline schedule picks its own (``PipelineSchedule.warmup``).
-def epp_warmup(pp_degree: int, first_num_slices: int) -> list[int]:
+def epp_warmup(dims: ParallelDims, first_num_slices: int) -> list[int]:
     """EPP warm-up: ``(pp_degree - 1 - r) + (first_num_slices - 1)`` forwards on stage ``r``.
 
     The extra ``first_num_slices - 1`` forwards let the first sequence's last slice reach the stage
     before its backward, which has to run first.
     """
-    if pp_degree < 1 or first_num_slices < 1:
-        raise ValueError(f"epp_warmup needs pp_degree >= 1 and first_num_slices >= 1, "
-                         f"got {pp_degree} and {first_num_slices}")
-    return [(pp_degree - 1 - r) + (first_num_slices - 1) for r in range(pp_degree)]
+    if first_num_slices < 1:
+        raise ValueError(f"epp_warmup needs first_num_slices >= 1, got {first_num_slices}")
+    return [w + first_num_slices - 1 for w in one_f_one_b_warmup(dims)]
 
 
-def one_f_one_b_warmup(pp_degree: int) -> list[int]:
+def one_f_one_b_warmup(dims: ParallelDims) -> list[int]:
     """Classic 1F1B warm-up: ``pp_degree - 1 - r`` forwards on stage ``r``."""
-    if pp_degree < 1:
-        raise ValueError(f"pp_degree must be >= 1, got {pp_degree}")
-    return [pp_degree - 1 - r for r in range(pp_degree)]
+    return [dims.pp_degree - 1 - r for r in range(dims.pp_degree)]
 
 
-def gpipe_warmup(pp_degree: int, num_units: int) -> list[int]:
+def gpipe_warmup(dims: ParallelDims, num_units: int) -> list[int]:
     """GPipe: every stage runs all forwards before any backward."""
-    if pp_degree < 1 or num_units < 0:
-        raise ValueError(f"gpipe_warmup needs pp_degree >= 1 and num_units >= 0, got {pp_degree}, {num_units}")
-    return [num_units] * pp_degree
+    if num_units < 0:
+        raise ValueError(f"gpipe_warmup needs num_units >= 0, got {num_units}")
+    return [num_units] * dims.pp_degree
 
 
 def concat_pipelines(per_pipeline: Sequence[list[list[Action]]]) -> list[list[Action]]:
@@ -153,12 +149,11 @@ def replica_actions(lengths, cost, pipelines: Sequence[Sequence[Unit]], dp_rank:
                     warmup: Callable[[list[Unit]], list[int]]) -> tuple[list[Unit], list[list]]:
     """Units (tagged with pipeline and replica) and per-stage actions of one DP replica;
     ``warmup(units)`` gives a pipeline's forwards per stage before its first backward."""
-    pp = cost.dims.pp_degree
     units: list[Unit] = []
     per_pipeline = []
     for p_index, punits in enumerate(pipelines):
         tagged = [replace(u, pipeline=p_index, dp_rank=dp_rank) for u in punits]
         units.extend(tagged)
         warm = warmup(tagged)
-        per_pipeline.append(build_pipeline_actions([u.id for u in tagged], backward_order(tagged, lengths), pp, warm))
+        per_pipeline.append(build_pipeline_actions([u.id for u in tagged], backward_order(tagged, lengths), warm))
     return units, concat_pipelines(per_pipeline)

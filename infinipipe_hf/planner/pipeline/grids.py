@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.batch.select import select_sequences
 
 DEFAULT_SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -23,55 +24,58 @@ MIN_PACK_LOG2 = 10
 
 
 def slice_count_candidates(lengths: Sequence[int], num_slices: Sequence[int] | None,
-                           sp_degree: int = 1) -> list[int]:
-    """EPP's slice counts: the caller's, or the default grid while slices keep enough tokens."""
+                           dims: ParallelDims) -> list[int]:
+    """EPP's slice counts: the caller's, or the default grid while slices keep enough tokens per
+    GPU of a stage of ``dims``."""
     if num_slices:
         return sorted(set(int(k) for k in num_slices))
     longest = max(lengths)
-    ks = [k for k in DEFAULT_SLICE_COUNTS if k == 1 or longest / k >= MIN_SLICE_TOKENS * sp_degree]
+    ks = [k for k in DEFAULT_SLICE_COUNTS if k == 1 or longest / k >= MIN_SLICE_TOKENS * dims.sp_degree]
     return ks
 
 
-def token_floor_candidates(lengths: Sequence[int], sp_degree: int = 1) -> list[int | None]:
+def token_floor_candidates(lengths: Sequence[int], dims: ParallelDims) -> list[int | None]:
     """Unit token floors tried next to the slice mesh: packing short sequences into units larger than
     the longest sequence's slice pays off when every sequence is short (few, efficient units).
     A stage of ``sp_degree`` GPUs runs a unit ``sp_degree`` times longer as efficiently."""
-    longest = max(lengths)
+    longest, sp_degree = max(lengths), dims.sp_degree
     return [None] + [p * sp_degree for p in (4096, 8192, 16384) if longest < p * sp_degree < sum(lengths)]
 
 
-def packing_candidates(lengths: Sequence[int], sp_degree: int = 1) -> list[int]:
+def packing_candidates(lengths: Sequence[int], group_size: int = 1) -> list[int]:
     """Packing lengths searched for the packing baselines: ``max(longest, 2^k)``, increasing.
 
     ``k`` runs from 10 (1K tokens) to the largest power of two not above the batch's total, so
     the grid spans "one sequence per micro-batch" to "about two micro-batches per step".  With
-    ``sp_degree`` GPUs per stage the grid starts at the first power of two of at least 1K tokens
+    ``group_size`` GPUs sharing each micro-batch (a stage's SP group, or the Ulysses / ring group
+    of a non-pipeline alternative) the grid starts at the first power of two of at least 1K tokens
     per GPU (smaller micro-batches only waste the GPUs).
     """
     chosen = select_sequences(lengths, None)
     longest = max(int(lengths[s]) for s in chosen)
     total = sum(int(lengths[s]) for s in chosen)
-    low = MIN_PACK_LOG2 + (int(sp_degree) - 1).bit_length()
+    low = MIN_PACK_LOG2 + (int(group_size) - 1).bit_length()
     top = max(low, total.bit_length() - 1)
     return sorted({max(longest, 1 << k) for k in range(low, top + 1)})
 
 
-def slicing_candidates(lengths: Sequence[int], pack_tokens: int | None = None, sp_degree: int = 1) -> list[int]:
+def slicing_candidates(lengths: Sequence[int], dims: ParallelDims, pack_tokens: int | None = None) -> list[int]:
     """Slice counts per micro-batch searched for seq1f1b: 1, 2, 4, ... while equal-token slices keep
-    ``MIN_SLICE_TOKENS`` tokens per GPU (``sp_degree`` GPUs share each slice).
+    ``MIN_SLICE_TOKENS`` tokens per GPU (a stage's ``sp_degree`` GPUs share each slice).
 
     The slice size is judged on ``pack_tokens`` (default: the longest sequence, the smallest
     packing length searched).
     """
     chosen = select_sequences(lengths, None)
     base = int(pack_tokens) if pack_tokens is not None else max(int(lengths[s]) for s in chosen)
-    return [k for k in SLICE_COUNTS if k == 1 or base // k >= MIN_SLICE_TOKENS * sp_degree]
+    return [k for k in SLICE_COUNTS if k == 1 or base // k >= MIN_SLICE_TOKENS * dims.sp_degree]
 
 
-def run_pack_exponents(batches: Sequence[Sequence[int]], sp_degree: int) -> range:
-    """Packing lengths ``2^e`` a static setting over a run may use: from 1K tokens per GPU to the
+def run_pack_exponents(batches: Sequence[Sequence[int]], group_size: int) -> range:
+    """Packing lengths ``2^e`` a static setting over a run may use: from 1K tokens per GPU of a
+    group of ``group_size`` GPUs sharing each micro-batch (as :func:`packing_candidates`) to the
     smallest batch's total."""
-    low = MIN_PACK_LOG2 + (int(sp_degree) - 1).bit_length()
+    low = MIN_PACK_LOG2 + (int(group_size) - 1).bit_length()
     top = min(sum(b).bit_length() - 1 for b in batches)
     return range(low, max(low, top) + 1)
 

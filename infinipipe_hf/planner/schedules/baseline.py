@@ -85,12 +85,12 @@ class BaselineSchedule(PipelineSchedule):
                 continue
             made = self.make_units(lengths, cost, knobs, seqs, len(units))
             part_units, actions[dp_rank] = replica_actions(lengths, cost, [made], dp_rank,
-                                                           partial(self.warmup, cost.dims.pp_degree,
+                                                           partial(self.warmup, cost.dims,
                                                                    num_slices=knobs.num_slices or 1))
             units.extend(part_units)
         info = knobs.record()
         plan = Plan(self.name, cost.dims.pp_degree, len(replicas), list(lengths), units, actions, {},
-                    list(cost.layers_per_stage), info, cost.dims.sp_degree, cost.dims.shard.name)
+                    list(cost.layers_per_stage), info, cost.dims.sp_degree, cost.dims.shard)
         sol = solve_checkpointing(plan, cost, policy=policy)
         if not sol.feasible:
             raise ValueError(sol.message or "no checkpointing fits the memory budget")

@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Unit
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.pipeline.actions import epp_warmup, replica_actions
@@ -73,9 +74,9 @@ class EPPSchedule(PipelineSchedule):
     def checkpoint_policy(self, requested: str) -> str:
         return requested
 
-    def warmup(self, pp_degree: int, units: Sequence[Unit], num_slices: int = 1) -> list[int]:
+    def warmup(self, dims: ParallelDims, units: Sequence[Unit], num_slices: int = 1) -> list[int]:
         first_seq = units[0].segments[0].seq
-        return epp_warmup(pp_degree, sum(1 for u in units if first_seq in u.seqs))
+        return epp_warmup(dims, sum(1 for u in units if first_seq in u.seqs))
 
     def candidates(self, ctx: PipelineContext, state: SearchState) -> Iterator[Candidate]:
         ranked, moved = _ranked(ctx)
@@ -113,7 +114,7 @@ class EPPSchedule(PipelineSchedule):
                 continue
             info["token_budget"].append(st.res.token_budget)
             info["balance"].append(round(st.res.balance(), 4))
-            warm = partial(self.warmup, cost.dims.pp_degree)
+            warm = partial(self.warmup, cost.dims)
             if st.items is None:
                 part_units, actions[dp_rank] = replica_actions(lengths, cost, st.pipelines, dp_rank, warm)
                 rounds.extend([u.id] for u in part_units)  # each unit its own round, on the whole group
@@ -123,7 +124,7 @@ class EPPSchedule(PipelineSchedule):
                 rounds.extend(st.items.rounded.rounds)
             units.extend(part_units)
         plan = Plan(self.name, cost.dims.pp_degree, len(replicas), list(lengths), units, actions, {},
-                    list(cost.layers_per_stage), info, cost.dims.sp_degree, cost.dims.shard.name)
+                    list(cost.layers_per_stage), info, cost.dims.sp_degree, cost.dims.shard)
         if sp_groups:
             _add_rounds(plan, sp_groups, rounds)
         # Candidates are compared with the greedy on whole layers and diagonal-shared counts: the
@@ -144,8 +145,8 @@ def _ranked(ctx: PipelineContext) -> tuple[list, bool]:
     the unsliced candidate was moved up to be planned."""
     lengths, cost = ctx.lengths, ctx.cost
     ranked = []
-    floors = token_floor_candidates(lengths, cost.dims.sp_degree) if ctx.max_tokens_per_unit is None else [None]
-    for k in slice_count_candidates(lengths, ctx.num_slices, cost.dims.sp_degree):
+    floors = token_floor_candidates(lengths, cost.dims) if ctx.max_tokens_per_unit is None else [None]
+    for k in slice_count_candidates(lengths, ctx.num_slices, cost.dims):
         for floor in (floors if k == 1 else [None]):
             try:
                 staged = epp_units(lengths, ctx.replicas, cost, k, ctx.max_tokens_per_unit, floor)
@@ -163,7 +164,7 @@ def _ranked_with_rounds(ctx: PipelineContext, whole: list) -> tuple[list, bool]:
     settings = [(k, floor, staged) for est, k, floor, staged in whole if not math.isinf(est)][:ROUND_CANDIDATES]
     settings += [(k, f, st) for _, k, f, st in whole if (k, f) == (1, None) and (k, f, st) not in settings]
     seen = {(k, f) for _, k, f, _ in whole}
-    if ctx.max_tokens_per_unit is None and 1 in slice_count_candidates(lengths, ctx.num_slices, cost.dims.sp_degree):
+    if ctx.max_tokens_per_unit is None and 1 in slice_count_candidates(lengths, ctx.num_slices, cost.dims):
         settings += [(1, p * cost.dims.sp_degree, None) for p in ROUND_TOKEN_FLOORS
                      if max(lengths) < p * cost.dims.sp_degree < sum(lengths) and (1, p * cost.dims.sp_degree) not in seen]
     ranked = []

@@ -13,6 +13,7 @@ from typing import ClassVar, Sequence
 
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Unit
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.schedules.base import PIPELINE, Knobs, Outcome, Schedule
 from infinipipe_hf.planner.simulate.result import SimulationResult
@@ -51,9 +52,9 @@ class PipelineSchedule(Schedule):
         return "uniform" if requested == "adaptive" else requested
 
     @abstractmethod
-    def warmup(self, pp_degree: int, units: Sequence[Unit], num_slices: int = 1) -> list[int]:
-        """Forwards per stage before the first backward of a pipeline of ``units`` (``num_slices``:
-        the knob's slice count per micro-batch)."""
+    def warmup(self, dims: ParallelDims, units: Sequence[Unit], num_slices: int = 1) -> list[int]:
+        """Forwards per stage of ``dims`` before the first backward of a pipeline of ``units``
+        (``num_slices``: the knob's slice count per micro-batch)."""
 
     @abstractmethod
     def leanest_plan(self, cost: CostModel, n: int, max_slices: int) -> Plan:
@@ -96,7 +97,7 @@ class PipelineSchedule(Schedule):
             "num_tokens": plan.num_tokens if plan else None,
             "planning_time_s": result.planning_time_s,
             "sp_degree": result.sp_degree,
-            "shard": result.shard,
+            "shard": result.shard.name,
         }
         if plan is not None:
             d["layers_per_stage"] = list(plan.layers_per_stage)

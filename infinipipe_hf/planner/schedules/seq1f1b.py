@@ -15,6 +15,7 @@ from typing import Sequence
 
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Unit
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.batch.uniform import SLICE_BALANCES, SliceBalance, make_uniform_slices
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.pipeline.actions import epp_warmup
@@ -36,7 +37,7 @@ class Seq1F1BSchedule(BaselineSchedule):
         if ctx.num_slices:
             counts = sorted(set(int(k) for k in ctx.num_slices))
         else:
-            counts = slicing_candidates(ctx.lengths, sp_degree=ctx.cost.dims.sp_degree)
+            counts = slicing_candidates(ctx.lengths, ctx.cost.dims)
         return [(k, b) for k in counts for b in balances(k)]
 
     def leanest_plan(self, cost: CostModel, n: int, max_slices: int) -> Plan:
@@ -60,5 +61,5 @@ class Seq1F1BSchedule(BaselineSchedule):
                                    first_unit_id=first_unit_id, balance=knobs.slice_balance or "tokens",
                                    min_tokens=MIN_SLICE_TOKENS * cost.dims.sp_degree)
 
-    def warmup(self, pp_degree: int, units: Sequence[Unit], num_slices: int = 1) -> list[int]:
-        return epp_warmup(pp_degree, num_slices)
+    def warmup(self, dims: ParallelDims, units: Sequence[Unit], num_slices: int = 1) -> list[int]:
+        return epp_warmup(dims, num_slices)

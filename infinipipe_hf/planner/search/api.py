@@ -123,7 +123,7 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None
     stop = host_states_message(cost, o.schedule)
     if stop is not None:
         return PlanResult(o.schedule, None, None, False, stop, time.perf_counter() - t0, [], dims.sp_degree,
-                          dims.shard.name)
+                          dims.shard)
     replicas = assign_sequences(lengths, dims.dp_degree, cost)
     sched = SCHEDULES[o.schedule]
     rounds = resolve_sp_rounds(o.sp_rounds, dims.sp_degree, o.schedule)
@@ -133,7 +133,7 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None
     if o.schedule == "epp":  # EPP's plan space also holds whole sequences with tiled MLPs
         try_whole_sequences(ctx, state, sched.name)
     result = finish_pipeline(sched, ctx, state, t0, levels, o.checkpoint_sharing)
-    idle = idle_replicas(len(lengths), dims.dp_degree)
+    idle = idle_replicas(len(lengths), dims)
     if idle and result.plan is not None:
         result.plan.info["idle_replicas"] = idle  # the batch has fewer sequences than replicas
     if result.plan is not None and dims.shard.sharded:

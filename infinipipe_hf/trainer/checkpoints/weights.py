@@ -14,6 +14,7 @@ from typing import Iterable
 
 import torch
 
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.runtime.parallel.fsdp_api import copy_full_
 from infinipipe_hf.trainer.checkpoints.common import (
     SAFE_INDEX_NAME,
@@ -37,7 +38,9 @@ def stage_state_dict(engine, keep: bool = True) -> dict[str, torch.Tensor]:
                      if not (is_tied(engine) and n == TIED_HEAD)), keep)
 
 
-def shard_name(stage: int, pp: int) -> str:
+def shard_name(stage: int, dims: ParallelDims) -> str:
+    """The safetensors file of ``stage``'s weights (HF's sharded-checkpoint names; one file at pp 1)."""
+    pp = dims.pp_degree
     return SAFE_WEIGHTS_NAME if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
 
 
@@ -47,7 +50,7 @@ def save_full_model(engine, output_dir: str, hf_config, generation_config=None) 
 
     lay = engine.layout
     os.makedirs(output_dir, exist_ok=True)
-    name = shard_name(lay.stage_index, lay.pp_degree)
+    name = shard_name(lay.stage_index, lay.dims)
     if is_writer(engine):
         save_file(stage_state_dict(engine), os.path.join(output_dir, name), metadata={"format": "pt"})
     elif is_sharded(engine):
@@ -55,7 +58,7 @@ def save_full_model(engine, output_dir: str, hf_config, generation_config=None) 
     barrier()
     if lay.rank == 0:
         if lay.pp_degree > 1:
-            _write_index(output_dir, [shard_name(s, lay.pp_degree) for s in range(lay.pp_degree)])
+            _write_index(output_dir, [shard_name(s, lay.dims) for s in range(lay.pp_degree)])
         hf_config.save_pretrained(output_dir)
         if generation_config is not None:
             generation_config.save_pretrained(output_dir)

@@ -92,7 +92,7 @@ def test_sp_ranks_count_as_busy_ranks():
 
 def _random_1f1b(rng, p, m):
     ids = list(range(m))
-    return build_pipeline_actions(ids, ids, p, one_f_one_b_warmup(p))
+    return build_pipeline_actions(ids, ids, one_f_one_b_warmup(ParallelDims(p)))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -139,7 +139,7 @@ def _four_stage_plan():
     units = [Unit(i, (Segment(i, 0, 256),)) for i in range(4)]
     ids = [u.id for u in units]
     plan = Plan("packed-1f1b", 4, 1, [256] * 4, units,
-                {0: build_pipeline_actions(ids, ids, 4, one_f_one_b_warmup(4))}, {}, [1, 1, 1, 1])
+                {0: build_pipeline_actions(ids, ids, one_f_one_b_warmup(ParallelDims(4)))}, {}, [1, 1, 1, 1])
     return spec, plan
 
 
@@ -199,7 +199,7 @@ def test_pinned_needs_whole_cores():
 def _chain_plan(pp):
     spec = ModelSpec("llama", pp, 256, 688, 8, 4, 32, 2048, False)
     units = [Unit(0, (Segment(0, 0, 256),))]
-    plan = Plan("packed-1f1b", pp, 1, [256], units, {0: build_pipeline_actions([0], [0], pp, one_f_one_b_warmup(pp))},
+    plan = Plan("packed-1f1b", pp, 1, [256], units, {0: build_pipeline_actions([0], [0], one_f_one_b_warmup(ParallelDims(pp)))},
                 {}, [1] * pp)
     return spec, plan
 

@@ -22,7 +22,7 @@ def test_coverage_order_and_greedy_balance(lengths, dp):
     reps = assign_sequences(lengths, dp, COST)
     assert len(reps) == dp
     # every replica has work while there are sequences for it; the rest idle
-    assert sum(1 for r in reps if not r) == idle_replicas(len(lengths), dp) == max(dp - len(lengths), 0)
+    assert sum(1 for r in reps if not r) == idle_replicas(len(lengths), ParallelDims(dp_degree=dp)) == max(dp - len(lengths), 0)
     assert sorted(s for r in reps for s in r) == list(range(len(lengths)))
     for r in reps:
         assert r == sorted(r, key=lambda s: (-lengths[s], s))

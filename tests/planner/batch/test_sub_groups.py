@@ -2,7 +2,7 @@
 holds them, rounds that cover the SP group, deterministic."""
 import pytest
 
-from infinipipe_hf.ir.sp_rounds import check_rounds
+from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.batch.elastic import make_elastic_units
 from infinipipe_hf.planner.batch.layer_time import LayerTime
@@ -23,7 +23,8 @@ def test_rounds_cover_the_sp_group_and_every_sequence_once():
     res, rounded, cost = _rounded(LENGTHS)
     ids = [u.id for u in rounded.units]
     assert ids == list(range(7, 7 + len(ids)))
-    check_rounds(rounded.rounds, rounded.sp_groups, 8, ids)
+    Plan("epp", 4, 1, list(LENGTHS), rounded.units, {0: [[]] * 4}, {}, sp_degree=8, sp_groups=rounded.sp_groups,
+         rounds=rounded.rounds).check_rounds()
     assert [u for r in rounded.rounds for u in r] == ids  # forward order: round by round
     tokens = sorted((s.seq, s.start, s.end) for u in rounded.units for s in u.segments)
     assert tokens == sorted((s.seq, s.start, s.end) for u in res.units for s in u.segments)
@@ -57,14 +58,14 @@ def test_rounds_are_deterministic():
 def test_no_rounds_where_nothing_would_run_on_a_sub_group():
     assert _rounded([60000, 50000, 40000], k=8)[1] is None  # only chains
     assert _rounded(LENGTHS, sp=6)[1] is None  # aligned sub-groups only tile a power of two
-    assert group_sizes(8) == [1, 2, 4, 8] and group_sizes(6) == [] and group_sizes(1) == []
+    assert [group_sizes(ParallelDims(sp_degree=n)) for n in (8, 6, 1)] == [[1, 2, 4, 8], [], []]
 
 
 @pytest.mark.parametrize("sp", [2, 4])
 def test_a_partial_round_grows_its_units_to_cover_the_group(sp):
     cost = CostModel(LLAMA8B, dims=ParallelDims(pp_degree=4, sp_degree=sp))
-    times = {g: LayerTime.of(cost.for_group(g)) for g in group_sizes(sp)}
+    times = {g: LayerTime.of(cost.for_group(g)) for g in group_sizes(cost.dims)}
     members = [_Member(1, [q], times[1].b + times[1].segment(0, 4000 - 100 * q), 4000 - 100 * q) for q in range(sp + 1)]
-    rounds = _assemble(members, sp, times, [4000 - 100 * q for q in range(sp + 1)])
+    rounds = _assemble(members, times, [4000 - 100 * q for q in range(sp + 1)])
     assert [[m.size for m in r] for r in rounds] == [[1] * sp, [sp]]  # the last unit alone grew to the group
     assert rounds[1][0].time < times[1].b + times[1].segment(0, 4000 - 100 * sp)  # and runs faster so

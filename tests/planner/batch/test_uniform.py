@@ -142,9 +142,9 @@ def test_packing_candidates_grid():
 
 
 def test_slicing_candidates_keep_slices_large_enough():
-    assert slicing_candidates([100_000]) == [1, 2, 4, 8, 16, 32, 64]
-    assert slicing_candidates([1000]) == [1, 2]
-    assert slicing_candidates([1000], pack_tokens=4096) == [1, 2, 4, 8, 16]
+    assert slicing_candidates([100_000], ParallelDims()) == [1, 2, 4, 8, 16, 32, 64]
+    assert slicing_candidates([1000], ParallelDims()) == [1, 2]
+    assert slicing_candidates([1000], ParallelDims(), pack_tokens=4096) == [1, 2, 4, 8, 16]
 
 
 @pytest.mark.parametrize("call, match", [

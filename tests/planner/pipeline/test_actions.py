@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from infinipipe_hf.ir.actions import B, F, format_actions, parse_actions
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.pipeline.actions import (
     backward_order,
     build_pipeline_actions,
@@ -18,13 +19,13 @@ from infinipipe_hf.planner.simulate.grid import slot_replay
 
 
 def test_warmups():
-    assert one_f_one_b_warmup(4) == [3, 2, 1, 0]
-    assert epp_warmup(4, 3) == [5, 4, 3, 2]
-    assert gpipe_warmup(3, 7) == [7, 7, 7]
+    assert one_f_one_b_warmup(ParallelDims(4)) == [3, 2, 1, 0]
+    assert epp_warmup(ParallelDims(4), 3) == [5, 4, 3, 2]
+    assert gpipe_warmup(ParallelDims(3), 7) == [7, 7, 7]
 
 
 def test_one_f_one_b_lists_and_string_round_trip():
-    acts = build_pipeline_actions(range(5), range(5), 3, one_f_one_b_warmup(3))
+    acts = build_pipeline_actions(range(5), range(5), one_f_one_b_warmup(ParallelDims(3)))
     assert format_actions(acts[0]) == "F0 F1 F2 B0 F3 B1 F4 B2 B3 B4"
     assert format_actions(acts[2]) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4"
     for stage in acts:
@@ -49,21 +50,21 @@ def test_backward_order_rejects_crossing_units():
 
 def test_bad_order_delays_backward_instead_of_emitting_invalid_list():
     # 1F1B warm-up with a 3-slice chain first: the last slice must be forwarded before any backward.
-    acts = build_pipeline_actions([0, 1, 2, 3], [2, 1, 0, 3], 2, one_f_one_b_warmup(2))
+    acts = build_pipeline_actions([0, 1, 2, 3], [2, 1, 0, 3], one_f_one_b_warmup(ParallelDims(2)))
     assert format_actions(acts[1]) == "F0 F1 F2 B2 B1 B0 F3 B3"
     assert format_actions(acts[0]) == "F0 F1 F2 B2 B1 F3 B0 B3"
 
 
 def test_rejects_growing_warmup_and_mismatched_orders():
     with pytest.raises(ValueError, match="deadlock"):
-        build_pipeline_actions([0, 1, 2], [0, 1, 2], 2, [0, 2])
+        build_pipeline_actions([0, 1, 2], [0, 1, 2], [0, 2])
     with pytest.raises(ValueError, match="same unit ids"):
-        build_pipeline_actions([0, 1], [0, 2], 2, [1, 0])
+        build_pipeline_actions([0, 1], [0, 2], [1, 0])
 
 
 def test_concat_pipelines():
-    a = build_pipeline_actions([0], [0], 2, [1, 0])
-    b = build_pipeline_actions([1], [1], 2, [1, 0])
+    a = build_pipeline_actions([0], [0], [1, 0])
+    b = build_pipeline_actions([1], [1], [1, 0])
     assert [format_actions(s) for s in a] == ["F0 B0"] * 2
     assert [format_actions(s) for s in concat_pipelines([a, b])] == ["F0 B0 F1 B1"] * 2
     with pytest.raises(ValueError):
@@ -96,8 +97,9 @@ def test_property_every_stage_complete_ordered_and_runnable(data, pp, kind):
     lengths, units = data
     bwd = backward_order(units, lengths)
     first_k = sum(1 for u in units if units[0].segments[0].seq in u.seqs)
-    warm = {"epp": epp_warmup(pp, first_k), "1f1b": one_f_one_b_warmup(pp), "gpipe": gpipe_warmup(pp, len(units))}[kind]
-    acts = build_pipeline_actions([u.id for u in units], bwd, pp, warm)
+    dims = ParallelDims(pp)
+    warm = {"epp": epp_warmup(dims, first_k), "1f1b": one_f_one_b_warmup(dims), "gpipe": gpipe_warmup(dims, len(units))}[kind]
+    acts = build_pipeline_actions([u.id for u in units], bwd, warm)
     chains = {}
     for u in units:
         for s in u.segments:

@@ -41,7 +41,7 @@ def test_equal_units_without_memory_pressure_equal_the_simulated_1f1b(p, m):
     cost = UniformCost(p, tf=1.0, tb=2.0)
     cost.memory_budget_bytes = 1e9
     plan = Plan("epp", p, 1, [8] * m, units,
-                {0: build_pipeline_actions(range(m), range(m), p, one_f_one_b_warmup(p))}, {})
+                {0: build_pipeline_actions(range(m), range(m), one_f_one_b_warmup(ParallelDims(p)))}, {})
     sim = simulate(plan, cost)
     est = pipeline_time_estimate(units, cost, [8] * m)
     assert est == pytest.approx(sim.step_time_s, rel=1e-12) == (m + p - 1) * 3.0
@@ -51,8 +51,8 @@ def _candidate(lengths, k, cost):
     res = make_elastic_units(lengths, cost, k)
     units = res.units
     longest = max(range(len(lengths)), key=lambda i: lengths[i])
-    acts = build_pipeline_actions([u.id for u in units], backward_order(units, lengths), cost.dims.pp_degree,
-                                  epp_warmup(cost.dims.pp_degree, res.slice_counts[longest]))
+    acts = build_pipeline_actions([u.id for u in units], backward_order(units, lengths),
+                                  epp_warmup(cost.dims, res.slice_counts[longest]))
     plan = Plan("epp", cost.dims.pp_degree, 1, list(lengths), units, {0: acts}, {}, list(cost.layers_per_stage), {})
     return pipeline_time_estimate(units, cost, lengths), simulate(plan, cost).step_time_s
 

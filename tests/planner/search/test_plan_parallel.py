@@ -44,7 +44,7 @@ def test_every_schedule_plans_with_the_same_sp_and_shard():
         res = plan_step(BATCH[:11], SPEC, ParallelDims(pp_degree=4, sp_degree=8, shard="sp"), PlanOptions(schedule=schedule), cost=cost)
         assert res.summary()["shard"] == "sp" and res.summary()["sp_degree"] == 8
         if res.feasible:
-            assert (res.plan.sp_degree, res.plan.shard) == (8, "sp")
+            assert (res.plan.sp_degree, res.plan.shard.name) == (8, "sp")
             assert res.simulation.info["gradient_sync_s"] > 0  # the step's reduce-scatter shows
 
 
@@ -53,13 +53,13 @@ def test_plan_json_keys_and_round_trip():
     d = json.loads(res.plan.to_json())
     assert d["sp_degree"] == 8 and d["shard"] == "sp"
     back = Plan.from_json(res.plan.to_json())
-    assert (back.sp_degree, back.shard) == (8, "sp") and back.to_dict() == d
+    assert (back.sp_degree, back.shard.name) == (8, "sp") and back.to_dict() == d
     assert "sp=8 shard=sp" in str(back)
     # Defaults are not written, and a JSON without the keys reads back with them.
     plain = plan_step(BATCH[:11], SPEC, ParallelDims(pp_degree=4)).plan.to_dict()
     assert "sp_degree" not in plain and "shard" not in plain
     old = Plan.from_dict(plain)
-    assert (old.sp_degree, old.shard) == (1, "none")
+    assert (old.sp_degree, old.shard.name) == (1, "none")
 
 
 def test_layout_mismatches_are_errors():
@@ -79,14 +79,15 @@ def test_layout_mismatches_are_errors():
 
 def test_search_grids_count_tokens_per_gpu():
     lengths = [65536, 1000]
-    assert slice_count_candidates(lengths, None, 1)[-1] == 64
-    assert slice_count_candidates(lengths, None, 8)[-1] == 32  # 65536 / 32 = 2048 = 256 per GPU
-    assert token_floor_candidates([3000] * 100, 8) == [None, 32768, 65536, 131072]
-    assert token_floor_candidates([3000] * 100, 1) == [None, 4096, 8192, 16384]
+    sp1, sp8 = ParallelDims(), ParallelDims(sp_degree=8)
+    assert slice_count_candidates(lengths, None, sp1)[-1] == 64
+    assert slice_count_candidates(lengths, None, sp8)[-1] == 32  # 65536 / 32 = 2048 = 256 per GPU
+    assert token_floor_candidates([3000] * 100, sp8) == [None, 32768, 65536, 131072]
+    assert token_floor_candidates([3000] * 100, sp1) == [None, 4096, 8192, 16384]
     assert packing_candidates(lengths, 8)[0] == 65536 and min(packing_candidates([10] * 5000, 8)) == 8192
     assert min(packing_candidates([10] * 5000, 1)) == 1024
-    assert slicing_candidates(lengths, sp_degree=8) == [1, 2, 4, 8, 16, 32]
-    assert slicing_candidates(lengths, sp_degree=1) == [1, 2, 4, 8, 16, 32, 64]
+    assert slicing_candidates(lengths, sp8) == [1, 2, 4, 8, 16, 32]
+    assert slicing_candidates(lengths, sp1) == [1, 2, 4, 8, 16, 32, 64]
 
 
 def test_largest_trainable_length_per_schedule():

@@ -5,6 +5,7 @@ import pytest
 from infinipipe_hf.ir.actions import B, F
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment, Unit
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.pipeline.actions import build_pipeline_actions, one_f_one_b_warmup
 from infinipipe_hf.planner.simulate.replay import ReplayResult, replay
 from infinipipe_hf.planner.simulate.simulator import PlanDeadlockError, simulate
@@ -16,7 +17,7 @@ def _packed_plan(m, p, dp=1, warm=None):
     actions = {}
     for r in range(dp):
         ids = [u.id for u in units if u.dp_rank == r]
-        actions[r] = build_pipeline_actions(ids, ids, p, warm or one_f_one_b_warmup(p))
+        actions[r] = build_pipeline_actions(ids, ids, warm or one_f_one_b_warmup(ParallelDims(p)))
     return Plan("packed-1f1b", p, dp, [8] * (m * dp), units, actions, {})
 
 
@@ -53,7 +54,7 @@ def test_dp_replicas_run_in_parallel_step_is_slowest():
     # Give replica 1 an extra unit: it is the slower one.
     extra = Unit(6, (Segment(6, 0, 8),), 0, 1)
     plan = Plan(plan.schedule, 2, 2, [8] * 7, plan.units + [extra],
-                {0: plan.actions[0], 1: build_pipeline_actions([3, 4, 5, 6], [3, 4, 5, 6], 2, [1, 0])}, {})
+                {0: plan.actions[0], 1: build_pipeline_actions([3, 4, 5, 6], [3, 4, 5, 6], [1, 0])}, {})
     sim = simulate(plan, FakeCost(2, tf=1.0, tb=2.0))
     assert sim.step_time_s == pytest.approx((4 + 1) * 3.0)
     assert sim.bubble_fraction == pytest.approx(1 - (7 * 2 * 3.0) / (2 * 2 * sim.step_time_s))

@@ -24,7 +24,7 @@ def round_plan(pp: int = 2, big: int = 900) -> Plan:
              Unit(2, (Segment(1, 0, big),)), Unit(3, (Segment(2, 0, 200),))]
     items = [Unit(0, units[0].segments), Unit(1, units[1].segments), Unit(2, units[2].segments + units[3].segments)]
     members = {0: [0], 1: [1], 2: [2, 3]}
-    stages = build_pipeline_actions([0, 1, 2], backward_order(items, lengths), pp, epp_warmup(pp, 2))
+    stages = build_pipeline_actions([0, 1, 2], backward_order(items, lengths), epp_warmup(ParallelDims(pp), 2))
     actions = {0: [[Action(a.kind, u) for a in acts for u in members[a.unit]] for acts in stages]}
     return Plan("epp", pp, 1, lengths, units, actions, {s: {} for s in range(pp)}, [3] * pp if pp == 2 else [6],
                 sp_degree=2, sp_groups={2: SubGroup(0, 1), 3: SubGroup(1, 1)}, rounds=[[0], [1], [2, 3]])

@@ -29,7 +29,7 @@ def _units():
 
 def _plan(units=None):
     units = units or _units()
-    acts = build_pipeline_actions([u.id for u in units], backward_order(units, LENGTHS), 4, epp_warmup(4, 3))
+    acts = build_pipeline_actions([u.id for u in units], backward_order(units, LENGTHS), epp_warmup(ParallelDims(4), 3))
     return Plan("epp", 4, 1, list(LENGTHS), units, {0: acts}, {0: {0: 2}}, [8, 8, 8, 8])
 
 
@@ -105,7 +105,7 @@ def test_two_tail_slices_in_one_unit():
     lengths = [20, 20]
     units = [Unit(0, (Segment(0, 0, 10),)), Unit(1, (Segment(1, 0, 10),)),
              Unit(2, (Segment(0, 10, 20), Segment(1, 10, 20)))]
-    acts = build_pipeline_actions([0, 1, 2], backward_order(units, lengths), 2, epp_warmup(2, 2))
+    acts = build_pipeline_actions([0, 1, 2], backward_order(units, lengths), epp_warmup(ParallelDims(2), 2))
     plan = Plan("epp", 2, 1, lengths, units, {0: acts}, {}, [4, 4])
     _reject(plan, "at most one tail slice")
     plan.schedule = "seq1f1b"  # the rule is EPP's only
@@ -142,7 +142,7 @@ def test_sequence_split_across_pipelines():
 def test_grid_window_on_a_big_plan():
     n = 200
     units = [Unit(i, (Segment(i, 0, 10),)) for i in range(n)]
-    acts = build_pipeline_actions(range(n), range(n), 4, epp_warmup(4, 1))
+    acts = build_pipeline_actions(range(n), range(n), epp_warmup(ParallelDims(4), 1))
     plan = Plan("packed-1f1b", 4, 1, [10] * n, units, {0: acts}, {}, [8] * 4)
     validate(plan)
     plan.checkpoint_layers = {1: {150: 99}}

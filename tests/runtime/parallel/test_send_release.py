@@ -66,22 +66,22 @@ def _check(stages: list[list[Action]], seeds=range(20), release_points=send_rele
 @pytest.mark.parametrize("pp,units", [(2, 3), (4, 8), (4, 17)])
 def test_one_f_one_b_releases_come_after_the_peer_consumed_every_send(pp, units):
     order = list(range(units))
-    stages = build_pipeline_actions(order, order, pp, one_f_one_b_warmup(pp))
+    stages = build_pipeline_actions(order, order, one_f_one_b_warmup(ParallelDims(pp)))
     assert _check(stages) > 0
 
 
 def test_gpipe_and_reordered_backwards_release_safely():
     order = list(range(6))
-    gpipe = build_pipeline_actions(order, order, 3, [6, 6, 6])
+    gpipe = build_pipeline_actions(order, order, [6, 6, 6])
     assert _check(gpipe) > 0
     # Slices of one sequence run backward last slice first: backward order differs from forward.
-    stages = build_pipeline_actions(order, [2, 1, 0, 5, 4, 3], 3, one_f_one_b_warmup(3))
+    stages = build_pipeline_actions(order, [2, 1, 0, 5, 4, 3], one_f_one_b_warmup(ParallelDims(3)))
     assert _check(stages) > 0
 
 
 def test_every_output_send_is_released_at_its_backward_and_middle_stages_release_gradients():
     order = list(range(8))
-    stages = build_pipeline_actions(order, order, 4, one_f_one_b_warmup(4))
+    stages = build_pipeline_actions(order, order, one_f_one_b_warmup(ParallelDims(4)))
     mid = send_release_points(stages[1], stages[0], is_last_stage=False, is_first_stage=False)
     keys = [k for ks in mid.values() for k in ks]
     assert sorted(u for k, u in keys if k == "F") == order  # every output, at its unit's backward
@@ -109,7 +109,7 @@ def test_an_unsafe_release_is_caught_by_the_timing_check():
         return out
 
     order = list(range(8))
-    stages = build_pipeline_actions(order, order, 4, one_f_one_b_warmup(4))
+    stages = build_pipeline_actions(order, order, one_f_one_b_warmup(ParallelDims(4)))
     with pytest.raises(AssertionError, match="before stage"):
         _check(stages, release_points=early)
 

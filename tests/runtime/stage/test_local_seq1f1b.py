@@ -9,6 +9,7 @@ import pytest
 from infinipipe_hf.ir.partition import partition_layers
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Unit
+from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.batch.uniform import equal_compute_slices, pack_sequences
 from infinipipe_hf.planner.pipeline.actions import backward_order, build_pipeline_actions, epp_warmup
 from infinipipe_hf.planner.validate.validator import validate
@@ -21,7 +22,7 @@ def _seq1f1b_plan(pp: int, k: int = 3) -> Plan:
     for b in pack_sequences(LENGTHS, 32):  # [29, 3] and [9, 6, 4]
         for segs in equal_compute_slices([(s, LENGTHS[s]) for s in b], k, pair_weight=0.5):
             units.append(Unit(len(units), tuple(segs)))
-    acts = build_pipeline_actions([u.id for u in units], backward_order(units, LENGTHS), pp, epp_warmup(pp, k))
+    acts = build_pipeline_actions([u.id for u in units], backward_order(units, LENGTHS), epp_warmup(ParallelDims(pp), k))
     layers = [len(x) for x in partition_layers(NUM_LAYERS, pp)]
     ck = {s: {u.id: (u.id + s) % (layers[s] + 1) for u in units} for s in range(pp)}
     return Plan("seq1f1b", pp, 1, list(LENGTHS), units, {0: acts}, ck, layers_per_stage=layers)
