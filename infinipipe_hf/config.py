@@ -72,7 +72,8 @@ class InfiniPipeConfig:
     host_memory_gib: float | None = None
     """Host memory per rank the plan may fill (offloaded layer inputs and K/V, host optimizer
     states).  ``None``: the machine's memory divided among its local ranks (``LOCAL_WORLD_SIZE``),
-    less ``memory_margin`` of it; ``0`` turns the host tier off (nothing offloaded)."""
+    less ``memory_margin`` of it, on a GPU; none on a CPU device (its memory is host memory) unless
+    ``state_offload`` asks for one; ``0`` turns the host tier off (nothing offloaded)."""
 
     state_offload: str = "none"
     """Model states in host memory: ``none``, ``optimizer`` (AdamW moments and master weights on

@@ -71,7 +71,9 @@ def search_restrictions(args) -> tuple[tuple[int, ...] | None, tuple[str, ...] |
 def host_tier(args) -> tuple[float, tuple[str, ...] | None]:
     """``(host budget bytes, state-offload modes)`` of the search: the engine's host budget, and
     every mode unless ``state_offload`` names an offloading one."""
-    host = InfiniPipeConfig(**placeholder_kwargs(args)).host_budget_bytes()
+    from infinipipe_hf.runtime.engine.planning import host_budget_bytes
+
+    host = host_budget_bytes(InfiniPipeConfig(**placeholder_kwargs(args)), args.device)
     mode = getattr(args, "state_offload", "none")
     return host, None if mode in (None, "none") else (mode,)
 

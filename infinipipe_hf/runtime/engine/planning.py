@@ -30,6 +30,19 @@ def memory_budget_bytes(config: InfiniPipeConfig, device: torch.device) -> float
     return config.memory_budget(total).budget_bytes
 
 
+def host_budget_bytes(config: InfiniPipeConfig, device: torch.device) -> float:
+    """Host bytes per rank a plan may fill: ``config.host_budget_bytes()``, except 0 on a CPU device
+    when ``host_memory_gib`` is not given: its memory *is* host memory, already under the device
+    budget, so offloading would copy within the same RAM and count it twice.  Giving
+    ``host_memory_gib`` or a ``state_offload`` keeps a host tier on CPU (separate storage, as the
+    exactness tests use)."""
+    from infinipipe_hf.layout.state_offload import state_offload
+
+    if config.host_memory_gib is None and device.type == "cpu" and not state_offload(config.state_offload).offloaded:
+        return 0.0
+    return config.host_budget_bytes()
+
+
 def attention_table(config: InfiniPipeConfig) -> dict:
     """The profile's measured attention-backend table (empty when it has none), for ``"auto"``."""
     from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
@@ -89,7 +102,7 @@ class DefaultPlanner:
                               max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
                               checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
                               sp_rounds=c.sp_rounds, checkpoint_levels=runnable_checkpoint_levels(engine),
-                              host_memory_budget_bytes=c.host_budget_bytes(), grad_reduce=c.grad_reduce)
+                              host_memory_budget_bytes=host_budget_bytes(c, engine.device), grad_reduce=c.grad_reduce)
         return dict(spec=engine.spec, dims=engine.layout.dims, options=options)
 
     def __call__(self, lengths: list[int], engine):

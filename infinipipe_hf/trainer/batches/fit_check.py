@@ -126,8 +126,10 @@ def check_longest_fits(args, spec: ModelSpec, dims: ParallelDims, budget_bytes: 
     tokens = longest_possible(args, spec)
     if budget_bytes is None or tokens is None:
         return None
+    from infinipipe_hf.runtime.engine.planning import host_budget_bytes
+
     config = args.to_infinipipe_config()
-    return fit_advice(FitCheck(spec, config, budget_bytes, config.host_budget_bytes()), dims, tokens)
+    return fit_advice(FitCheck(spec, config, budget_bytes, host_budget_bytes(config, args.device)), dims, tokens)
 
 
 def warn_if_too_long(args, spec: ModelSpec, dims: ParallelDims) -> None:

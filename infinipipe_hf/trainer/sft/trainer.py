@@ -80,6 +80,9 @@ def _map_activation_offloading(args: EPPSFTConfig) -> None:
         notices.warn("activation_offloading=True, but host_memory_gib=0 turns the host tier off, so "
                      "nothing is offloaded; leave host_memory_gib unset (the machine's memory over its "
                      "ranks) or give a budget in GiB per rank")
+    elif args.host_memory_gib is None and args.device.type == "cpu":
+        notices.warn("activation_offloading=True on a CPU device offloads nothing by default: its memory "
+                     "is host memory already; give host_memory_gib to keep a separate host tier anyway")
     else:
         notices.info("activation_offloading=True: the planner may offload layer inputs and K/V to host "
                      "memory (host_memory_gib) where that beats recomputing")

@@ -45,3 +45,16 @@ def test_no_feasible_plan_names_the_planners_cause():
     silent = types.SimpleNamespace(feasible=False, plan=None, error=None)
     with pytest.raises(ValueError, match="the planner gave no reason; raise memory_budget_gib or pp_degree"):
         planning.plan_from_result(silent, [10])
+
+
+def test_a_cpu_device_has_no_host_tier_unless_one_is_given():
+    """A CPU rank's memory is host memory, already under its budget: offloading would copy within
+    the same RAM and count it twice, so the default host budget there is 0; a GPU's is the
+    machine's share, and an explicit host_memory_gib holds on either."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert planning.host_budget_bytes(InfiniPipeConfig(), cpu) == 0.0
+    assert planning.host_budget_bytes(InfiniPipeConfig(), gpu) == InfiniPipeConfig().host_budget_bytes() > 0
+    for device in (cpu, gpu):
+        assert planning.host_budget_bytes(InfiniPipeConfig(host_memory_gib=2.0), device) == 2.0 * GIB
+    asked = InfiniPipeConfig(state_offload="optimizer")  # states on the host: the tier was asked for
+    assert planning.host_budget_bytes(asked, cpu) == asked.host_budget_bytes() > 0

@@ -2,6 +2,8 @@
 bound, fits or not, the largest length and what would fit it (each option planned)."""
 import types
 
+import torch
+
 from infinipipe_hf.config import GIB, InfiniPipeConfig
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
@@ -51,7 +53,7 @@ def test_states_that_leave_no_room_get_the_planners_advice():
 
 
 def test_no_device_budget_no_check():
-    args = types.SimpleNamespace(tokens_per_step=1 << 20, max_length=None,
+    args = types.SimpleNamespace(tokens_per_step=1 << 20, max_length=None, device=torch.device("cpu"),
                                  to_infinipipe_config=lambda: InfiniPipeConfig(pp_degree=2, host_memory_gib=0))
     assert check_longest_fits(args, TINY, DIMS, None) is None
     assert "does not fit" in check_longest_fits(args, TINY, DIMS, BUDGET)

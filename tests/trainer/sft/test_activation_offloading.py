@@ -35,3 +35,9 @@ def test_activation_offloading_with_no_host_budget_warns(tmp_path):
 def test_state_offload_is_an_sft_argument(tmp_path):
     cfg = args(tmp_path, state_offload="optimizer", pp_degree=2).to_infinipipe_config()
     assert cfg.state_offload == "optimizer"
+
+
+def test_activation_offloading_on_cpu_without_a_host_budget_warns(tmp_path):
+    """A CPU device's memory is host memory: the tier is off unless host_memory_gib is given."""
+    with pytest.warns(UserWarning, match="on a CPU device offloads nothing by default"):
+        _warn_ignored(args(tmp_path, activation_offloading=True))
