@@ -4,6 +4,7 @@
 A fake is its own parts (``compute``, ``acts``, ``coefficients`` are the fake itself).
 """
 from infinipipe_hf.layout import ParallelDims
+from infinipipe_hf.planner.cost.compute import UnitShape
 
 
 class FakeCost:
@@ -30,6 +31,9 @@ class FakeCost:
 
     def transfer_time(self, tokens):
         return self.transfer
+
+    def shape_of(self, segments):
+        return UnitShape.of(segments)
 
     def static_bytes(self, stage):
         return 10.0

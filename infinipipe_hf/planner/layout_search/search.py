@@ -2,8 +2,10 @@
 the non-pipeline alternatives at their best, and recommend the fastest EPP layout that fits.
 
 Which layouts can run: ``pp x sp`` divides the world and ``pp`` is at most the model's layer
-count; ``sp`` is a power of two dividing ``gpus_per_node`` (one SP group inside a node: its
-all-to-alls stay on the intra-node links) and passes the runtime's head check; ``dp`` is what is
+count; ``sp`` is a power of two dividing the world that either divides ``gpus_per_node`` (one SP
+group inside a node: its all-to-alls stay on the intra-node links) or is a whole number of nodes
+(a group spanning nodes, its all-to-alls priced at the inter-node bandwidth, as ALST runs Ulysses
+over 32 GPUs), and passes the runtime's head check; ``dp`` is what is
 left; every shard mode the layout's checks accept for those degrees (:mod:`infinipipe_hf.layout`).
 
 Each layout is planned with :func:`~infinipipe_hf.planner.search.api.plan_step`, exactly as
@@ -80,11 +82,13 @@ def _passes(check, *args) -> bool:
 
 
 def sp_candidates(spec: ModelSpec, world_size: int, gpus_per_node: int) -> list[int]:
-    """SP degrees a layout may use: powers of two dividing ``gpus_per_node`` and the world, that
-    the layout's model check accepts (at most one attention head per SP rank)."""
+    """SP degrees a layout may use: powers of two dividing the world that divide ``gpus_per_node``
+    or are whole nodes (module docstring), that the layout's model check accepts (at most one
+    attention head per SP rank)."""
     out, sp = [], 1
-    while sp <= gpus_per_node:
-        if gpus_per_node % sp == 0 and world_size % sp == 0 and _passes(
+    while sp <= world_size:
+        in_nodes = gpus_per_node % sp == 0 or sp % gpus_per_node == 0
+        if in_nodes and world_size % sp == 0 and _passes(
                 ParallelDims(1, sp, world_size // sp).check_model, spec.num_layers, spec.num_attention_heads):
             out.append(sp)
         sp *= 2

@@ -56,10 +56,16 @@ def test_enumerates_every_runnable_layout_and_nothing_else():
             assert (shard in listed) == ok, (pp, sp, shard)
 
 
-def test_sp_groups_stay_inside_a_node():
+def test_sp_groups_stay_inside_a_node_or_span_whole_nodes():
+    wide = ModelSpec.from_config_dict({**TINY, "num_attention_heads": 32, "num_key_value_heads": 8})
     layouts = enumerate_layouts(ModelSpec.from_config_dict({**TINY, "num_attention_heads": 16,
                                                             "num_key_value_heads": 16}), 12, 6)
-    assert {lay.sp_degree for lay in layouts} == {1, 2}  # powers of two dividing 6 GPUs per node
+    assert {lay.sp_degree for lay in layouts} == {1, 2}  # 4 splits a node of 6, 12 is no power of two
+    layouts = enumerate_layouts(wide, 32, 8)
+    assert {lay.sp_degree for lay in layouts} == {1, 2, 4, 8, 16, 32}
+    spanning = [lay for lay in layouts if lay.sp_degree > 8]
+    assert spanning and all(lay.sp_crosses_nodes for lay in spanning)  # priced at the inter-node links
+    assert not any(lay.sp_crosses_nodes for lay in layouts if lay.sp_degree <= 8)
 
 
 @pytest.mark.parametrize("kwargs, message", [
