@@ -17,8 +17,9 @@ node.  For one sequence of 524,288 tokens on 1 GPU, 4,194,304 on 8 and 16,777,21
 
 Tokens/s and bytes are *simulated* with the default profile (named in the JSON; the host copy bandwidth and
 the CPU optimizer rate are the profile's assumptions: 40 GB/s, 1e9 parameters/s).  The 32-GPU
-search is restricted to ``sp`` in (4, 8) (recorded in the JSON): deeper pipelines of one 16M
-sequence take minutes each to plan on a 2-core machine.
+search is restricted to ``sp`` in (4, 8, 16, 32) (recorded in the JSON; SP groups of 16 and 32
+span nodes): the deeper pipelines of sp 1 and 2 take minutes each to plan one 16M sequence on a
+2-core machine.
 
     python -m benchmarks.planner.offload_reach                # writes benchmarks/results/offload_reach.json
     python -m benchmarks.planner.offload_reach --quick        # Llama-3.2-1B shape, 2 GPUs, one short case
@@ -46,7 +47,7 @@ from infinipipe_hf.planner.layout_search.search import search_layouts
 from infinipipe_hf.planner.search.api import plan_alternative
 
 OUT = RESULTS / "offload_reach.json"
-CASES = ((1, 524_288, None), (8, 4_194_304, None), (32, 16_777_216, (4, 8)))
+CASES = ((1, 524_288, None), (8, 4_194_304, None), (32, 16_777_216, (4, 8, 16, 32)))
 """(GPUs, sequence length, SP degrees searched: None for all)."""
 QUICK_CASES = ((2, 65_536, None),)
 HOST_GIB = 256.0
