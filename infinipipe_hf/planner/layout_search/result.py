@@ -250,8 +250,12 @@ def no_fit_cause(search: LayoutSearch, lengths: Sequence[int], states_remedies: 
         return (f"the model states (weights, gradients, optimizer states) leave no room for any sequence on any "
                 f"layout{states}" + (f"; {states_remedies}" if states_remedies else ""))
     fits_alone = [o for o in outcomes if (o.largest_trainable or 0) >= longest]
+    # Without a one-sequence search the figure is the leanest plan's, which keeps everything on the device.
+    device_only = bool(search.host_budget_bytes) and best.largest_length is None
     if not fits_alone:
-        return (f"the longest sequence has {longest} tokens but the largest any layout trains is "
+        where = (" on the device alone (every layer checkpointed, nothing in host memory: the host tier may "
+                 "reach further; search that sequence alone for its planned limit)") if device_only else ""
+        return (f"the longest sequence has {longest} tokens but the largest any layout trains{where} is "
                 f"{best.largest_trainable} ({layout_name(best.layout)}): split or truncate "
                 f"longer documents (the trainer cuts documents longer than tokens_per_step into pieces), use more "
                 f"GPUs (more stages, a larger sp group) or a larger memory budget"
