@@ -5,12 +5,22 @@ calls them (``for_world``, ``check_model``, its own construction) and nothing el
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from infinipipe_hf.layout.shard_modes import ShardMode
 
-if TYPE_CHECKING:
-    from infinipipe_hf.layout.dims import ParallelDims
+
+class Degrees(Protocol):
+    """What the checks read of a layout (:class:`~.dims.ParallelDims`, which calls them)."""
+
+    pp_degree: int
+    sp_degree: int
+    dp_degree: int
+
+    @property
+    def world_size(self) -> int: ...
+
+    def degree(self, dim: str) -> int: ...
 
 
 def divisors(n: int) -> list[int]:
@@ -22,7 +32,7 @@ def positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def dp_for_world(world_size: int, replica: "ParallelDims") -> int:
+def dp_for_world(world_size: int, replica: Degrees) -> int:
     """DP replicas of ``replica`` (one replica's ``pp x sp`` ranks) that ``world_size`` processes
     hold; ``ValueError`` naming what fits."""
     pp_degree, sp_degree = replica.pp_degree, replica.sp_degree
@@ -42,14 +52,14 @@ def dp_for_world(world_size: int, replica: "ParallelDims") -> int:
     return world_size // stage_ranks
 
 
-def check_dp_request(world_size: int, dims: "ParallelDims", requested: int | None) -> None:
+def check_dp_request(world_size: int, dims: Degrees, requested: int | None) -> None:
     """``ValueError`` when a ``dp_degree`` was asked for and the world gives ``dims`` another one."""
     if requested is not None and requested != dims.dp_degree:
         raise ValueError(f"dp_degree={requested} x pp_degree={dims.pp_degree} x sp_degree={dims.sp_degree} != "
                          f"world size {world_size}; set dp_degree={dims.dp_degree} or leave it None")
 
 
-def check_heads(dims: "ParallelDims", num_heads: int) -> None:
+def check_heads(dims: Degrees, num_heads: int) -> None:
     """Ulysses gives each SP rank whole attention heads (unevenly when they do not divide)."""
     sp_degree, pp_degree, world = dims.sp_degree, dims.pp_degree, dims.world_size
     if sp_degree <= num_heads:
@@ -61,7 +71,7 @@ def check_heads(dims: "ParallelDims", num_heads: int) -> None:
                         if ok else ""))
 
 
-def check_layers(dims: "ParallelDims", num_layers: int) -> None:
+def check_layers(dims: Degrees, num_layers: int) -> None:
     """``ValueError`` when a stage would get no decoder layer."""
     pp_degree = dims.pp_degree
     if pp_degree > num_layers:
@@ -73,7 +83,7 @@ _NO_GROUP = {"dp": ("data-parallel replicas", "DP", "launch more processes (worl
              "sp": ("sequence-parallel ranks", "SP", "set sp_degree >= 2")}
 
 
-def check_shard_group(dims: "ParallelDims", mode: ShardMode) -> None:
+def check_shard_group(dims: Degrees, mode: ShardMode) -> None:
     """``ValueError`` unless every mesh dim FSDP2 spans for ``mode`` has two ranks or more in
     ``dims`` (whose own shard mode is not read: ``for_world`` checks a mode before building it in)."""
     if not mode.sharded or all(dims.degree(d) >= 2 for d in mode.fsdp_dims):

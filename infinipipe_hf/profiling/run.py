@@ -70,8 +70,7 @@ def run_profile(config_dict: dict, *, device: str = "auto", dtype: str = "bf16",
     lengths = sorted(set(int(n) for n in lengths))
     head_tokens = sorted(set(int(n) for n in head_tokens))
     if len(lengths) < 3 or len(head_tokens) < 2:
-        raise ValueError(f"the fit needs >= 3 --lengths and >= 2 --head-tokens, got {lengths} and "
-                         f"{head_tokens}")
+        raise ValueError(f"the fit needs >= 3 --lengths and >= 2 --head-tokens, got {lengths} and {head_tokens}")
     dev = resolve_device(device)
     tdtype = getattr(torch, DTYPES[dtype])
     modules = build_modules(config_dict, dev, tdtype)

@@ -156,11 +156,9 @@ class HardwareProfile:
     attention_backends: dict[str, Any] = field(default_factory=dict)
     """Attention kernels timed per unit kind (``profiling/attention_backends.py``); empty: not measured."""
     context_pairs: str = "band"
-    """What the attention kernel that runs slices with K/V context computes: ``"band"`` (flash,
-    varlen, FlexAttention: only the causal band the slice owns) or ``"rectangle"`` (SDPA with an
-    explicit mask, the only backend that trains on CPU: every query of the slice against every key
-    of its context and itself, masked blocks included).  Written by the profiler for the backend
-    the runtime picks on its device."""
+    """How the kernel running slices with K/V context counts their pairs: ``"band"`` (flash, varlen:
+    the causal band) or ``"rectangle"`` (SDPA's explicit mask, the only backend training on CPU: every
+    query against every key, masked blocks too); the profiler writes its device backend's."""
 
     def __post_init__(self) -> None:
         for name in ("intra_node_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s",
@@ -225,8 +223,7 @@ class HardwareProfile:
 def _fit(features: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares on relative error."""
     w = 1.0 / np.maximum(y, 1e-12)
-    coef, _ = nnls(features * w[:, None], y * w)
-    return coef
+    return nnls(features * w[:, None], y * w)[0]
 
 
 def fit_time(points: Sequence[tuple[float, float, float]], *, with_attention: bool = True
@@ -235,10 +232,8 @@ def fit_time(points: Sequence[tuple[float, float, float]], *, with_attention: bo
     arr = np.asarray(points, dtype=float)
     assert arr.ndim == 2 and arr.shape[1] == 3 and len(arr) >= 2, "need at least two points"
     cols = [arr[:, 0], arr[:, 1], np.ones(len(arr))] if with_attention else [arr[:, 1], np.ones(len(arr))]
-    coef = _fit(np.stack(cols, axis=1), arr[:, 2])
-    if with_attention:
-        return TimeCoefficients(*map(float, coef))
-    return TimeCoefficients(0.0, float(coef[0]), float(coef[1]))
+    coef = [float(c) for c in _fit(np.stack(cols, axis=1), arr[:, 2])]
+    return TimeCoefficients(*coef) if with_attention else TimeCoefficients(0.0, *coef)
 
 
 def host_fields(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
@@ -292,19 +287,10 @@ def fit_profile(rows: Sequence[Mapping[str, Any]], reference: Mapping[str, int],
     extra.update(host_fields(rows))
     peak = float(np.median([r.get("fwd_peak_bytes_per_token", r["saved_bytes_per_token"]) for r in layer]))
     fitted = HardwareProfile(
-        name=name,
-        reference=dict(reference),
-        layer_forward=fit_time(fwd),
-        layer_backward=fit_time(bwd),
-        head_forward=fit_time(head_fwd, with_attention=False),
-        head_backward=fit_time(head_bwd, with_attention=False),
-        activation_bytes_per_token_per_layer=saved,
-        layer_working_bytes_per_token=max(peak - saved, 0.0),
-        memory_gib=memory_gib,
-        device=device,
-        meta=dict(meta or {}),
-        **extra,
-    )
+        name=name, reference=dict(reference), layer_forward=fit_time(fwd), layer_backward=fit_time(bwd),
+        head_forward=fit_time(head_fwd, with_attention=False), head_backward=fit_time(head_bwd, with_attention=False),
+        activation_bytes_per_token_per_layer=saved, layer_working_bytes_per_token=max(peak - saved, 0.0),
+        memory_gib=memory_gib, device=device, meta=dict(meta or {}), **extra)
     if calibration is None or calibration.is_ideal:
         return fitted
     return replace(apply_calibration(fitted, calibration), name=name)

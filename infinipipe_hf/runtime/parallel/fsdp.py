@@ -66,8 +66,7 @@ class StageSharding:
         with ``state_offload='states'`` run FSDP2 over their rank alone (``alone_mesh``)."""
         fully_shard, MixedPrecisionPolicy, self._fsdp_module_type = fsdp2_api(
             f"shard={self.mode.name!r}" if self.mode.sharded else f"state_offload={layout.dims.state_offload.name!r}")
-        self.layout = layout
-        self.device = device
+        self.layout, self.device = layout, device
         if not self.mode.sharded:
             self.mode, self.mesh = SHARD_TABLE["sp"], alone_mesh(layout, device)
         elif layout.mesh is None:
