@@ -170,11 +170,21 @@ def per_kind(errors_by_profile: dict[str, list[dict]]) -> dict:
     return out
 
 
+def _context_pairs(args, env: dict) -> str:
+    """How the first timed backend counts a slice's context pairs (``HardwareProfile.context_pairs``)."""
+    from infinipipe_hf.runtime.attention.select import context_pairs
+
+    backend = args.backends[0]
+    if backend == "auto":
+        return context_pairs(env["device"])
+    return "rectangle" if backend == "sdpa" else "band"
+
+
 def _fit(args, spec, rows: list[dict], base, base_source: str, env: dict, name: str):
     from benchmarks.lib.runtime_fit import fit_runtime_profile
 
     return fit_runtime_profile(
-        rows, spec, name=f"{args.model}-{args.dtype}-{name}", base=base,
+        rows, spec, name=f"{args.model}-{args.dtype}-{name}", base=base, context_pairs=_context_pairs(args, env),
         bytes_per_element=torch.empty((), dtype=DTYPES[args.dtype]).element_size(),
         stage_unit_s={},  # not the base's: a one-layer fit holds it in its layer terms; fit_depths sets it
         meta={"env": env, "source": "benchmarks/gpu/gpu_unit_profile.py", "base_profile": base_source,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import CostModel
 
 
@@ -18,16 +19,18 @@ class LayerTime:
     a1: float  # seconds per attention pair (s^2 + 2 C s)
     a2: float  # seconds per token
     b: float  # seconds per unit (launch overhead, small-GEMM under-use)
+    context_pairs: str = "band"  # how the profile's kernel counts a slice's context (UnitShape.of)
 
     @staticmethod
     def of(cost: CostModel) -> "LayerTime":
         f, w = cost.coefficients.layer_fwd, cost.coefficients.layer_bwd
-        return LayerTime(f.attn_pair_s + w.attn_pair_s, f.token_s + w.token_s, f.fixed_s + w.fixed_s)
+        return LayerTime(f.attn_pair_s + w.attn_pair_s, f.token_s + w.token_s, f.fixed_s + w.fixed_s,
+                         cost.profile.context_pairs)
 
     def segment(self, start: int, end: int) -> float:
         """Time of a segment without the per-unit constant ``b``."""
-        n = end - start
-        return self.a1 * (n * n + 2 * start * n) + self.a2 * n
+        shape = UnitShape.of((Segment(0, start, end),), self.context_pairs)
+        return self.a1 * shape.pairs + self.a2 * shape.tokens
 
     def unit(self, segments: Sequence[Segment]) -> float:
         return self.b + sum(self.segment(s.start, s.end) for s in segments)

@@ -3,7 +3,9 @@
 The cumulative per-layer time of ``[0, x)`` without the per-unit constant is ``a1 x^2 + a2 x``, so
 cut ``j`` of ``K`` is the root of ``a1 x^2 + a2 x = (j / K) (a1 L^2 + a2 L)`` (closed form; ``b``
 cancels because every slice pays it once).  Later slices own a wider attention band, so they are
-shorter; the first slice, up to rounding, is the largest.
+shorter; the first slice, up to rounding, is the largest.  The cuts assume the causal band; under
+a profile that counts a slice's context as a masked rectangle (CPU SDPA) they are equal-band cuts,
+and the cost model prices the slices by the profile's count afterwards.
 """
 from __future__ import annotations
 

@@ -253,7 +253,7 @@ def no_fit_cause(search: LayoutSearch, lengths: Sequence[int], states_remedies: 
     # Without a one-sequence search the figure is the leanest plan's, which keeps everything on the device.
     device_only = bool(search.host_budget_bytes) and best.largest_length is None
     if not fits_alone:
-        where = (" on the device alone (every layer checkpointed, nothing in host memory: the host tier may "
+        where = (" with no activations or K/V in host memory (every layer checkpointed: the host tier may "
                  "reach further; search that sequence alone for its planned limit)") if device_only else ""
         return (f"the longest sequence has {longest} tokens but the largest any layout trains{where} is "
                 f"{best.largest_trainable} ({layout_name(best.layout)}): split or truncate "

@@ -83,7 +83,7 @@ def _passes(check, *args) -> bool:
 
 def sp_candidates(spec: ModelSpec, world_size: int, gpus_per_node: int) -> list[int]:
     """SP degrees a layout may use: powers of two dividing the world that divide ``gpus_per_node``
-    or are whole nodes (module docstring), that the layout's model check accepts (at most one
+    or are whole nodes (module docstring), that the layout's model check accepts (at least one
     attention head per SP rank)."""
     out, sp = [], 1
     while sp <= world_size:
@@ -148,7 +148,8 @@ def _no_layout_message(spec, world_size, gpus_per_node, sps, sp_degrees, shards)
     return (f"no parallel layout of {world_size} GPUs ({gpus_per_node} per node) can run this model"
             + (f" with {asked}" if asked else "")
             + f": a layout needs pp x sp dividing {world_size}, pp <= the model's {spec.num_layers} layers, "
-              f"sp a power of two dividing {gpus_per_node} and at most the {spec.num_attention_heads} attention "
+              f"sp a power of two dividing {gpus_per_node} or a whole number of nodes, at most the "
+              f"{spec.num_attention_heads} attention "
               f"heads (sp here: {', '.join(map(str, sps)) or 'none'}), and a shard mode with ranks to shard over; "
               f"relax the restriction or change the world size")
 

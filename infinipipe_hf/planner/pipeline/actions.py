@@ -1,7 +1,8 @@
 """Per-stage action lists of one pipeline: warm-up, one-forward-one-backward, cool-down (docs/algorithms.md).
 
 Design: a pipeline is two orders -- the forward order of its units and their backward order --
-plus a warm-up count per stage (one entry per stage: the warm-up list is the stage count).  Stage ``r`` runs ``warmup[r]`` forwards, then alternates one
+plus a warm-up count per stage (one entry per stage: the warm-up list is the stage count).
+Stage ``r`` runs ``warmup[r]`` forwards, then alternates one
 forward / one backward (as Megatron's 1F1B: the last stage, warm-up 0, runs ``F0 B0 F1 B1``),
 then drains the remaining backwards.  Slices of one long sequence must run
 backward last slice first (the K/V gradients of later slices flow into earlier ones), so

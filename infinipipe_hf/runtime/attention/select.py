@@ -108,7 +108,8 @@ _MASKS_CONTEXT = frozenset({"sdpa"})
 
 def context_pairs(device: torch.device | str, table: Mapping[str, Any] | None = None) -> str:
     """How the backend ``"auto"`` runs slices with K/V context on ``device`` counts their pairs
-    (``HardwareProfile.context_pairs``): ``"rectangle"`` for SDPA's masked call, else ``"band"``."""
+    (``HardwareProfile.context_pairs``): ``"rectangle"`` for SDPA's masked call, else ``"band"``.
+    Read from the ``slice`` route; a measured table sending hybrids elsewhere is priced alike."""
     fn = backend_for_kind(select_backend("auto", device, table), "slice")
     name = next((n for n, (f, _) in _BACKENDS.items() if f is fn), None)
     return "rectangle" if name in _MASKS_CONTEXT else "band"

@@ -81,11 +81,13 @@ class DefaultPlanner:
         c = engine.config
         profile = HardwareProfile.load(c.profile) if c.profile is not None else default_profile()
         routed = [backend_for_kind(engine.runner.backend, kind) for kind in ("slice", "hybrid")]
-        if sdpa_backend in routed and not profile.attention_mask_bytes_per_element:
-            # The SDPA fallback keeps a dense mask (in the compute dtype) per slice with
-            # context; plan with it so the memory model matches what this rank really holds.
-            profile = dataclasses.replace(profile, attention_mask_bytes_per_element=float(
-                torch.finfo(engine.dtype).bits // 8 if engine.dtype.is_floating_point else 4))
+        if sdpa_backend in routed:
+            # The SDPA fallback runs a slice with context through a dense mask (in the compute dtype),
+            # computing the masked blocks too: plan with both, as this rank really runs it.
+            mask_bytes = profile.attention_mask_bytes_per_element or float(
+                torch.finfo(engine.dtype).bits // 8 if engine.dtype.is_floating_point else 4)
+            profile = dataclasses.replace(profile, attention_mask_bytes_per_element=mask_bytes,
+                                          context_pairs="rectangle")
         return profile
 
     def request(self, engine) -> dict:

@@ -32,6 +32,7 @@ from trl.chat_template_utils import (
 from trl.data_utils import get_dataset_column_names, is_conversational
 from trl.trainer.utils import create_model_from_path, get_config_model_id
 
+from infinipipe_hf.layout.state_offload import state_offload
 from infinipipe_hf.models.smollm2 import TRAINING_CHAT_TEMPLATE
 from infinipipe_hf.trainer import notices
 from infinipipe_hf.trainer.batches.prepare import prepare_once
@@ -80,7 +81,7 @@ def _map_activation_offloading(args: EPPSFTConfig) -> None:
         notices.warn("activation_offloading=True, but host_memory_gib=0 turns the host tier off, so "
                      "nothing is offloaded; leave host_memory_gib unset (the machine's memory over its "
                      "ranks) or give a budget in GiB per rank")
-    elif args.host_memory_gib is None and args.device.type == "cpu":
+    elif args.host_memory_gib is None and args.device.type == "cpu" and not state_offload(args.state_offload).offloaded:
         notices.warn("activation_offloading=True on a CPU device offloads nothing by default: its memory "
                      "is host memory already; give host_memory_gib to keep a separate host tier anyway")
     else:

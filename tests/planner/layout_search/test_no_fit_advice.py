@@ -97,12 +97,12 @@ def test_search_where_the_longest_sequence_fits_no_layout():
 
 
 def test_with_a_host_tier_the_bound_is_named_as_the_devices_alone():
-    """A batch of several sequences gets the leanest plan's bound, which keeps everything on the
-    device: with a host tier the message says so instead of passing it off as the limit."""
+    """A batch of several sequences gets the leanest plan's bound, which keeps activations and K/V
+    on the device: with a host tier the message says so instead of passing it off as the limit."""
     with pytest.raises(NoLayoutFits) as exc:
         search_layouts([400000, 1000], LLAMA31_8B, world_size=2, gpus_per_node=2, memory_budget_bytes=H100,
                        host_budget_bytes=1 * GIB, alternatives=False)
-    assert "the largest any layout trains on the device alone (every layer checkpointed" in str(exc.value)
+    assert "the largest any layout trains with no activations or K/V in host memory" in str(exc.value)
 
 
 def test_plan_step_defaults_are_the_trainers():

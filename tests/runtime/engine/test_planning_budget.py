@@ -58,3 +58,16 @@ def test_a_cpu_device_has_no_host_tier_unless_one_is_given():
         assert planning.host_budget_bytes(InfiniPipeConfig(host_memory_gib=2.0), device) == 2.0 * GIB
     asked = InfiniPipeConfig(state_offload="optimizer")  # states on the host: the tier was asked for
     assert planning.host_budget_bytes(asked, cpu) == asked.host_budget_bytes() > 0
+
+
+def test_an_engine_on_sdpa_plans_with_the_masked_rectangle_it_runs():
+    """Slices with context routed to SDPA run through a dense mask that computes the masked blocks:
+    the engine's profile says so (its pairs and its mask bytes) even when it was fitted on flash."""
+    from infinipipe_hf.planner.cost.profile import default_profile
+    from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
+
+    engine = types.SimpleNamespace(config=InfiniPipeConfig(), runner=types.SimpleNamespace(backend=sdpa_backend),
+                                   dtype=torch.float32)
+    profile = planning.DefaultPlanner()._load_profile(engine)
+    assert default_profile().context_pairs == "band"
+    assert profile.context_pairs == "rectangle" and profile.attention_mask_bytes_per_element == 4.0
