@@ -174,10 +174,7 @@ def _context_pairs(args, env: dict) -> str:
     """How the first timed backend counts a slice's context pairs (``HardwareProfile.context_pairs``)."""
     from infinipipe_hf.runtime.attention.select import context_pairs
 
-    backend = args.backends[0]
-    if backend == "auto":
-        return context_pairs(env["device"])
-    return "rectangle" if backend == "sdpa" else "band"
+    return context_pairs(env["device"], backend=args.backends[0])
 
 
 def _fit(args, spec, rows: list[dict], base, base_source: str, env: dict, name: str):

@@ -112,10 +112,15 @@ class Plan:
                              f"sp_degree={sp}: the size must be one of {sizes} and the offset a "
                              f"multiple of it below {sp}")
 
+    @property
+    def round_units(self) -> list[list[int]]:
+        """Unit ids per round: ``rounds``, or without them every unit its own round."""
+        return self.rounds or [[u.id] for u in self.units]
+
     def check_rounds(self) -> None:
-        """``ValueError`` unless every unit is in exactly one round (without ``rounds``: each its own)
-        and each round's sub-groups partition the stage's SP ranks."""
-        rounds = self.rounds or [[u.id] for u in self.units]
+        """``ValueError`` unless every unit is in exactly one round (:attr:`round_units`) and each
+        round's sub-groups partition the stage's SP ranks."""
+        rounds = self.round_units
         ids = {u.id for u in self.units}
         seen: dict[int, int] = {}
         for r, members in enumerate(rounds):

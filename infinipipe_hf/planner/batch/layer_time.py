@@ -29,8 +29,7 @@ class LayerTime:
 
     def segment(self, start: int, end: int) -> float:
         """Time of a segment without the per-unit constant ``b``."""
-        shape = UnitShape.of((Segment(0, start, end),), self.context_pairs)
-        return self.a1 * shape.pairs + self.a2 * shape.tokens
+        return self.a1 * UnitShape.segment_pairs(start, end, self.context_pairs) + self.a2 * (end - start)
 
     def unit(self, segments: Sequence[Segment]) -> float:
         return self.b + sum(self.segment(s.start, s.end) for s in segments)

@@ -39,16 +39,21 @@ class UnitShape:
 
     @staticmethod
     def of(segments: Iterable[Segment], context_pairs: str = "band") -> "UnitShape":
-        """The shape of a unit; ``context_pairs="rectangle"`` (``HardwareProfile.context_pairs``)
-        counts a slice with context as its whole masked rectangle ``2 s (C + s)``, not the band."""
-        rectangle = context_pairs == "rectangle"
+        """The shape of a unit, its pairs counted as :meth:`segment_pairs` says."""
         pairs = 0
         tokens = 0
         for s in segments:
-            n = s.end - s.start
-            pairs += n * n + 2 * s.start * n + (n * n if rectangle and s.start else 0)
-            tokens += n
+            pairs += UnitShape.segment_pairs(s.start, s.end, context_pairs)
+            tokens += s.end - s.start
         return UnitShape(float(pairs), tokens)
+
+    @staticmethod
+    def segment_pairs(start: int, end: int, context_pairs: str = "band") -> int:
+        """Twice the causal band of tokens ``[start, end)``, ``s^2 + 2 C s``; with
+        ``context_pairs="rectangle"`` (``HardwareProfile.context_pairs``) a slice with context counts
+        its whole masked rectangle ``2 s (C + s)`` instead."""
+        n = end - start
+        return n * n + 2 * start * n + (n * n if start and context_pairs == "rectangle" else 0)
 
 
 STAGE_UNIT_KEYS = ("forward", "backward")

@@ -102,17 +102,17 @@ def backend_for_kind(backend: AttentionBackend, kind: str) -> AttentionBackend:
     return backend.for_kind(kind) if isinstance(backend, RoutedBackend) else backend
 
 
-_MASKS_CONTEXT = frozenset({"sdpa"})
-"""Backends that run a slice with K/V context through an explicit mask, masked blocks included."""
+def masks_context(backend: AttentionBackend) -> bool:
+    """Whether ``backend`` runs a slice with K/V context through an explicit mask, computing the
+    masked blocks too (SDPA; flash, varlen and FlexAttention skip them)."""
+    return backend is sdpa_backend
 
 
-def context_pairs(device: torch.device | str, table: Mapping[str, Any] | None = None) -> str:
-    """How the backend ``"auto"`` runs slices with K/V context on ``device`` counts their pairs
+def context_pairs(device: torch.device | str, table: Mapping[str, Any] | None = None, backend: str = "auto") -> str:
+    """How ``backend`` runs slices with K/V context on ``device`` counts their pairs
     (``HardwareProfile.context_pairs``): ``"rectangle"`` for SDPA's masked call, else ``"band"``.
     Read from the ``slice`` route; a measured table sending hybrids elsewhere is priced alike."""
-    fn = backend_for_kind(select_backend("auto", device, table), "slice")
-    name = next((n for n, (f, _) in _BACKENDS.items() if f is fn), None)
-    return "rectangle" if name in _MASKS_CONTEXT else "band"
+    return "rectangle" if masks_context(backend_for_kind(select_backend(backend, device, table), "slice")) else "band"
 
 
 def select_backend(name: str, device: torch.device | str,

@@ -18,6 +18,7 @@ import torch
 
 from infinipipe_hf.config import InfiniPipeConfig
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.layout import state_offload
 
 
 def memory_budget_bytes(config: InfiniPipeConfig, device: torch.device) -> float | None:
@@ -36,8 +37,6 @@ def host_budget_bytes(config: InfiniPipeConfig, device: torch.device) -> float:
     budget, so offloading would copy within the same RAM and count it twice.  Giving
     ``host_memory_gib`` or a ``state_offload`` keeps a host tier on CPU (separate storage, as the
     exactness tests use)."""
-    from infinipipe_hf.layout.state_offload import state_offload
-
     if config.host_memory_gib is None and device.type == "cpu" and not state_offload(config.state_offload).offloaded:
         return 0.0
     return config.host_budget_bytes()
@@ -75,13 +74,12 @@ class DefaultPlanner:
 
     def _load_profile(self, engine):
         from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
-        from infinipipe_hf.runtime.attention.sdpa import sdpa_backend
-        from infinipipe_hf.runtime.attention.select import backend_for_kind
+        from infinipipe_hf.runtime.attention.select import backend_for_kind, masks_context
 
         c = engine.config
         profile = HardwareProfile.load(c.profile) if c.profile is not None else default_profile()
         routed = [backend_for_kind(engine.runner.backend, kind) for kind in ("slice", "hybrid")]
-        if sdpa_backend in routed:
+        if any(masks_context(fn) for fn in routed):
             # The SDPA fallback runs a slice with context through a dense mask (in the compute dtype),
             # computing the masked blocks too: plan with both, as this rank really runs it.
             mask_bytes = profile.attention_mask_bytes_per_element or float(

@@ -39,12 +39,11 @@ def check_runnable(plan: Plan, dims: ParallelDims) -> None:
         raise ValueError(f"the plan has SP sub-groups or rounds for sp_degree={plan.sp_degree} but the "
                          f"engine runs sp_degree={sp_degree}; rounds need sp_degree >= 2 and a plan made "
                          f"with the engine's sp_degree")
-    rounds = plan.rounds or [[u.id] for u in plan.units]
     try:
         plan.check_rounds()
     except ValueError as exc:
         raise ValueError(f"the plan's rounds cannot run: {exc}") from exc
-    for r, members in enumerate(rounds):
+    for r, members in enumerate(plan.round_units):
         replicas = sorted({plan.unit_by_id[u].dp_rank for u in members})
         if len(replicas) > 1:
             raise ValueError(f"round {r} (units {list(members)}) mixes DP replicas {replicas}; a round is "
