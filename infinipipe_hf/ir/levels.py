@@ -4,6 +4,10 @@ A Llama-pattern layer is ``h + attn(norm(h))`` then ``h + mlp(norm(h))`` with th
 ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``.  The levels, heaviest first (the order the
 runtime gives them to a unit's layers, see :meth:`CheckpointMix.layer_levels`):
 
+``offload_attn``
+    ``keep_attn`` with everything it keeps (the input, the attention output and the log-sum-exp)
+    in host memory: no device bytes between forward and backward, and no attention core rerun,
+    for twice ``offload``'s host bytes and copies.
 ``offload``
     the whole layer recomputed, and its input kept in host memory (copied out during the forward,
     brought back ahead of the backward): no device bytes between forward and backward.
@@ -29,14 +33,17 @@ from typing import Iterable, Mapping
 CHECKPOINTING = ("adaptive", "none", "full")
 """Step-level checkpointing choices: solved per (stage, unit), none, or every layer."""
 
-OFFLOAD, FULL, KEEP_ATTN, MLP, MLP_ACT = "offload", "full", "keep_attn", "mlp", "mlp_act"
-LEVELS = (OFFLOAD, FULL, KEEP_ATTN, MLP, MLP_ACT)
-"""Every level, heaviest (most device bytes saved) first."""
+OFFLOAD_ATTN, OFFLOAD, FULL, KEEP_ATTN, MLP, MLP_ACT = "offload_attn", "offload", "full", "keep_attn", "mlp", "mlp_act"
+LEVELS = (OFFLOAD_ATTN, OFFLOAD, FULL, KEEP_ATTN, MLP, MLP_ACT)
+"""Every level, heaviest (most device bytes saved, then most host bytes) first."""
+HOST_LEVELS = (OFFLOAD_ATTN, OFFLOAD)
+"""The levels that keep what they save in host memory (planned where the plan has a host tier)."""
 FINER_LEVELS = (KEEP_ATTN, MLP, MLP_ACT)
 """The levels inside a layer, beside whole layers (the ``checkpoint_levels`` setting picks among them)."""
-PLAN_LEVELS = (OFFLOAD,) + FINER_LEVELS
+PLAN_LEVELS = HOST_LEVELS + FINER_LEVELS
 """Every level but whole layers: the plan's ``checkpoint_levels`` entry holds these counts (whole
-layers are its ``checkpoint_layers``); ``offload`` is allowed where the plan has host memory."""
+layers are its ``checkpoint_layers``); the host levels are allowed where the plan has host memory
+(``offload_attn`` also where ``keep_attn`` runs)."""
 MLP_LEVELS = (MLP, MLP_ACT)
 """The levels inside the MLP (runtime/recompute/mlp_levels.py)."""
 
@@ -77,6 +84,8 @@ class CheckpointMix:
     positional construction reads ``full, mlp, mlp_act``)."""
     offload: int = 0
     """Layers recomputed whole whose input waits in host memory between forward and backward."""
+    offload_attn: int = 0
+    """Layers at ``keep_attn`` whose kept tensors wait in host memory between forward and backward."""
 
     def __post_init__(self) -> None:
         for name in LEVELS:
@@ -86,12 +95,18 @@ class CheckpointMix:
 
     @property
     def total(self) -> int:
-        return self.offload + self.full + self.keep_attn + self.mlp + self.mlp_act
+        return self.offload_attn + self.offload + self.full + self.keep_attn + self.mlp + self.mlp_act
 
     @property
     def recomputed_whole(self) -> int:
         """Layers whose whole forward reruns in backward (``full`` and ``offload``)."""
         return self.offload + self.full
+
+    @property
+    def replayed_whole(self) -> int:
+        """Layers whose forward replays in backward, the attention core at most skipped (every
+        level but the MLP ones)."""
+        return self.offload_attn + self.offload + self.full + self.keep_attn
 
     @property
     def finer(self) -> dict[str, int]:
@@ -113,7 +128,8 @@ class CheckpointMix:
         the layers backward needs first keep what it needs."""
         if self.total > num_layers:
             raise ValueError(f"checkpoint levels {self} name {self.total} layers but the stage has "
-                             f"{num_layers}; offload + full + keep_attn + mlp + mlp_act must be at most "
+                             f"{num_layers}; offload_attn + offload + full + keep_attn + mlp + mlp_act must be at most "
                              f"the stage's layers")
-        return ([OFFLOAD] * self.offload + [FULL] * self.full + [KEEP_ATTN] * self.keep_attn + [MLP] * self.mlp
+        return ([OFFLOAD_ATTN] * self.offload_attn + [OFFLOAD] * self.offload + [FULL] * self.full
+                + [KEEP_ATTN] * self.keep_attn + [MLP] * self.mlp
                 + [MLP_ACT] * self.mlp_act + [None] * (num_layers - self.total))
