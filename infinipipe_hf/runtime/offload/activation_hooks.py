@@ -7,6 +7,9 @@ pack hook copies it into the :class:`~.host_tier.HostTier` (tagged with the unit
 can prefetch the first one a backward reads, and each read the next) and the device copy is freed with the
 last reference; the unpack hook brings it back when the recompute needs it.  Parameters are never
 copied (they stay on the device anyway).
+An ``offload_attn`` layer (``keep_attn`` in host memory) runs under the same hooks; what its
+attention store keeps (output, log-sum-exp) is not autograd-saved, so the store puts it in the
+same tier itself (``recompute/keep_attn.py``).
 """
 from __future__ import annotations
 

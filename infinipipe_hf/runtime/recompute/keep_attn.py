@@ -1,4 +1,4 @@
-"""The ``keep_attn`` checkpoint level: a whole layer recomputed in backward except its attention core.
+"""The ``keep_attn`` and ``offload_attn`` levels: a whole layer recomputed in backward but its attention core.
 
 A whole-layer checkpoint keeps only the layer's input and replays its forward in backward; on a
 long slice most of that replay is the attention core (``softmax(q k^T) v`` over the slice and its
@@ -18,6 +18,13 @@ the same tensors in both runs.  The KV store's puts, the context reads and the S
 around the core replay unchanged (their outputs are q, k, v and the context keys, which the
 backward needs).
 
+The ``offload_attn`` level is this one with everything it keeps in the stage's host tier: its
+store (``KeptAttention(host_tier, tag)``) copies the output, log-sum-exp and aux tensors out with
+``HostTier.put`` as the first forward keeps them (they are kept, not autograd-saved, so the
+saved-tensor hooks that move the layer input, ``offload/activation_hooks.py``, never see them) and
+brings them back with ``get`` when the replay pops them; the replay's own ``save_for_backward``
+runs in backward, outside those hooks, so it saves device tensors as ``keep_attn``'s does.
+
 Kernels (``attention/kept_kernels.py``): torch's flash attention for CPU, per segment, and torch's
 flash-attention varlen pair on CUDA (float16/bfloat16, checked on the device before the level is
 planned there).  Dropout inside attention is refused: a replay that skips the forward could not
@@ -29,6 +36,7 @@ import torch
 
 from infinipipe_hf.runtime.attention import kept_kernels as kernels
 from infinipipe_hf.runtime.attention.types import AttentionSegments
+from infinipipe_hf.runtime.offload.host_tier import HostTensor, HostTier
 
 
 def kept_attention_supported(device: torch.device | str, dtype: torch.dtype, dropout: float = 0.0,
@@ -42,23 +50,56 @@ def kept_attention_supported(device: torch.device | str, dtype: torch.dtype, dro
 
 class KeptAttention:
     """Attention outputs and log-sum-exps of one unit's ``keep_attn`` layers on one stage, kept
-    from the forward to the replay in backward (layer index -> (output, lse, the kernel's aux))."""
+    from the forward to the replay in backward (layer index -> (output, lse, the kernel's aux)).
+    With ``host_tier`` (the ``offload_attn`` level) they wait there, tagged ``tag``, instead of on
+    the device."""
 
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+    def __init__(self, host_tier: HostTier | None = None, tag: object = None) -> None:
+        self._entries: dict[int, tuple] = {}
+        self.host_tier, self.tag = host_tier, tag
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Everything held now (for memory accounting)."""
+        """The device tensors held now (for memory accounting): none when kept in the host tier."""
+        if self.host_tier is not None:
+            return []
         return [t for out, lse, aux in self._entries.values() for t in (out, lse, *aux)]
 
     def put(self, layer: int, out: torch.Tensor, lse: torch.Tensor, aux: tuple[torch.Tensor, ...] = ()) -> None:
-        self._entries[layer] = (out, lse, tuple(aux))
+        tier = self.host_tier
+        if tier is None:
+            self._entries[layer] = (out, lse, tuple(aux))
+            return
+        # Tensors off the device (the CUDA pair's CPU random-number state) or empty stay as they are.
+        device = out.device
+        held = [tier.put(t, self.tag) if t.numel() and t.device == device else t for t in (out, lse, *aux)]
+        self._entries[layer] = (held[0], held[1], tuple(held[2:]))
 
     def pop(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        return self._entries.pop(layer, None)
+        entry = self._entries.pop(layer, None)
+        tier = self.host_tier
+        if entry is None or tier is None:
+            return entry
+        out, lse, aux = entry
+        held = (out, lse, *aux)
+        for h in held:  # CUDA: all three copies in flight at once
+            if isinstance(h, HostTensor):
+                tier.prefetch(h)
+        out, lse, *aux = (tier.get(h) if isinstance(h, HostTensor) else h for h in held)
+        tier.prefetch_tag(self.tag)  # the next thing the backward reads
+        return out, lse, tuple(aux)
+
+    def __del__(self) -> None:  # a graph freed without its backward (an aborted step)
+        try:
+            if self.host_tier is not None:
+                for out, lse, aux in self._entries.values():
+                    for h in (out, lse, *aux):
+                        if isinstance(h, HostTensor):
+                            self.host_tier.release(h)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def run(self, problem: AttentionSegments, layer: int) -> torch.Tensor:
         """The attention core of ``layer`` at ``keep_attn`` (what the attention function calls)."""
@@ -98,10 +139,12 @@ class _KeptAttentionFunction(torch.autograd.Function):
 
 def kept_attention(a: AttentionSegments, store: KeptAttention, layer: int) -> torch.Tensor:
     """The unit's attention output ``[1, T, heads, d]`` (as a backend returns it) at ``keep_attn``."""
+    level = "keep_attn" if store.host_tier is None else "offload_attn (keep_attn in host memory)"
     if a.dropout:
-        raise ValueError(f"layer {layer}: keep_attn cannot replay attention dropout ({a.dropout}); plan "
+        raise ValueError(f"layer {layer}: {level} cannot replay attention dropout ({a.dropout}); plan "
                          f"without it: checkpoint_levels=('mlp', 'mlp_act')")
     kernel = kernels.kernel_for(a.query.device, a.query.dtype, a.query.shape[-1])
     if isinstance(kernel, str):
-        raise ValueError(f"layer {layer}: {kernel}; plan without it: checkpoint_levels=('mlp', 'mlp_act')")
+        raise ValueError(f"layer {layer} at {level}: {kernel}; plan without it: "
+                         f"checkpoint_levels=('mlp', 'mlp_act')")
     return _KeptAttentionFunction.apply(a, store, layer, kernel, a.query, *a.keys, *a.values)

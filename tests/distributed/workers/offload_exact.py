@@ -1,15 +1,17 @@
 """Host-tier exactness worker: offloaded layer inputs, K/V and model states against the unsplit
 float64 HF model, many cases in one launch.
 
-``offload_exact.py pp2 OUT`` (2 ranks): pp 2 with units at the ``offload`` level (mixed with
-whole layers and ``mlp``) and ``offload_kv`` on a sliced sequence; ``state_offload='optimizer'``
-(AdamW on the host, step on the CPU) over three steps against the reference's AdamW, with a save
-after step 2 and a resume into a fresh engine giving the same step 3 as the uninterrupted run;
-``state_offload='states'`` on unsharded stages (FSDP2 over each rank alone).
-``offload_exact.py sp2 OUT`` (2 ranks): sp 2 with ``offload`` and ``offload_kv``; ``shard='sp'``
-with ``state_offload='states'`` (FSDP2 ``CPUOffloadPolicy``).
-Every case checks the host tier's accounting: inputs left (bytes out) and came back (bytes in),
-nothing left after the step.  Prints ``CASE <name> OK`` per case and ``ALL OK``.
+``offload_exact.py pp2 OUT`` (2 ranks): pp 2 with units at the ``offload`` level, then at
+``offload_attn`` (each mixed with whole layers and ``mlp``), and ``offload_kv`` on a sliced
+sequence; ``state_offload='optimizer'`` (AdamW on the host, step on the CPU) over three steps
+against the reference's AdamW, with a save after step 2 and a resume into a fresh engine giving
+the same step 3 as the uninterrupted run; ``state_offload='states'`` on unsharded stages (FSDP2
+over each rank alone).
+``offload_exact.py sp2 OUT`` (2 ranks): sp 2 with ``offload`` and ``offload_kv``, and with
+``offload_attn``; ``shard='sp'`` with ``state_offload='states'`` (FSDP2 ``CPUOffloadPolicy``).
+Every case checks the host tier's accounting: inputs (and ``offload_attn``'s attention outputs
+and log-sum-exps) left (bytes out) and came back (bytes in), nothing left after the step.
+Prints ``CASE <name> OK`` per case and ``ALL OK``.
 """
 from __future__ import annotations
 
@@ -37,32 +39,41 @@ from common import (
 from infinipipe_hf.ir.levels import CheckpointMix
 from tests.helpers.reference import reference_loss_and_grads
 
-HIDDEN = 32  # tiny_config's hidden size
+HIDDEN, HEADS = 32, 4  # tiny_config's hidden size and attention heads
 OPT = dict(lr=1e-2, weight_decay=0.1, foreach=False)
 
 
-def offload_mix(plan, layers_per_stage) -> None:
-    """Per (stage, unit): ``CKPT["mixed"]`` whole layers, then ``offload`` on every other unit's
-    free layers (one, or all of them) and ``mlp`` on one where some remain."""
+def offload_mix(plan, layers_per_stage, level: str = "offload") -> None:
+    """Per (stage, unit): ``CKPT["mixed"]`` whole layers, then ``level`` (a host level) on every
+    other unit's free layers (one, or all of them) and ``mlp`` on one where some remain."""
     for s, layers in enumerate(layers_per_stage):
         for u in plan.units:
             full = plan.checkpointed(s, u.id)
             free = layers - full
             off = 0 if (s + u.id) % 3 == 2 else (free if (s + u.id) % 3 == 0 else min(1, free))
-            m = CheckpointMix(full=full, offload=off, mlp=min(1, free - off))
+            m = CheckpointMix(full=full, mlp=min(1, free - off), **{level: off})
             if m.finer:
                 plan.checkpoint_levels.setdefault(s, {})[u.id] = m.finer
-    assert any(per.get("offload") for st in plan.checkpoint_levels.values() for per in st.values())
+    assert any(per.get(level) for st in plan.checkpoint_levels.values() for per in st.values())
 
 
 def offloaded_bytes(engine, plan) -> int:
-    """Bytes of the layer inputs this rank's offload layers put out: one per layer and unit."""
+    """Bytes this rank's host levels put out per layer and unit: the layer input (its token
+    share); at ``offload_attn`` also the attention output and float64 log-sum-exp of the whole
+    unit's tokens for this rank's heads."""
     sp, s = engine.sequence_parallel, engine.layout.stage_index
+    heads = HEADS if sp is None else sp.head.num_q  # attention runs on this rank's heads
 
     def tokens(n: int) -> int:  # this rank's share of a unit's tokens
         return n if sp is None else sp.tokens(n).local_sizes[sp.sp_rank]
 
-    return sum(plan.checkpoint_mix(s, u.id).offload * tokens(u.num_tokens) * HIDDEN * 8 for u in plan.units)
+    total = 0
+    for u in plan.units:
+        m = plan.checkpoint_mix(s, u.id)
+        inputs = tokens(u.num_tokens) * HIDDEN * 8
+        kept = u.num_tokens * heads * (HIDDEN // HEADS + 1) * 8  # output (head_dim) and lse per head
+        total += m.offload * inputs + m.offload_attn * (inputs + kept)
+    return total
 
 
 def check_tier(engine, plan, kv: bool) -> str:
@@ -79,13 +90,14 @@ def check_tier(engine, plan, kv: bool) -> str:
     return f"out={s.bytes_out} in={s.bytes_in} peak={s.peak_bytes}"
 
 
-def offload_case(name: str, *, pp: int, sp: int, offload_kv: list[int], family: str = "llama") -> None:
+def offload_case(name: str, *, pp: int, sp: int, offload_kv: list[int], family: str = "llama",
+                 level: str = "offload") -> None:
     t0 = time.time()
     batch = random_batch(LENGTHS, seed=5, with_labels=True)
     (want_loss,), want, _ = reference(family, False, [batch])
     engine = PipelineEngine(tiny_model(family), InfiniPipeConfig(pp_degree=pp, sp_degree=sp, p2p_timeout_s=60))
     plan = make_plan(LENGTHS, UNITS_DP1, pp, engine.layers_per_stage, checkpoint=CKPT["mixed"])
-    offload_mix(plan, engine.layers_per_stage)
+    offload_mix(plan, engine.layers_per_stage, level)
     plan.offload_kv = list(offload_kv)
     prefetched, prefetch = [], engine.host_tier.prefetch_tag
     engine.host_tier.prefetch_tag = lambda tag: (prefetched.append(tag), prefetch(tag))
@@ -215,12 +227,15 @@ def states_host_bytes(engine, opt) -> tuple[int, float]:
 def pp2(out_dir: str) -> None:
     offload_case("pp2_offload_levels_kv", pp=2, sp=1, offload_kv=[1])
     offload_case("pp2_offload_levels_kv_both", pp=2, sp=1, offload_kv=[0, 1], family="qwen2")
+    offload_case("pp2_offload_attn_levels", pp=2, sp=1, offload_kv=[], level="offload_attn")
+    offload_case("pp2_offload_attn_levels_kv", pp=2, sp=1, offload_kv=[1], family="qwen2", level="offload_attn")
     optimizer_offload_resume(out_dir)
     states_offload("pp2_states_offload_unsharded", pp_degree=2)
 
 
 def sp2(out_dir: str) -> None:
     offload_case("sp2_offload_levels_kv", pp=1, sp=2, offload_kv=[0])
+    offload_case("sp2_offload_attn_levels", pp=1, sp=2, offload_kv=[], level="offload_attn")
     states_offload("sp2_states_offload", sp_degree=2, shard="sp")
 
 
