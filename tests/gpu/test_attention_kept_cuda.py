@@ -1,6 +1,7 @@
 """keep_attn on CUDA: torch's flash-attention pair passes its self-check, equals SDPA (forward and
-the gradients from the kept output and log-sum-exp) in bf16, and an engine step at keep_attn on
-every layer equals one with whole layers recomputed (the same kernels, so within bf16 rounding).
+the gradients from the kept output and log-sum-exp) in bf16, and an engine step at keep_attn (or
+offload_attn, the same in host memory) on every layer equals one with whole layers recomputed
+(the same kernels, so within bf16 rounding).
 The pair's code around the kernels is tested on CPU (tests/runtime/attention/test_kept_kernels_cpu.py)."""
 import pytest
 import torch
@@ -72,14 +73,20 @@ def _step(model, levels):
     plan.checkpoint_layers = {0: {u.id: (layers if levels is None else 0) for u in plan.units}}
     plan.checkpoint_levels = {} if levels is None else {0: {u.id: dict(levels) for u in plan.units}}
     out = engine.train_step(random_batch(LENGTHS, seed=3), plan=plan)
-    return out.loss, {n: p.grad.float().cpu() for n, p in engine.named_parameters()}
+    return out.loss, {n: p.grad.float().cpu() for n, p in engine.named_parameters()}, engine.host_tier.stats
 
 
-def test_engine_keep_attn_equals_whole_layer_recompute_bf16():
+@pytest.mark.parametrize("level", ["keep_attn", "offload_attn"])
+def test_engine_keep_attn_equals_whole_layer_recompute_bf16(level):
+    """``offload_attn`` also round-trips, per layer and token, the bf16 input and attention output
+    and the float32 log-sum-exp per head through pinned host memory."""
     make = lambda: tiny_model("qwen2", num_layers=2, seed=6, hidden=256, heads=4, kv_heads=2).to(torch.bfloat16)
-    want_loss, want = _step(make(), None)
-    loss, got = _step(make(), {"keep_attn": 2})
+    want_loss, want, _ = _step(make(), None)
+    loss, got, tier = _step(make(), {level: 2})
     assert loss == pytest.approx(want_loss, rel=1e-2)
     num = sum(float((got[n] - want[n]).pow(2).sum()) for n in want)
     den = sum(float(w.pow(2).sum()) for w in want.values())
     assert (num / den) ** 0.5 < 2e-2
+    host = 2 * sum(LENGTHS) * (256 * 2 + 256 * 2 + 4 * 4) if level == "offload_attn" else 0
+    # (a few bytes more if a torch keeps the kernel's random-number state on the device)
+    assert host <= tier.bytes_out == tier.bytes_in <= host + 1024 and tier.current_bytes == 0, (tier, host)
