@@ -48,6 +48,12 @@ MLP_LEVELS = (MLP, MLP_ACT)
 """The levels inside the MLP (runtime/recompute/mlp_levels.py)."""
 
 
+def host_levels(finer: Iterable[str]) -> tuple[str, ...]:
+    """The host levels a plan with a host tier may use beside the finer levels ``finer``:
+    ``offload``, and ``offload_attn`` where ``keep_attn`` may run (it keeps what that level keeps)."""
+    return ((OFFLOAD_ATTN,) if KEEP_ATTN in tuple(finer) else ()) + (OFFLOAD,)
+
+
 def _in_order(levels: Iterable[str], allowed: tuple[str, ...], hint: str) -> tuple[str, ...]:
     """``levels`` as a tuple in ``allowed``'s order; ``ValueError`` naming an unknown one."""
     got = tuple(levels)

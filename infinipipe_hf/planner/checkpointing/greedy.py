@@ -40,7 +40,17 @@ def greedy_counts(prob: ReplicaProblem, x0: np.ndarray | None = None) -> np.ndar
     if not raise_(prob, a_rows, a_cols, x, over, cost_s):
         return None
     _lower(prob, a_cols, x, over)
+    _raise_savers(prob, x)
     return x
+
+
+def _raise_savers(prob: ReplicaProblem, x: np.ndarray) -> None:
+    """Raise every variable that saves time (negative cost: ``offload_attn`` over ``offload``) to
+    the next finer one in its chain, within its bound: it costs device rows nothing, and the
+    host rows are the caller's to repair (:func:`~.host_rows.fit_host`)."""
+    savers = np.flatnonzero((prob.var_cost_s < 0) & (prob.var_parent >= 0))
+    if len(savers):
+        x[savers] = np.maximum(x[savers], np.minimum(x[prob.var_parent[savers]], prob.var_ub[savers]))
 
 
 def _raise_plain(prob, a_rows, a_cols, x, over, cost_s) -> bool:

@@ -1,9 +1,9 @@
 """Host bytes of one stage at each of its actions, and the peak: the host tier's memory timeline.
 
 A stage's host bytes at an action are its checkpoint-independent part (model states kept on the
-host, an offloaded KV store: ``StageTimeline.host_base``) plus the inputs of the ``offload``
-layers of every live unit (forwarded on the stage, backward not finished), each
-``cost.host.layer_offload_bytes`` per layer.  The same live intervals as the device timeline
+host, an offloaded KV store: ``StageTimeline.host_base``) plus what the ``offload`` and
+``offload_attn`` layers of every live unit keep (forwarded on the stage, backward not finished),
+``cost.host.layer_offload_bytes`` of its level per layer.  The same live intervals as the device timeline
 (:mod:`.memory_walk`), so every point is one linear row of the checkpoint solver (:mod:`.host_rows`).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Mapping
 
 import numpy as np
 
-from infinipipe_hf.ir.levels import OFFLOAD
+from infinipipe_hf.ir.levels import HOST_LEVELS
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import has_sub_groups, rank_classes, rank_view
 from infinipipe_hf.planner.checkpointing.memory_walk import LevelCounts, StageTimeline, stage_timeline
@@ -20,9 +20,9 @@ from infinipipe_hf.planner.cost.model import CostModel
 
 
 def offloaded_bytes(cost: CostModel, stage: int, segments, counts: Mapping[str, int] | None) -> float:
-    """Host bytes of a unit's offloaded layer inputs on the stage (``counts``: its level counts)."""
-    n = (counts or {}).get(OFFLOAD, 0)
-    return n * cost.host.layer_offload_bytes(stage, segments) if n else 0.0
+    """Host bytes of a unit's offloaded layers on the stage (``counts``: its level counts)."""
+    counts = counts or {}
+    return sum(n * cost.host.layer_offload_bytes(stage, segments, lv) for lv in HOST_LEVELS if (n := counts.get(lv, 0)))
 
 
 def host_point_values(tl: StageTimeline, cost: CostModel, stage: int,

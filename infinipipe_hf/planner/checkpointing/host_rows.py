@@ -1,12 +1,13 @@
 """The host-memory rows of the checkpoint problem, and the repair that keeps an answer within them.
 
-With a host tier (``cost.host_budget_bytes > 0``) a cell's ``offload`` column (:mod:`.problem`)
-holds its offloaded layers, each keeping ``cost.host.layer_offload_bytes`` in host memory while
-the unit is live.  Every memory point is then also a *packing* row ``sum host * y_offload <=
-cap`` with ``cap = host budget - the point's host base`` (states on the host, an offloaded KV
-store): raising ``y_offload`` can break it, so the covering arguments of the device rows (round
-up, greedy raise) do not hold for it.  :func:`fit_host` repairs any answer instead: it demotes
-offloaded layers to ``full`` at the worst host row, caps those variables there, and lets the
+With a host tier (``cost.host_budget_bytes > 0``) a cell's host columns (:mod:`.problem`: ``offload``,
+and ``offload_attn`` ahead of it) hold its offloaded layers, each keeping
+``cost.host.layer_offload_bytes`` of its level in host memory while the unit is live.  Every memory
+point is then also a *packing* row ``sum host * y <= cap`` over those columns with ``cap = host
+budget - the point's host base`` (states on the host, an offloaded KV store): raising a host
+column can break it, so the covering arguments of the device rows (round up, greedy raise) do not
+hold for it.  :func:`fit_host` repairs any answer instead: it demotes offloaded layers a level
+(``offload_attn`` to ``offload``, ``offload`` to ``full``) at the worst host row, caps those variables there, and lets the
 greedy cover the device rows again with the other levels; the MILP takes the rows as constraints
 (:mod:`.lp`).  Rows that cannot bind (every live layer offloaded still fits) are dropped.
 """
@@ -30,7 +31,7 @@ HOST_SLACK_BYTES = 1.0
 class HostRows:
     """Host rows of one replica's problem: ``matrix @ columns <= cap``."""
 
-    matrix: sparse.csr_matrix  # rows x columns: host bytes per offloaded layer (offload columns only)
+    matrix: sparse.csr_matrix  # rows x columns: host bytes per offloaded layer (host columns only)
     cap: np.ndarray  # host budget minus the row's checkpoint-independent host bytes
     stage: np.ndarray
     action: list[Action]
@@ -60,15 +61,19 @@ class HostRows:
                 f"host_memory_gib), use more pipeline stages or a larger GPU memory budget")
 
 
-def build_host_rows(budget: float, cell_host: np.ndarray, nl: int, r_row: np.ndarray, r_cell: np.ndarray,
+def build_host_rows(budget: float, col_host: np.ndarray, r_row: np.ndarray, r_cell: np.ndarray,
                     host_base: np.ndarray, row_stage: np.ndarray, row_action: list[Action],
                     row_index: np.ndarray, cell_layers: np.ndarray) -> HostRows:
     """Host rows over the same points and live cells as the device rows (``r_row``, ``r_cell``:
-    one entry per live cell of a row); the offload column of a cell is its first (index ``cell * nl``)."""
+    one entry per live cell of a row); ``col_host`` (cells x levels): the host bytes per layer each
+    cumulative column adds beyond the next finer one (non-zero for the host levels only)."""
     n_rows = len(host_base)
-    matrix = sparse.csr_matrix((cell_host[r_cell], (r_row, r_cell * nl)), shape=(n_rows, len(cell_host) * nl))
+    n_cells, nl = col_host.shape
+    cols = (r_cell[:, None] * nl + np.arange(nl)).reshape(-1)
+    matrix = sparse.csr_matrix((col_host.reshape(-1)[cols], (np.repeat(r_row, nl), cols)), shape=(n_rows, n_cells * nl))
+    matrix.eliminate_zeros()
     cap = budget - host_base
-    most = np.bincount(r_row, weights=cell_host[r_cell] * cell_layers[r_cell], minlength=n_rows)
+    most = np.bincount(r_row, weights=col_host.sum(axis=1)[r_cell] * cell_layers[r_cell], minlength=n_rows)
     keep = np.flatnonzero(most > cap + HOST_SLACK_BYTES)
     return HostRows(matrix[keep].tocsr(), cap[keep], row_stage[keep], [row_action[i] for i in keep.tolist()],
                     row_index[keep], budget)
@@ -90,6 +95,9 @@ def fit_host(prob, x: np.ndarray | None, greedy) -> np.ndarray | None:
     rows = host_var_rows(prob)
     capped = dataclasses.replace(prob, var_ub=prob.var_ub.copy())
     x = np.array(x, dtype=np.int64)
+    heavier = np.full(prob.num_vars, -1, dtype=np.int64)  # the chain's next heavier variable
+    has = prob.var_parent >= 0
+    heavier[prob.var_parent[has]] = np.flatnonzero(has)
     for _ in range(int(prob.var_ub.sum()) + 1):
         over = rows @ x - prob.host.cap
         i = int(np.argmax(over))
@@ -107,6 +115,10 @@ def fit_host(prob, x: np.ndarray | None, greedy) -> np.ndarray | None:
             x[v] -= drop
             capped.var_ub[v] = x[v]
             left -= drop * vals[j]
+            h = int(heavier[v])
+            while h >= 0 and x[h] > x[v]:  # the chain holds: no more heavier layers than this level's
+                x[h] = capped.var_ub[h] = x[v]
+                v, h = h, int(heavier[h])
             if left <= 0:
                 break
         x = greedy(capped, x)

@@ -81,8 +81,10 @@ def lp_rounding(prob: ReplicaProblem, time_limit_s: float) -> tuple[np.ndarray |
     """
     binding = prob.need > 0
     a = prob.var_rows()[binding]
-    used_mask = np.diff(a.tocsc().indptr) > 0  # the rest stay 0 in any optimum
-    for _ in range(len(prob.levels) - 1):  # ... unless a used variable's chain needs them
+    # The rest stay 0 in any optimum, but for those that save time (``offload_attn`` over
+    # ``offload``: no device bytes, less recompute, bound by the host rows) ...
+    used_mask = (np.diff(a.tocsc().indptr) > 0) | (prob.var_cost_s < 0)
+    for _ in range(len(prob.levels) - 1):  # ... and unless a used variable's chain needs them
         used_mask[prob.var_parent[used_mask & (prob.var_parent >= 0)]] = True
     used = np.flatnonzero(used_mask)
     a_ub = -(a[:, used] / GIB)

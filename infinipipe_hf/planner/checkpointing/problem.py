@@ -7,8 +7,9 @@ point of a stage's timeline (:mod:`.points`) is one row ``sum slope * c >= need`
 
 Finer levels inside a layer (:mod:`infinipipe_hf.ir.levels`) give a cell one *column* per level
 holding cumulative counts ``y_full <= y_keep_attn <= y_mlp <= y_mlp_act <= layers`` (a host tier puts
-``y_offload <= y_full`` first, bound by host rows: :mod:`.host_rows`); a row's coefficient of ``y_l``
-is what level ``l`` saves beyond the next finer one, positive, so the rows stay covering
+``y_offload_attn <= y_offload <= y_full`` first, bound by host rows: :mod:`.host_rows`); a row's
+coefficient of ``y_l`` is what level ``l`` saves beyond the next finer one, never negative (0 for
+``offload_attn`` over ``offload``: both keep nothing on the device), so the rows stay covering
 constraints (raising any count never breaks one) and rounding an LP answer up keeps it feasible
 once each chain is closed upwards.  The chains are the only other constraints.
 
@@ -40,7 +41,7 @@ import numpy as np
 from scipy import sparse
 
 from infinipipe_hf.ir.actions import Action
-from infinipipe_hf.ir.levels import FULL, OFFLOAD, check_levels
+from infinipipe_hf.ir.levels import FULL, HOST_LEVELS, check_levels, host_levels
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import rank_classes, rank_view
 from infinipipe_hf.planner.checkpointing.dominance import undominated
@@ -235,7 +236,7 @@ def _add_cells(plan: Plan, base_cost: CostModel, dp_rank: int, p: int, levels: t
         full_save = a0 - cost.acts.unit_activation_bytes(p, segments, 1, **tiled)
         cells.saves.append([full_save if lv == FULL else lc.layer_saved_bytes(lv, p, segments, **tiled) for lv in levels])
         cells.redos.append([layer_s if lv == FULL else lc.layer_recompute_s(lv, shape) for lv in levels])
-        cells.host.append(cost.host.layer_offload_bytes(p, segments) if OFFLOAD in levels else 0.0)
+        cells.host.append([cost.host.layer_offload_bytes(p, segments, lv) if lv in HOST_LEVELS else 0.0 for lv in levels])
     return cell_here
 
 
@@ -274,8 +275,8 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
     if sharing not in SHARING:
         raise ValueError(f"sharing={sharing!r} is not known; use one of {', '.join(SHARING)}")
     finer = check_levels(levels)
-    offload = getattr(cost, "host_budget_bytes", 0.0) > 0 if offload is None else offload  # the host tier's level
-    all_levels = ((OFFLOAD,) if offload else ()) + (FULL, *finer)
+    offload = getattr(cost, "host_budget_bytes", 0.0) > 0 if offload is None else offload  # the host tier's levels
+    all_levels = (host_levels(finer) if offload else ()) + (FULL, *finer)
     nl = len(all_levels)
     budget = cost.memory_budget_bytes
     cells, rows = _Cells(), _Rows()
@@ -300,8 +301,9 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
     # Columns: each cell's levels, heaviest first; cumulative coefficients are differences.
     save_arr = np.array(cells.saves, dtype=float).reshape(n_cells, nl)
     redo_arr = np.array(cells.redos, dtype=float).reshape(n_cells, nl)
-    col_save = save_arr - np.concatenate([save_arr[:, 1:], np.zeros((n_cells, 1))], axis=1)
-    col_redo = redo_arr - np.concatenate([redo_arr[:, 1:], np.zeros((n_cells, 1))], axis=1)
+    host_arr = np.array(cells.host, dtype=float).reshape(n_cells, nl)
+    col_save, col_redo, col_host = (a - np.concatenate([a[:, 1:], np.zeros((n_cells, 1))], axis=1)
+                                    for a in (save_arr, redo_arr, host_arr))
     col_cell = np.repeat(np.arange(n_cells, dtype=np.int64), nl)
     col_level = np.tile(np.arange(nl, dtype=np.int64), n_cells)
     col_var, var_ub, var_parent = _variables(cells, col_cell, col_level, nl)
@@ -317,7 +319,7 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
     rc = (r_cell[:, None] * nl + np.arange(nl)).reshape(-1)
     matrix = sparse.csr_matrix((col_save.reshape(-1)[rc], (rr, rc)), shape=(rows.count, n_cells * nl))
     row_stage, row_index = _cat(rows.stage_chunks, np.int64), _cat(rows.index_chunks, np.int64)
-    host = build_host_rows(cost.host_budget_bytes, np.array(cells.host), nl, r_row, r_cell, _cat(rows.host_chunks, float),
+    host = build_host_rows(cost.host_budget_bytes, col_host, r_row, r_cell, _cat(rows.host_chunks, float),
                            row_stage, rows.action, row_index, np.array(cells.layers)) if offload else None
     return ReplicaProblem(
         dp_rank=dp_rank, levels=all_levels, cell_stage=np.array(cells.stage, dtype=np.int64),

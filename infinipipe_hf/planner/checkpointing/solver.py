@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from infinipipe_hf.ir.levels import FULL, OFFLOAD, CheckpointMix, check_levels
+from infinipipe_hf.ir.levels import FULL, HOST_LEVELS, CheckpointMix, check_levels
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import has_sub_groups
 from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
@@ -81,8 +81,8 @@ def _fits(prob: ReplicaProblem, columns: np.ndarray) -> bool:
 
 
 def _heaviest(prob: ReplicaProblem) -> str:
-    offload = prob.levels[0] == OFFLOAD
-    return "every layer checkpointed" + (" and its input in host memory" if offload else "")
+    offload = prob.levels[0] in HOST_LEVELS
+    return "every layer checkpointed" + (" and what it keeps in host memory" if offload else "")
 
 
 def _infeasible_message(prob: ReplicaProblem, columns: np.ndarray, what: str) -> str:

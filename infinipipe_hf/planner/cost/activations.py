@@ -75,6 +75,12 @@ class StageActivations:
         mlp_share = 4 * spec.intermediate_size / _act_elements(spec, p.bytes_per_element)
         self.mlp_bytes_per_token = mlp_share * p.activation_bytes_per_token_per_layer * self.act_ratio
         self.hidden_bytes_per_token = spec.hidden_size * p.bytes_per_element
+        # The attention output (activation dtype) and the log-sum-exp (float32 from the GPU
+        # kernels, the compute dtype on CPU) per GPU token: under Ulysses a GPU keeps its heads
+        # of all the unit's tokens, the same count as all heads of its own tokens.
+        self.kept_attention_bytes_per_token = (self.hidden_bytes_per_token
+                                               + spec.num_attention_heads * max(4.0, p.bytes_per_element))
+        """Bytes per GPU token a ``keep_attn`` layer keeps beyond a whole-layer checkpoint's input."""
         attn_share = attention_tiled_elements(spec.hidden_size, spec.kv_dim) / _act_elements(spec, p.bytes_per_element)
         self.attention_tiled_bytes_per_token = attn_share * p.activation_bytes_per_token_per_layer * self.act_ratio
         """What a kept layer with its attention side in tiles keeps per token (a share of the measured layer)."""

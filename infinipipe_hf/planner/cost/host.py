@@ -2,7 +2,8 @@
 there, and the copy seconds they add.
 
 Bytes.  An ``offload`` layer (:mod:`infinipipe_hf.ir.levels`) keeps its input in pinned host
-memory between its forward and its backward: ``hidden_bytes_per_token`` per GPU token, per layer.
+memory between its forward and its backward: ``hidden_bytes_per_token`` per GPU token, per layer;
+an ``offload_attn`` layer also its attention output and log-sum-exp (what ``keep_attn`` keeps).
 A stage in the plan's ``offload_kv`` keeps its KV store (context K/V of continuing sequences and
 their pending gradients) in host memory: the whole store there, on the device only the K/V of the
 layer running and of the next one (prefetched): ``min(2, L) / (2 L)`` of it.  The host peak of a
@@ -11,7 +12,7 @@ part exists).
 
 Seconds.  Copies run on a side stream at ``profile.host_bandwidth_bytes_per_s`` (per direction,
 per GPU) beside the layer's compute; only the part of a copy longer than the compute it overlaps
-is exposed.  An offloaded layer copies its input out during its own forward and back during the
+is exposed.  An offloaded layer copies what it keeps out during its own forward and back during the
 backward of the layer after it (in backward order, the same shape), so its exposed seconds are
 ``max(0, copy - forward) + max(0, copy - backward with replay)`` per layer, linear in the layer
 count (the checkpoint solver needs that).  With ``offload_kv`` a slice with context copies its
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from infinipipe_hf.ir.levels import HOST_LEVELS, OFFLOAD, OFFLOAD_ATTN
 from infinipipe_hf.ir.units import Segment
 from infinipipe_hf.planner.cost.activations import StageActivations
 from infinipipe_hf.planner.cost.compute import StageCompute, UnitShape
@@ -62,21 +64,30 @@ class HostTierCost:
         return float(self.state_host.host_bytes(stage_index)) if self.state_host is not None else 0.0
 
     # --- offloaded layer inputs ----------------------------------------------------------------
-    def layer_offload_bytes(self, stage_index: int, segments: Sequence[Segment]) -> float:
-        """Host bytes one offloaded layer of a unit with these segments holds: its input."""
+    def layer_host_bytes_per_token(self, level: str = OFFLOAD) -> float:
+        """Host bytes per GPU token one layer at a host level keeps: ``offload`` its input,
+        ``offload_attn`` also the attention output and log-sum-exp ``keep_attn`` keeps."""
+        if level not in HOST_LEVELS:
+            raise ValueError(f"level {level!r} keeps nothing in host memory; host levels are {', '.join(HOST_LEVELS)}")
+        h = self.acts.hidden_bytes_per_token
+        return h + self.acts.kept_attention_bytes_per_token if level == OFFLOAD_ATTN else h
+
+    def layer_offload_bytes(self, stage_index: int, segments: Sequence[Segment], level: str = OFFLOAD) -> float:
+        """Host bytes one layer at ``level`` of a unit with these segments holds."""
         tokens = self.acts.gpu_tokens(sum(s.end - s.start for s in segments))
-        return tokens * self.acts.hidden_bytes_per_token
+        return tokens * self.layer_host_bytes_per_token(level)
 
-    def layer_copy_bytes(self, shape: UnitShape) -> float:
-        """Bytes one offloaded layer of a unit of ``shape`` copies each way (out in the forward, back
-        in the backward): its input on the busiest GPU."""
-        return self.compute.gpu_tokens(shape.tokens) * self.acts.hidden_bytes_per_token
+    def layer_copy_bytes(self, shape: UnitShape, level: str = OFFLOAD) -> float:
+        """Bytes one layer at ``level`` of a unit of ``shape`` copies each way (out in the forward, back
+        in the backward) on the busiest GPU."""
+        return self.compute.gpu_tokens(shape.tokens) * self.layer_host_bytes_per_token(level)
 
-    def layer_exposed_s(self, shape: UnitShape) -> float:
-        """Exposed copy seconds per offloaded layer of a unit of ``shape`` (module docstring)."""
-        copy = self.copy_s(self.layer_copy_bytes(shape))
+    def layer_exposed_s(self, shape: UnitShape, level: str = OFFLOAD) -> float:
+        """Exposed copy seconds per layer at ``level`` of a unit of ``shape`` (module docstring)."""
+        copy = self.copy_s(self.layer_copy_bytes(shape, level))
         fwd = self.compute.layer_fwd(shape.pairs, shape.tokens)
-        bwd = self.compute.layer_bwd(shape.pairs, shape.tokens) + fwd
+        replay = self.compute.layer_fwd(0, shape.tokens) if level == OFFLOAD_ATTN else fwd  # no attention core
+        bwd = self.compute.layer_bwd(shape.pairs, shape.tokens) + replay
         return max(0.0, copy - fwd) + max(0.0, copy - bwd)
 
     # --- the KV store in host memory -----------------------------------------------------------

@@ -16,16 +16,29 @@ moves ``5 * intermediate`` elements per token at the profile's ``elementwise_byt
 ``full`` is the layer's forward less ``down_proj``'s share (no replay reaches that GEMM);
 ``keep_attn`` is ``full`` less the fit's attention-core (pair) term.  Trade-off: a FLOP share is
 exact for GEMM-bound layers and optimistic where small GEMMs run below peak; the attention term
-never enters a level below ``full``, which is what makes them cheap for long slices.  Every level
-costs at most the next heavier one (clamped), so upgrading a layer never lowers cost.  ``offload``
-is ``full`` whose input waits in host memory: it saves the input too and adds the exposed seconds
-of its copies (:mod:`.host`).
+never enters a level below ``full``, which is what makes them cheap for long slices.  From
+``full`` down every level costs at most the next heavier one (clamped).  The host levels save
+every device byte: ``offload`` is ``full`` whose input waits in host memory, ``offload_attn``
+``keep_attn`` whose kept tensors do; each adds the exposed seconds of its copies (:mod:`.host`),
+so ``offload_attn`` costs less than ``full`` for twice ``offload``'s host bytes: the host budget
+decides between them (the solver's host rows).
 """
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from infinipipe_hf.ir.levels import FULL, KEEP_ATTN, LEVELS, MLP, MLP_ACT, OFFLOAD, PLAN_LEVELS, CheckpointMix
+from infinipipe_hf.ir.levels import (
+    FULL,
+    HOST_LEVELS,
+    KEEP_ATTN,
+    LEVELS,
+    MLP,
+    MLP_ACT,
+    OFFLOAD,
+    OFFLOAD_ATTN,
+    PLAN_LEVELS,
+    CheckpointMix,
+)
 from infinipipe_hf.ir.units import Segment
 from infinipipe_hf.planner.cost.activations import StageActivations, act_elements
 from infinipipe_hf.planner.cost.compute import StageCompute, UnitShape
@@ -61,11 +74,7 @@ class LevelCosts:
         self.down_share = self.gate_up_share / 2
         """``down_proj``'s share, which no replay reruns."""
         self.act_s_per_token = 5.0 * inter * p.bytes_per_element / p.elementwise_bytes_per_s
-        # The attention output (activation dtype) and the log-sum-exp (float32 from the GPU
-        # kernels, the compute dtype on CPU) per GPU token: under Ulysses a GPU keeps its heads
-        # of all the unit's tokens, the same count as all heads of its own tokens.
-        self.keep_attn_bytes_per_token = (acts.hidden_bytes_per_token
-                                          + spec.num_attention_heads * max(4.0, p.bytes_per_element))
+        self.keep_attn_bytes_per_token = acts.kept_attention_bytes_per_token
         """Bytes per GPU token a ``keep_attn`` layer keeps beyond a whole-layer checkpoint's input."""
 
     def layer_recompute_s(self, level: str, shape: UnitShape) -> float:
@@ -81,7 +90,9 @@ class LevelCosts:
         if level == FULL:
             return full
         if level == OFFLOAD and self.host is not None:
-            return full + self.host.layer_exposed_s(shape)
+            return full + self.host.layer_exposed_s(shape, OFFLOAD)
+        if level == OFFLOAD_ATTN and self.host is not None:
+            return self.layer_recompute_s(KEEP_ATTN, shape) + self.host.layer_exposed_s(shape, OFFLOAD_ATTN)
         act = min(self.act_s_per_token * tokens, full)
         if level == MLP_ACT:
             return act
@@ -107,7 +118,7 @@ class LevelCosts:
         down = self.down_share * (self._linear.token_s * tokens + self._linear.fixed_s)
         kept = self.acts.layers_per_stage[stage_index] - mix.total
         return (kept * mlp + mix.mlp_act * (mlp - self.layer_recompute_s(MLP_ACT, shape))
-                + (mix.full + mix.offload + mix.keep_attn) * (mlp + down))
+                + mix.replayed_whole * (mlp + down))
 
     def tiled_attention_recompute_s(self, stage_index: int, shape: UnitShape) -> float:
         """Seconds tiling a unit's attention side (``attention_tile_tokens``) adds to its backward on
@@ -129,7 +140,7 @@ class LevelCosts:
             return max(self.layer_saved_bytes(level, stage_index, segments) - tokens * self.acts.mlp_bytes_per_token, 0.0)
         if level == FULL:
             return self.acts.unit_checkpoint_saving(stage_index, segments)
-        if level == OFFLOAD and self.host is not None:  # nothing on the device: the input is on the host
+        if level in HOST_LEVELS and self.host is not None:  # nothing on the device: all of it is on the host
             return (self.acts.unit_checkpoint_saving(stage_index, segments)
                     + self.host.layer_offload_bytes(stage_index, segments))
         tokens = self.acts.gpu_tokens(sum(s.end - s.start for s in segments))

@@ -49,7 +49,7 @@ from typing import Sequence
 
 import numpy as np
 
-from infinipipe_hf.ir.levels import FULL, KEEP_ATTN, MLP, MLP_ACT, OFFLOAD, CheckpointMix
+from infinipipe_hf.ir.levels import FULL, HOST_LEVELS, KEEP_ATTN, MLP, MLP_ACT, OFFLOAD_ATTN, CheckpointMix
 from infinipipe_hf.ir.units import Segment
 from infinipipe_hf.planner.cost.activations import StageActivations, norm_elements
 from infinipipe_hf.planner.cost.levels import LevelCosts
@@ -82,7 +82,7 @@ class WorkingMemory:
                         MLP: w["forward_mlp"], MLP_ACT: w["forward_mlp_act"]}
         self.level_saved = {None: 0.0, **levels.saved_bytes_per_token}
         self.offload = offload
-        """Whether ``offload`` layers may occur (the host tier is on): :meth:`bound` covers them."""
+        """Whether host-level layers may occur (the host tier is on): :meth:`bound` covers them."""
 
     def _logits(self, stage: int, tokens: int) -> float:
         c = self.acts
@@ -105,10 +105,11 @@ class WorkingMemory:
         if tile:  # every MLP reruns in tiles: a layer kept whole or at mlp_act keeps what mlp keeps
             levels = [MLP if lv in (None, MLP_ACT) else lv for lv in levels]
         for level in levels:
-            if level == OFFLOAD:
-                # Keeps nothing; its input lives on through the forward until its copy is out, and
-                # comes back beside what the replay rebuilds.
-                out.append((0.0, tokens * (self.forward[FULL] + h) + ctx - mask, tokens * a + ctx))
+            if level in HOST_LEVELS:
+                # Keeps nothing; what it keeps on the host lives on through the forward until its
+                # copy is out, and comes back beside what the replay rebuilds.
+                held = h + (self.levels.keep_attn_bytes_per_token if level == OFFLOAD_ATTN else 0.0)
+                out.append((0.0, tokens * (self.forward[FULL] + held) + ctx - mask, tokens * a + ctx))
             elif level in (FULL, KEEP_ATTN):
                 # Measured: the context K/V copy is still alive at the forward's peak, the mask not.
                 # keep_attn's first forward runs like a whole layer's; what it keeps is counted as kept.
@@ -176,7 +177,8 @@ class WorkingMemory:
         c = self.acts
         t = c.gpu_tokens(tokens)
         a, h = c.act_bytes_per_token, c.hidden_bytes_per_token
-        held = h if self.offload else 0.0  # an offloaded layer's input, beside a whole layer's bytes
+        # What an offloaded layer keeps until its copy is out (offload_attn's at most), beside a whole layer's bytes.
+        held = h + self.levels.keep_attn_bytes_per_token if self.offload else 0.0
         if backward:
             rebuilt = max(t * (a - h + held) + ctx, t * max(self.level_saved.values()))
             worst = max(self._logits(stage, t), rebuilt + t * self.gradients)

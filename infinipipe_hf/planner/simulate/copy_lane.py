@@ -28,7 +28,7 @@ import copy
 from typing import NamedTuple
 
 from infinipipe_hf.ir.actions import Action
-from infinipipe_hf.ir.levels import OFFLOAD
+from infinipipe_hf.ir.levels import HOST_LEVELS, OFFLOAD
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.planner.cost.states import ADD_OVER_ADAMW
 from infinipipe_hf.planner.simulate.action_costs import ActionCosts
@@ -53,7 +53,7 @@ def has_host_copies(plan: Plan, cost) -> bool:
         return True
     if getattr(cost, "host", None) is None:
         return False
-    return bool(plan.offload_kv) or any(per.get(OFFLOAD) for lv in plan.checkpoint_levels.values()
+    return bool(plan.offload_kv) or any(per.get(h) for lv in plan.checkpoint_levels.values() for h in HOST_LEVELS
                                         for per in lv.values())
 
 
@@ -105,12 +105,13 @@ class CopyLane:
         return copy_event(r, s, "step", sync_end - fetch, parts, step=True)
 
     def _offload(self, cost, s: int, a: Action) -> CopyPart | None:
-        n = (self.plan.checkpoint_levels.get(s, {}).get(a.unit) or {}).get(OFFLOAD, 0)
-        if not n:
+        counts = self.plan.checkpoint_levels.get(s, {}).get(a.unit) or {}
+        held = [(lv, n) for lv in HOST_LEVELS if (n := counts.get(lv, 0))]
+        if not held:
             return None
         shape = self.costs.shapes[a.unit]
-        nbytes = n * cost.host.layer_copy_bytes(shape)
-        exposed = 0.0 if a.is_forward else n * cost.host.layer_exposed_s(shape)
+        nbytes = sum(n * cost.host.layer_copy_bytes(shape, lv) for lv, n in held)
+        exposed = 0.0 if a.is_forward else sum(n * cost.host.layer_exposed_s(shape, lv) for lv, n in held)
         return CopyPart(OFFLOAD, nbytes, cost.host.copy_s(nbytes), 0.0, exposed)
 
     def _kv(self, cost, s: int, a: Action) -> CopyPart | None:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from infinipipe_hf.ir.levels import OFFLOAD
+from infinipipe_hf.ir.levels import HOST_LEVELS
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
@@ -39,7 +39,8 @@ def test_one_long_sequence_on_one_gpu_needs_the_host_tier_and_fits_both_budgets(
     assert result.host_peak_memory_bytes == max(host) == result.summary()["host_peak_memory_bytes"]
     assert result.summary()["host_peak_bytes_per_stage"] == host
     assert max(host) > 100 * GIB  # the states (16 bytes per parameter) are on the host
-    assert any(per.get(OFFLOAD) for per in plan.checkpoint_levels.get(0, {}).values())  # inputs offloaded too
+    # layers offloaded too (inputs, or inputs with their attention outputs)
+    assert any(per.get(lv) for per in plan.checkpoint_levels.get(0, {}).values() for lv in HOST_LEVELS)
     validate(plan, options.cost(spec, dims))
 
 
@@ -49,7 +50,7 @@ def test_no_host_budget_means_no_host_tier(spec):
     result = plan_step([32768], spec, ParallelDims(pp_degree=4), options)
     assert result.feasible and result.plan.info["host_peak_memory_bytes"] == 0.0
     assert not result.plan.offload_kv
-    assert not any(per.get(OFFLOAD) for lv in result.plan.checkpoint_levels.values() for per in lv.values())
+    assert not any(per.get(h) for lv in result.plan.checkpoint_levels.values() for per in lv.values() for h in HOST_LEVELS)
 
 
 def test_host_tier_extends_the_longest_sequence_of_four_stages(spec):

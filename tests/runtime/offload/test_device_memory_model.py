@@ -2,8 +2,8 @@
 device, on CPU, float64 (the cost model priced at 8 bytes per element).
 
 Measured: while a unit's forward runs on a stage, an outer ``saved_tensors_hooks`` records every
-distinct storage autograd saves (parameters excluded).  The ``offload`` layer's own hooks sit
-inside it, so what they route into the ``HostTier`` never reaches the outer hook: what is counted
+distinct storage autograd saves (parameters excluded).  The ``offload`` and ``offload_attn``
+layers' own hooks sit inside it (``offload_attn`` also puts its kept attention output in the tier), so what they route into the ``HostTier`` never reaches the outer hook: what is counted
 is what stays in device tensors.  Beside it, the KV store's device bytes (``KVStore.bytes()``) at
 each forward's end and at each backward's start, and, with ``offload_kv``, the K/V copies the store
 holds on the device at once: those handed back (alive, tracked per copy) and those asked ahead
@@ -196,12 +196,15 @@ def check_activations(probe, cost, plan):
 
 MIXES = [CheckpointMix(offload=1, full=1), CheckpointMix(offload=2), CheckpointMix(full=1, offload=1),
          CheckpointMix(), CheckpointMix(offload=1)]
+ATTN_MIXES = [CheckpointMix(offload_attn=1, full=1), CheckpointMix(offload_attn=2), CheckpointMix(mlp_act=1, offload_attn=1),
+              CheckpointMix(), CheckpointMix(offload_attn=1, offload=1)]
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_offloaded_layers_keep_what_the_model_says_on_the_device(pp):
-    plan, lengths = sliced_plan(pp, MIXES)
-    assert any(plan.checkpoint_mix(s, u.id).offload for s in range(pp) for u in plan.units)
+@pytest.mark.parametrize("pp,mixes", [(1, MIXES), (2, MIXES), (2, ATTN_MIXES)])
+def test_offloaded_layers_keep_what_the_model_says_on_the_device(pp, mixes):
+    plan, lengths = sliced_plan(pp, mixes)
+    assert any(plan.checkpoint_mix(s, u.id).offload + plan.checkpoint_mix(s, u.id).offload_attn
+               for s in range(pp) for u in plan.units)
     probe, cost = run(plan, lengths)
     check_activations(probe, cost, plan)
     # The KV store on the device: exactly the slices' K/V at a forward's end; the model's K/V and

@@ -1,6 +1,7 @@
 """The planner's host-memory model (``planner/checkpointing/host_peak.py``, ``cost.host``) against
 the runtime host tier's own accounting, on CPU: a float64 model (the cost model priced at 8 bytes
-per element) runs a sliced, hybrid and packed plan with ``offload`` layers and/or ``offload_kv``
+per element) runs a sliced, hybrid and packed plan with ``offload`` or ``offload_attn`` layers
+and/or ``offload_kv``
 through the stage runners, and each stage's ``HostTier`` peak is within 5% of the predicted host
 peak of that stage."""
 import dataclasses
@@ -40,16 +41,18 @@ def predicted_peaks(model, plan) -> list[float]:
     return host_peak_bytes_per_stage(plan, cost)
 
 
-@pytest.mark.parametrize("offload_layers, offload_kv", [(True, []), (False, [0, 1]), (True, [1])])
-def test_host_peak_predicted_within_five_percent(offload_layers, offload_kv):
+@pytest.mark.parametrize("offload_layers, offload_kv, level", [(True, [], "offload"), (False, [0, 1], "offload"),
+                                                               (True, [1], "offload"), (True, [], "offload_attn"),
+                                                               (True, [1], "offload_attn")])
+def test_host_peak_predicted_within_five_percent(offload_layers, offload_kv, level):
     model = tiny_model("llama", num_layers=NUM_LAYERS, seed=40)
     batch = random_batch(LENGTHS, seed=40)
     plan = make_plan(2, "1f1b", "none")
     if offload_layers:  # units offload none, one or both layers of a stage
         for s in range(2):
             for u in plan.units:
-                m = CheckpointMix(offload=(s + u.id) % 3)
-                if m.offload:
+                m = CheckpointMix(**{level: (s + u.id) % 3})
+                if m.total:
                     plan.checkpoint_levels.setdefault(s, {})[u.id] = m.finer
     plan.offload_kv = list(offload_kv)
     got, want = measured_peaks(model, plan, batch), predicted_peaks(model, plan)

@@ -191,3 +191,21 @@ def test_the_engine_warns_that_a_dropped_keep_attn_takes_offload_attn_along():
     with pytest.warns(UserWarning, match="attention_dropout=0.1.*offload_attn"):
         assert runnable_checkpoint_levels(engine) == ("mlp", "mlp_act")
     assert engine.config.checkpoint_levels == ("mlp", "mlp_act")
+
+
+def test_offload_attn_with_attention_and_mlp_tiles_is_exact():
+    """The whole-sequence plan's layers (attention side and MLP in tiles) at ``offload_attn``: exact,
+    and the tier round-trips what the level keeps."""
+    model = tiny_model("llama", num_layers=NUM_LAYERS, seed=42)
+    batch = random_batch(LENGTHS, seed=42, with_labels=True)
+    plain_stages = build_stages(model, 1)
+    plain_loss = run_plan_locally(plain_stages, make_plan(1, "1f1b", "none"), batch, loss_chunk_tokens=5)
+    plain = collect_grads(plain_stages, False)
+    plan = with_mix(make_plan(1, "1f1b", "none"), lambda s, u, n: CheckpointMix(offload_attn=n))
+    plan.attention_tile_tokens = {u.id: 3 for u in plan.units}
+    plan.mlp_tile_tokens = {u.id: 3 for u in plan.units}
+    loss, got, (tier,) = run_with_tiers(model, plan, batch)
+    assert loss == pytest.approx(plain_loss, rel=1e-12, abs=0)
+    for name, g in got.items():
+        torch.testing.assert_close(g, plain[name], rtol=1e-12, atol=1e-14, msg=name)
+    assert tier.stats.bytes_out == tier.stats.bytes_in == host_bytes(plan, 0) and tier.stats.current_bytes == 0
