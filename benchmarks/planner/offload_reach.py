@@ -75,7 +75,8 @@ def _profile_note() -> str:
 
 def _compact(d: dict) -> dict:
     keep = ("feasible", "tokens_per_s", "step_time_s", "peak_memory_bytes", "host_peak_memory_bytes",
-            "recompute_time_s", "recompute_fraction", "bubble_fraction", "error", "info", "simulation_info")
+            "recompute_time_s", "recompute_fraction", "bubble_fraction", "error", "info", "simulation_info",
+            "layers_per_level")
     out = {k: d[k] for k in keep if k in d}
     if isinstance(out.get("peak_memory_bytes"), list):
         out["peak_memory_bytes"] = max(out["peak_memory_bytes"])
@@ -104,7 +105,23 @@ def epp_summary(result) -> dict:
     d.setdefault("host_peak_memory_bytes", host_peak_bytes(result))
     if result.simulation is not None:
         d["simulation_info"] = dict(result.simulation.info)
+    if result.plan is not None:
+        d["layers_per_level"] = layers_per_level(result.plan)
     return d
+
+
+def layers_per_level(plan) -> dict:
+    """Layer-unit pairs of the plan at each checkpoint level (``kept``: none), over stages and units:
+    which mechanism the plan leans on."""
+    out = {"kept": 0, "full": 0}
+    for s, layers in enumerate(plan.layers_per_stage):
+        for u in plan.units:
+            mix = plan.checkpoint_mix(s, u.id)
+            out["kept"] += layers - mix.total
+            out["full"] += mix.full
+            for lv, n in mix.finer.items():
+                out[lv] = out.get(lv, 0) + n
+    return out
 
 
 def seconds(shares: dict, step_s: float) -> dict:
@@ -122,11 +139,14 @@ def lead(epp: dict, alst: dict, gpus: int) -> dict:
     ahead = epp["tokens_per_s"] >= alst["tokens_per_s"]
     gaps = {k: (a[k] - e[k]) if ahead else (e[k] - a[k]) for k in e}
     top = max(gaps, key=gaps.get)
-    words = {"recompute": "recompute (ALST recomputes every layer; EPP keeps or offloads per (stage, unit))",
+    words = {"recompute": "recompute (ALST recomputes every layer, its attention too; EPP keeps, recomputes or "
+                          "offloads per (stage, unit), and keeps attention outputs in host memory where the host "
+                          "has room: offload_attn)",
              "idle": "idle time (pipeline bubble, lockstep rounds)",
              "optimizer_tail": "the exposed CPU optimizer step",
              "compute_and_copies": "compute and exposed host copies (slices attending to context, K/V and input copies)"}
     return {"epp_seconds": e, "alst_seconds": a, "epp_ahead": ahead, "mechanism": top,
+            "epp_layers_per_level": epp.get("layers_per_level"),
             "says": f"{'EPP leads' if ahead else 'EPP trails'} by {words[top]}: {gaps[top]:.1f} s per step"}
 
 

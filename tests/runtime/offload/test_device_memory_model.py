@@ -3,8 +3,9 @@ device, on CPU, float64 (the cost model priced at 8 bytes per element).
 
 Measured: while a unit's forward runs on a stage, an outer ``saved_tensors_hooks`` records every
 distinct storage autograd saves (parameters excluded).  The ``offload`` and ``offload_attn``
-layers' own hooks sit inside it (``offload_attn`` also puts its kept attention output in the tier), so what they route into the ``HostTier`` never reaches the outer hook: what is counted
-is what stays in device tensors.  Beside it, the KV store's device bytes (``KVStore.bytes()``) at
+layers' own hooks sit inside it (``offload_attn`` also puts its kept attention output in the
+tier), so what they route into the ``HostTier`` never reaches the outer hook: what is counted is
+what stays in device tensors.  Beside it, the KV store's device bytes (``KVStore.bytes()``) at
 each forward's end and at each backward's start, and, with ``offload_kv``, the K/V copies the store
 holds on the device at once: those handed back (alive, tracked per copy) and those asked ahead
 (``prefetch``: a device copy on CUDA, a no-op on the CPU, counted as CUDA holds it).  The profile
