@@ -131,6 +131,7 @@ SUITES = {
     "exact_world4": (4, "exact_grads.py", ["world4"], 600),
     "sp_exact_world4": (4, "sp_exact.py", ["world4"], 600),
     "rounds_world4": (4, "sp_rounds.py", [], 600),
+    "kv_shards_world4": (4, "sp_kv_shards.py", [], 300),
     "sharded_grads": (4, "sharded_grads.py", [], 480),
     "sharded_sp_groups": (4, "sharded_sp_groups.py", [], 280),
     "trainer_world4": (4, "trainer_cases.py", ["world4", "{refs}", "{out}", "default"], 260),

@@ -4,7 +4,7 @@ Exactness (``workers/sp_exact.py``): loss and every gradient on every rank equal
 HF in float64 (1e-10 relative) for sp 2, pp 2 x sp 2, pp 1 x sp 4 and dp 2 x sp 2, with slices
 carrying K/V, packs, hybrids, checkpointing (whole layers and every finer level, keep_attn
 included), every schedule of the default planner, GQA with 2 K/V
-heads at sp 4 (replicated K/V), uneven head counts, K/V expanded per query head, tied embeddings,
+heads at sp 4 (K/V heads shared by 2 ranks: the K/V store sharded over them, ``test_kv_shards.py``), uneven head counts, K/V expanded per query head, tied embeddings,
 units of odd length and units shorter than ``sp_degree``; plus accumulation, clipping, eval and
 the bad-input errors.  The case names are listed so a case that stops running fails the test.
 

@@ -10,7 +10,8 @@ registered: transformers skips mask creation for implementations absent from
 With sequence parallelism (``EPPUnitContext.sp``) the layer's Q/K/V cover only this rank's
 token shard; an all-to-all turns them into all of the unit's tokens for this rank's heads, the
 segment logic runs unchanged on that head-sharded problem (the KV store therefore holds this
-rank's heads only), and a second all-to-all returns the output to the rank's tokens.  Backends
+rank's heads only; sharded over the ranks sharing a K/V head when there are such ranks,
+``kv_shards.py``), and a second all-to-all returns the output to the rank's tokens.  Backends
 never learn about SP: they get an ``AttentionSegments`` with fewer heads.
 """
 from __future__ import annotations
@@ -26,11 +27,12 @@ EPP_ATTENTION = "epp"
 def _segment_keys(ctx: EPPUnitContext, layer: int, key: torch.Tensor, value: torch.Tensor):
     """Each segment's context + own K/V; stores the own K/V of segments that continue."""
     keys, values, context_lens, pending = [], [], [], []
+    shard = ctx.sp.kv_group if ctx.sp is not None else None  # the K/V group sharding the store
     for i, seg in enumerate(ctx.segments):
         a, b = ctx.q_offsets[i], ctx.q_offsets[i + 1]
         k_own, v_own = key[:, :, a:b], value[:, :, a:b]
         if seg.start > 0:
-            ck, cv = ctx.store.context(layer, seg.seq, seg.start)
+            ck, cv = ctx.store.context(layer, seg.seq, seg.start, shard)
             keys.append(torch.cat([ck, k_own], dim=2))
             values.append(torch.cat([cv, v_own], dim=2))
         else:
@@ -38,7 +40,7 @@ def _segment_keys(ctx: EPPUnitContext, layer: int, key: torch.Tensor, value: tor
             values.append(v_own)
         context_lens.append(seg.start)
         if ctx.continues[i]:
-            entry = ctx.store.put(layer, seg.seq, seg.start, seg.end, k_own, v_own)
+            entry = ctx.store.put(layer, seg.seq, seg.start, seg.end, k_own, v_own, shard)
             pending.append((k_own, v_own, entry))
     return keys, values, context_lens, pending
 

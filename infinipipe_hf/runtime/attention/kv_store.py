@@ -20,6 +20,12 @@ gets the K/V back on the device (on CUDA the next layer's are prefetched meanwhi
 autograd function that adds their gradients to the entry's accumulators (on the host as well), so the
 earlier slice's backward collects exactly what the device leaves would have held.  The store also
 carries the stage's host tier for the ``offload`` checkpoint level (``recompute/layers.py``).
+
+Sharded store (``shard``, a K/V group: SP ranks that received the same K/V head, see
+``kv_shards.py``): an entry keeps only this rank's contiguous chunk of its tokens (``rows``), so
+the ``r`` ranks sharing a head hold one copy between them instead of ``r``; a context read
+gathers the chunks over the group (one all-to-all, whose backward returns each rank the gradient
+of its chunk), and ``PendingKVGrad`` returns the chunk's gradient zero-padded to the slice.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infinipipe_hf.runtime.attention.kv_shards import KVGroupExchange, chunk_rows, gather_context, widen
 from infinipipe_hf.runtime.offload.host_tier import HostTensor, HostTier
 
 
@@ -38,6 +45,9 @@ class KVEntry:
     end: int
     k: torch.Tensor
     v: torch.Tensor
+    rows: tuple[int, int] | None = None
+    """Sharded over a K/V group: the rows ``[lo, hi)`` of the entry's tokens kept here (``k`` and
+    ``v`` hold only those); ``None``: all of them."""
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k, self.v
@@ -72,6 +82,8 @@ class HostKVEntry:
     requires_grad: bool
     gk: HostTensor | None = None
     gv: HostTensor | None = None
+    rows: tuple[int, int] | None = None
+    """As ``KVEntry.rows``: this rank's chunk of the entry's tokens when sharded."""
 
     anchor: torch.Tensor | None = None
     """An empty tensor that requires grad, so the K/V brought back join the graph (no leaf of
@@ -145,26 +157,34 @@ class KVStore:
         """Keep new entries in ``host_tier`` (the plan's ``offload_kv`` names this stage)."""
 
     def put(self, layer_idx: int, seq: int, start: int, end: int, k: torch.Tensor,
-            v: torch.Tensor) -> KVEntry | HostKVEntry:
+            v: torch.Tensor, shard: KVGroupExchange | None = None) -> KVEntry | HostKVEntry:
         """Store the slice's own K/V as leaves (in the host tier when ``offload``); return the
-        existing entry when already stored."""
+        existing entry when already stored.  With ``shard`` (a K/V group), only this rank's
+        chunk of the tokens (a copy of its own: the rest of ``k``'s storage is not kept)."""
         per_seq = self._entries.setdefault((layer_idx, seq), {})
         entry = per_seq.get(start)
         if entry is not None:
             assert entry.end == end, (layer_idx, seq, start, end)
             return entry
+        rows = None
+        if shard is not None:
+            rows = chunk_rows(end - start, shard)
+            k, v = k[:, :, rows[0]:rows[1]].detach().clone(), v[:, :, rows[0]:rows[1]].detach().clone()
         grad = torch.is_grad_enabled()
         if self.offload:
             tag = ("kv", seq)
             entry = HostKVEntry(start, end, self.host_tier.put(k, tag), self.host_tier.put(v, tag),
-                                self.host_tier, grad)
+                                self.host_tier, grad, rows=rows)
         else:
-            entry = KVEntry(start, end, k.detach().requires_grad_(grad), v.detach().requires_grad_(grad))
+            entry = KVEntry(start, end, k.detach().requires_grad_(grad), v.detach().requires_grad_(grad),
+                            rows)
         per_seq[start] = entry
         return entry
 
-    def context(self, layer_idx: int, seq: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenated K/V leaves of tokens [0, start) of ``seq`` at ``layer_idx``."""
+    def context(self, layer_idx: int, seq: int, start: int,
+                shard: KVGroupExchange | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenated K/V leaves of tokens [0, start) of ``seq`` at ``layer_idx``; with ``shard``
+        the entries hold this rank's chunks, gathered over the K/V group (one collective)."""
         per_seq = self._entries.get((layer_idx, seq), {})
         pieces, pos = [], 0
         for s in sorted(per_seq):
@@ -180,12 +200,19 @@ class KVStore:
                 f"KV store has tokens [0, {pos}) of sequence {seq} at layer {layer_idx} but a slice "
                 f"starting at {start} needs [0, {start}): an earlier slice of the sequence did not run "
                 f"forward on this stage first (check the plan's action order)")
+        if any((e.rows is None) != (shard is None) for e in pieces):
+            raise RuntimeError(f"sequence {seq} at layer {layer_idx}: a slice starting at {start} "
+                               f"reads its context {'sharded' if shard else 'whole'}, but earlier "
+                               f"slices stored it otherwise (units of one sequence on different SP groups)")
         kvs = [e.kv() for e in pieces]
         # The next layer's, ahead (CUDA): a replay in backward runs the layers last first.
         step = -1 if torch._C._current_graph_task_id() != -1 else 1
         for e in self._entries.get((layer_idx + step, seq), {}).values():
             if isinstance(e, HostKVEntry) and e.start < start:
                 e.prefetch()
+        if shard is not None:
+            return gather_context(shard, [e.end - e.start for e in pieces], kvs,
+                                  f"layer {layer_idx}, sequence {seq}, tokens [0, {start})")
         if len(kvs) == 1:
             return kvs[0]
         return torch.cat([k for k, _ in kvs], dim=2), torch.cat([v for _, v in kvs], dim=2)
@@ -221,5 +248,8 @@ class PendingKVGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        gk, gv = ctx.entry.pending_grads()
+        entry = ctx.entry
+        gk, gv = entry.pending_grads()
+        if entry.rows is not None:  # this rank's chunk; the to-heads backward sums the K/V group's
+            gk, gv = widen(gk, entry.rows, entry.end - entry.start), widen(gv, entry.rows, entry.end - entry.start)
         return grad_out, gk, gv, None

@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 import torch
 
 from infinipipe_hf.ir.units import Segment
+from infinipipe_hf.runtime.attention.kv_shards import KVGroupExchange
 from infinipipe_hf.runtime.attention.kv_store import KVStore
 
 
@@ -50,6 +51,11 @@ class SequenceExchange(Protocol):
 
     def expand_index(self, device: torch.device) -> torch.Tensor | None:
         """One K/V head per query head when this rank's heads do not group evenly, else ``None``."""
+
+    @property
+    def kv_group(self) -> KVGroupExchange | None:
+        """The ranks sharing this rank's K/V head, which shard the carried K/V store (``None``:
+        the store is replicated)."""
 
 
 class KeptCore(Protocol):

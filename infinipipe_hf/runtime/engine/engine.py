@@ -106,7 +106,8 @@ class PipelineEngine:
             raise ValueError(f"the layout passed ({dims.label}) has {dims.world_size} ranks but the job has {world}")
         self.device = torch.device(device) if device is not None else default_device()
         self.layout = ParallelLayout(dims, rank, tied_embeddings=tied_embeddings(model), timeout_s=config.p2p_timeout_s,
-                                     timeout_setting=timeout_setting, device_type=self.device.type)
+                                     timeout_setting=timeout_setting, device_type=self.device.type,
+                                     kv_heads=self.spec.num_key_value_heads)
         self.layers_per_stage, self.stage, self.sharding = build_stage(
             model, config, self.spec, self.layout, self.device, compute_dtype)
         self.dtype = compute_dtype or next(

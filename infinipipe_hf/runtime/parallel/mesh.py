@@ -19,7 +19,9 @@ world, so *every* rank creates *every* such group in the same fixed order: the g
 each stage (its DP x SP ranks, for the once-per-step all-reduce of unsharded gradients), the
 tied-embedding pairs (first and last stage of one replica, same SP rank) and one two-rank group
 per direction of every pipeline link (SP rank i of stage s talks to SP rank i of stage s + 1),
-so gloo matches posted-ahead receives of the two directions independently.
+so gloo matches posted-ahead receives of the two directions independently.  With the model's K/V heads
+(``kv_heads``), the SP ranks that share a K/V head get a group of their own (``kv_group``), over
+which they shard the carried K/V store (``kv_group.py``).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from datetime import timedelta
 from typing import Any
 
 from infinipipe_hf.layout import MESH_DIMS, ParallelDims
+from infinipipe_hf.runtime.parallel.sp_shards import kv_group_size
 
 
 def set_group_timeout(group, timeout: timedelta) -> None:
@@ -64,6 +67,9 @@ class ParallelLayout:
     groups_enabled: bool = True
     device_type: str = "cpu"
     """Device type of the ``DeviceMesh`` (``"cuda"`` on GPUs)."""
+    kv_heads: int | None = None
+    """The model's K/V heads: when ``sp_degree`` is a larger multiple of them, the SP ranks sharing
+    a K/V head get a process group (``kv_group``) to shard the carried K/V store over."""
     mesh: Any = field(default=None, init=False, repr=False)
     """``DeviceMesh`` with dims ``("dp", "pp", "sp")`` (``None`` without groups)."""
     dp_group: Any = field(default=None, init=False, repr=False)
@@ -80,6 +86,9 @@ class ParallelLayout:
     sub_group_pgs: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
     """size ``g`` -> the process group of this rank's aligned SP sub-group of ``g`` ranks
     (``2 <= g < sp_degree``; the whole group is ``sp_group``)."""
+    kv_group: Any = field(default=None, init=False, repr=False)
+    """The SP ranks of this stage that share this rank's K/V head (``kv_group_size`` of them;
+    ``None`` when the store is not sharded)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -159,6 +168,19 @@ class ParallelLayout:
             return None, ranks
         return (self.sp_group if size == self.sp_degree else self.sub_group_pgs[size]), ranks
 
+    @property
+    def kv_group_size(self) -> int | None:
+        """SP ranks sharing one K/V head (``sp_degree // kv_heads`` when ``sp_degree`` is a larger
+        multiple of ``kv_heads``), else ``None``."""
+        return kv_group_size(self.sp_degree, self.kv_heads)
+
+    def kv_group_ranks(self, sp_rank: int | None = None) -> list[int]:
+        """Global ranks of the K/V group of ``sp_rank`` (default: this rank's) in this stage."""
+        r = self.kv_group_size
+        assert r is not None, (self.sp_degree, self.kv_heads)
+        sp = self.sp_rank if sp_rank is None else sp_rank
+        return self.dims.sub_group(self.dp_rank, self.stage_index, sp // r * r, r)
+
     def grad_ranks_of_stage(self, stage_index: int) -> list[int]:
         """Every rank holding ``stage_index``: all replicas, all SP ranks (ascending)."""
         return self.dims.stage_group(stage_index)
@@ -211,6 +233,7 @@ class ParallelLayout:
             for name in MESH_DIMS:
                 set_group_timeout(self.mesh.get_group(name), kw["timeout"])
         self._build_sub_groups(kw.get("timeout"))
+        self._build_kv_groups(kw)
         # Same creation order on every rank: new_group is a collective over the world.
         for s in range(self.pp_degree):
             ranks = self.grad_ranks_of_stage(s)
@@ -233,6 +256,23 @@ class ParallelLayout:
                     if self.rank in (a, b):
                         self.link_groups[(a, b)] = forward
                         self.link_groups[(b, a)] = backward
+
+    def _build_kv_groups(self, kw: dict) -> None:
+        """``kv_group``: one group per K/V group of every stage and replica, created on every
+        rank in one order (``new_group`` is collective over the world); the whole SP group when
+        all its ranks share one K/V head."""
+        import torch.distributed as dist
+
+        r = self.kv_group_size
+        if r is None:
+            return
+        if r == self.sp_degree:
+            self.kv_group = self.sp_group
+            return
+        for ranks in self.dims.sub_groups(r):
+            g = dist.new_group(ranks, **kw)
+            if self.rank in ranks:
+                self.kv_group = g
 
     def _build_sub_groups(self, timeout: timedelta | None, *, unflatten: bool = True) -> None:
         """``sub_group_pgs``: for each size ``g`` of ``layout.sub_group_sizes``, the mesh with its

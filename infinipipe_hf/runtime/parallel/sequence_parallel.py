@@ -31,6 +31,14 @@ ranks, the unit and the layer (a dead or stuck peer is an error, never a hang). 
 collective is only ordered on the stream (a host-side wait per layer would stall the GPU
 queue); a stuck peer is then ended by the NCCL watchdog at the process group's timeout.
 
+Sharded K/V store: when ``sp_degree`` is a larger multiple of the K/V heads, each rank gets one
+K/V head and ``r = sp_degree // kv_heads`` consecutive ranks (a *K/V group*, ``kv_group.py``) get
+the same one, so a replicated store would hold ``r`` copies of every carried K/V.  Units of the
+whole SP group then store only the rank's chunk of each slice's tokens and gather the context
+over the K/V group (``attention/kv_shards.py``); the to-heads backward sums the group's chunk
+gradients as it sums the replicas' gradients.  Sub-group units (which carry no context) and
+other head counts keep the replicated store.
+
 Cost: per layer and unit, each rank sends ``(sp - 1) / sp`` of its Q, K, V and attention output
 (4 hidden-size tensors of its tokens with MHA; K/V are smaller with GQA, larger by the
 replication factor when ``kv_heads < sp``), forward and again in backward.
@@ -43,8 +51,14 @@ import torch
 import torch.nn.functional as F
 
 from infinipipe_hf.ir.sp_rounds import SubGroup
-from infinipipe_hf.runtime.parallel.comm import wait_collective
-from infinipipe_hf.runtime.parallel.sp_shards import HeadShard, TokenShards, head_shards, token_shards
+from infinipipe_hf.runtime.parallel.kv_group import KVGroup, all_to_all
+from infinipipe_hf.runtime.parallel.sp_shards import (
+    HeadShard,
+    TokenShards,
+    head_shards,
+    kv_group_size,
+    token_shards,
+)
 
 
 @dataclass
@@ -78,6 +92,19 @@ class SequenceParallel:
         self._subs: dict[int, SequenceParallel] = {}
         self._expand_index: dict[torch.device, torch.Tensor] = {}
         self._finished: tuple = ()
+        self.kv_group: KVGroup | None = self._kv_group(sub_group)
+        """The ranks sharing this rank's K/V head, which shard the carried K/V store (the whole
+        SP group's units only); ``None``: a replicated store.  Set it to ``None`` to turn the
+        sharding off (tests compare both)."""
+
+    def _kv_group(self, sub_group: SubGroup | None) -> KVGroup | None:
+        r = kv_group_size(self.sp_degree, self.num_kv_heads)
+        if sub_group is not None and sub_group.size != self.layout.sp_degree or r is None:
+            return None
+        if self.layout.kv_group is None or self.layout.kv_group_size != r:
+            return None  # a layout built without the model's K/V heads (or without groups)
+        assert all(h.num_kv == 1 and h.kv_start == i // r for i, h in enumerate(self.heads)), self.heads
+        return KVGroup(self.layout, self._clock)
 
     @property
     def timeout_s(self) -> float:
@@ -139,8 +166,6 @@ class SequenceParallel:
         concatenation, in rank order, of what every rank sent here (``recv_splits`` elements each).
 
         The views are copied straight into one send buffer (no intermediate concatenation)."""
-        import torch.distributed as dist
-
         ref = per_peer[self.sp_rank][0]
         send_splits = [sum(p.numel() for p in parts) for parts in per_peer]
         send = torch.empty(sum(send_splits), dtype=ref.dtype, device=ref.device)
@@ -149,15 +174,9 @@ class SequenceParallel:
             for p in parts:
                 send[offset:offset + p.numel()].view(p.shape).copy_(p)
                 offset += p.numel()
-        recv = torch.empty(sum(recv_splits), dtype=ref.dtype, device=ref.device)
-        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group,
-                                      async_op=True)
-        if ref.device.type == "cuda":
-            work.wait()  # stream order only; see the module docstring
-        else:
-            wait_collective(work, timeout_s=self.timeout_s, layout=self.layout, ranks=self.ranks,
-                            what=f"sequence-parallel all-to-all ({what})", step=self.step,
-                            group=self.group)
+        recv, work = all_to_all(send, send_splits, recv_splits, group=self.group, layout=self.layout,
+                                ranks=self.ranks, timeout_s=self.timeout_s, step=self.step,
+                                what=f"sequence-parallel all-to-all ({what})")
         # gloo's worker thread may hold the last reference to the buffers of a finished
         # collective, so their memory would be freed on that thread, where a CPU allocator probe
         # does not see it; holding them until the next exchange frees them on this one.
@@ -299,3 +318,8 @@ class SPUnit:
 
     def expand_index(self, device: torch.device) -> torch.Tensor | None:
         return self.comm.expand_index(device)
+
+    @property
+    def kv_group(self) -> KVGroup | None:
+        """The K/V group the carried K/V store is sharded over (``None``: replicated)."""
+        return self.comm.kv_group
