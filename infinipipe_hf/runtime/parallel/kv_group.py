@@ -55,6 +55,7 @@ class KVGroup:
         recv, work = all_to_all(send, send_splits, recv_splits, group=self.group, layout=self.layout,
                                 ranks=self.ranks, timeout_s=self._clock.timeout_s,
                                 step=self._clock.step, what=f"K/V group all-to-all ({what})")
-        # As in SequenceParallel.exchange: free the buffers on this thread, not gloo's.
-        self._finished = (work, send)
+        # As in SequenceParallel.exchange, gloo's buffers are freed on this thread, at the next
+        # exchange; on CUDA the send buffer (about the whole context) goes at once.
+        self._finished = (work, send) if send.device.type != "cuda" else ()
         return recv

@@ -41,7 +41,9 @@ other head counts keep the replicated store.
 
 Cost: per layer and unit, each rank sends ``(sp - 1) / sp`` of its Q, K, V and attention output
 (4 hidden-size tensors of its tokens with MHA; K/V are smaller with GQA, larger by the
-replication factor when ``kv_heads < sp``), forward and again in backward.
+replication factor when ``kv_heads < sp``), forward and again in backward.  A sharded K/V store
+adds, per context read of ``c`` tokens, one all-to-all over the K/V group moving ``(r - 1) / r``
+of the context's K and V each way (forward, a recompute's forward, and the gradients in backward).
 """
 from __future__ import annotations
 
