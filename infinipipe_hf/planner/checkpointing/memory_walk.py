@@ -1,7 +1,8 @@
 """Memory timeline of one stage: the bytes alive at the peak of each of its actions, as arrays.
 
 Design: a stage's memory at an action splits into a part that does not depend on checkpointing
-(``base``: model states, the KV store, the working set of the running action) and the
+(``base``: model states, the KV store, the working set of the running action, with the copies
+of its context K/V a layer's read holds: ``cost.acts.context_read_bytes``) and the
 activations of the *live* units (forwarded on this stage, backward not finished, the running
 one included), each affine in its checkpointed-layer counts (whole layers, and the finer levels
 of :mod:`infinipipe_hf.ir.levels`, passed as ``checkpoint_levels``: unit -> level -> layers).
@@ -9,11 +10,9 @@ Keeping the two apart makes every point one linear constraint for the checkpoint
 the simulator and validator evaluate any checkpoint choice without replaying the plan
 (:mod:`.points` holds the per-point form).
 
-Trade-off: the backward working set is costed as if the running unit had at least one
-checkpointed layer (its activations are rebuilt next to their gradients).  That over-estimates
-units with no checkpointing by one layer's activations, but keeps ``base`` independent of
-checkpoint choices, which is what makes every point a linear constraint.  The running unit's
-activations count in full during its forward and backward (their peak is at the layer boundary).
+Trade-off: the backward working set is costed as if the running unit had a checkpointed layer
+(rebuilt next to its gradients): one layer too many for units with none, but ``base`` stays
+independent of checkpointing, so every point is a linear constraint.
 
 SP sub-groups: the timeline of a plan with rounds is one SP rank's (:func:`infinipipe_hf.ir.rank_views.rank_view`);
 each unit's bytes come from the cost of the sub-group it runs on (units in ``mlp_tile_tokens``: MLP in tiles).
@@ -24,14 +23,10 @@ forward on the stage until the backward of the unit holding the sequence's first
 stage in the plan's ``offload_kv`` the store is in host memory (``host_base``) and the device
 keeps ``cost.host.kv_device_share`` of it; offloaded layer inputs are :mod:`.host_peak`'s.
 
-Speed: the planner's hot paths (checkpoint problem, simulator, validator) never build per-point
-live tuples, which cost O(actions x units in flight) per stage.  A :class:`StageTimeline` holds
-the base bytes of every point as an array, and, when every unit has exactly one forward followed
-by one backward on the stage (every plan the planner builds), each unit's live interval
-``[forward index, backward index]``.  Peaks then are a cumulative sum of +activation at forwards
-and -activation after backwards, evaluated in the same order as the per-action loop, so every
-number is bit-for-bit what :func:`.points.memory_points` and :func:`.points.point_bytes` give.
-Irregular action lists (tests of broken plans) take the plain loops.
+Speed: the hot paths never build per-point live tuples (O(actions x units in flight)).  A
+:class:`StageTimeline` holds every point's base bytes as an array and, when every unit has one
+forward then one backward on the stage (every planned plan), each unit's live interval: peaks are
+a cumulative sum in the per-action loop's order, bit-for-bit :func:`.points.point_bytes`.
 """
 from __future__ import annotations
 
@@ -263,12 +258,14 @@ def _one_unit(unit, cost: CostModel, stage: int, plan: Plan) -> tuple:
             kv_adds.append((seg.seq, cost.acts.kv_bytes(stage, m)))
         if seg.start == 0:
             frees.append(seg.seq)  # the first slice's backward is the sequence's last
-    if phase_model(cost) is None:
+    # The running layer's context read: a phase model measured an unshared store's, not the exchange's buffers.
+    measured = phase_model(cost) is not None
+    read = getattr(cost.acts, "context_exchange_bytes" if measured else "context_read_bytes", lambda _: 0.0)(unit.segments)
+    if not measured:  # the linear bound
         tiled = {k: n for k in ("mlp_tile_tokens", "attention_tile_tokens") if (n := getattr(plan, k).get(unit.id))}
-        work = (cost.acts.working_bytes(stage, t, 0, backward=False, **tiled),
-                cost.acts.working_bytes(stage, t, 1, backward=True, **tiled))
+        work = [cost.acts.working_bytes(stage, t, int(b), backward=b, **tiled) + read for b in (False, True)]
     else:  # the phase model's bound over every checkpoint mix (exact values: point_values)
-        work = (cost.working.bound(stage, t, extra, backward=False), cost.working.bound(stage, t, extra, backward=True))
+        work = [cost.working.bound(stage, t, extra, backward=b) + read for b in (False, True)]
     return extra, kv_adds, frees, t, work[0], work[1], unit.segments
 
 

@@ -300,8 +300,7 @@ def build_problem(plan: Plan, cost: CostModel, dp_rank: int, *, levels: Sequence
     n_cells = len(cells.stage)
     # Columns: each cell's levels, heaviest first; cumulative coefficients are differences.
     save_arr = np.array(cells.saves, dtype=float).reshape(n_cells, nl)
-    redo_arr = np.array(cells.redos, dtype=float).reshape(n_cells, nl)
-    host_arr = np.array(cells.host, dtype=float).reshape(n_cells, nl)
+    redo_arr, host_arr = (np.array(x, dtype=float).reshape(n_cells, nl) for x in (cells.redos, cells.host))
     col_save, col_redo, col_host = (a - np.concatenate([a[:, 1:], np.zeros((n_cells, 1))], axis=1)
                                     for a in (save_arr, redo_arr, host_arr))
     col_cell = np.repeat(np.arange(n_cells, dtype=np.int64), nl)

@@ -85,11 +85,17 @@ class StageActivations:
         self.attention_tiled_bytes_per_token = attn_share * p.activation_bytes_per_token_per_layer * self.act_ratio
         """What a kept layer with its attention side in tiles keeps per token (a share of the measured layer)."""
         self.kv_bytes_per_token_per_layer = 2 * spec.kv_dim * p.bytes_per_element
+        """K/V of one token of one layer a GPU's attention reads (its K/V heads, whole)."""
+        self.kv_store_share = 1
+        """Ranks sharing one K/V head's store of earlier slices (:attr:`UlyssesCost.kv_store_share`)."""
         if ulysses is not None:
             self.act_bytes_per_token *= ulysses.activation_scale(_act_elements(spec, p.bytes_per_element))
             self.kv_bytes_per_token_per_layer = ulysses.kv_bytes_per_token_per_layer()
+            self.kv_store_share = ulysses.kv_store_share
             # While an all-to-all runs, q, k, v exist in both layouts: the received copy is extra.
             self.layer_working_bytes_per_token += sum(ulysses.all_to_all_bytes_per_token()[:3])
+        self.kv_store_bytes_per_token_per_layer = self.kv_bytes_per_token_per_layer / self.kv_store_share
+        """K/V of one token of one layer a GPU's KV store keeps (its chunk of a shared head's)."""
 
     @staticmethod
     def from_stage(ctx, cost) -> "StageActivations":
@@ -167,6 +173,21 @@ class StageActivations:
                     total += mask_bpe * (seg.end - seg.start) * seg.end
         return total
 
+    def context_read_bytes(self, segments: Iterable[Segment]) -> float:
+        """Bytes a layer's read of the unit's context holds while the layer runs, beside what it
+        keeps: the context K/V put together from the store and their concatenation with the
+        slice's own (two copies of the context); with a shared K/V head's store also the
+        exchange's buffers (:meth:`context_exchange_bytes`)."""
+        context = sum(s.start for s in segments if s.start)
+        return 2 * context * self.kv_bytes_per_token_per_layer + self.context_exchange_bytes(segments)
+
+    def context_exchange_bytes(self, segments: Iterable[Segment]) -> float:
+        """With a shared K/V head's store (:attr:`kv_store_share` > 1), the context read's send and
+        receive buffers, of which one outlives the reassembled context: one more copy of it."""
+        if self.kv_store_share == 1:
+            return 0.0
+        return sum(s.start for s in segments if s.start) * self.kv_bytes_per_token_per_layer
+
     def unit_activation_bytes(self, stage_index: int, segments: Sequence[Segment],
                               checkpointed_layers: int, mlp_tiled: bool = False,
                               attention_tiled: bool = False) -> float:
@@ -206,8 +227,9 @@ class StageActivations:
         return kept, work, tile
 
     def kv_bytes(self, stage_index: int, continuing_tokens: int) -> float:
-        """KV-store bytes for tokens whose K/V later slices need: K/V plus pending gradients."""
-        return 2 * continuing_tokens * self.layers_per_stage[stage_index] * self.kv_bytes_per_token_per_layer
+        """KV-store bytes for tokens whose K/V later slices need: K/V plus pending gradients (this
+        rank's chunk when the ranks sharing a K/V head share its store)."""
+        return 2 * continuing_tokens * self.layers_per_stage[stage_index] * self.kv_store_bytes_per_token_per_layer
 
     def working_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int, backward: bool,
                       mlp_tile_tokens: int | None = None, attention_tile_tokens: int | None = None) -> float:

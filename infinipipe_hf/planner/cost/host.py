@@ -100,8 +100,9 @@ class HostTierCost:
 
     def kv_copy_bytes(self, segments: Sequence[Segment], continuing: Sequence[bool], backward: bool) -> float:
         """Bytes one layer copies for an offloaded KV store while a unit with these segments runs
-        (``continuing``: per segment, whether later slices need its K/V)."""
-        per = self.acts.kv_bytes_per_token_per_layer
+        (``continuing``: per segment, whether later slices need its K/V): this rank's chunks when
+        the ranks sharing a K/V head share its store (they exchange them on the device)."""
+        per = self.acts.kv_store_bytes_per_token_per_layer
         context = sum(s.start for s in segments)
         if backward:  # context K/V in to replay; pending K/V gradients in and back out
             return 3 * context * per

@@ -24,7 +24,10 @@ All four terms are linear in ``(pairs, tokens)``, so the result is again a
 estimator, the simulator) sees per-GPU costs without knowing about SP.  The ``ceil(T / sp)``
 rounding of the linear term is dropped from times (under one token's cost, microseconds) but kept
 in memory, where it is exact: activations are per-GPU tokens times per-token bytes, the KV store
-holds ``ceil(H_kv / sp)`` K/V heads of every token on each GPU.
+holds ``ceil(H_kv / sp)`` K/V heads of every token on each GPU, or, when ``sp`` is a multiple of
+``H_kv`` above it, ``1 / (sp / H_kv)`` of the tokens of its one K/V head (the ranks sharing a head
+share its store, :attr:`UlyssesCost.kv_store_share`; a context read exchanges the chunks,
+:meth:`UlyssesCost.kv_exchange_s`).
 
 Trade-off: a linear model cannot see a collective's protocol switch at small sizes or contention
 with the pipeline's point-to-point traffic; both are second order next to the layer's compute.
@@ -112,6 +115,27 @@ class UlyssesCost:
     @property
     def kv_heads(self) -> int:
         return busiest_heads(self.spec.num_key_value_heads, self.sp_degree)
+
+    @property
+    def kv_store_share(self) -> int:
+        """Ranks that share one K/V head's store of earlier slices, each keeping ``1 / share`` of
+        its tokens: ``sp / H_kv`` when that is a whole number above 1 (every rank then holds one K/V
+        head, used by that many consecutive ranks), else 1 (each rank stores its own K/V heads)."""
+        kv, sp = self.spec.num_key_value_heads, self.sp_degree
+        return sp // kv if sp > kv and sp % kv == 0 else 1
+
+    def kv_exchange_s(self, context_tokens: int) -> float:
+        """Seconds one layer's read of ``context_tokens`` of a sharded K/V store takes to exchange
+        the chunks among the ranks sharing the head (each sends its chunk to the others; the
+        backward sends the gradients' chunks back the same way); 0 without sharing."""
+        share = self.kv_store_share
+        if share == 1 or context_tokens <= 0:
+            return 0.0
+        nbytes = context_tokens * 2 * self.spec.head_dim * self.bytes_per_element
+        # The sharing ranks are consecutive SP ranks: on one node unless a node holds fewer of them.
+        per_node = min(share, self.ranks_per_node)
+        return all_to_all_time_two_level(nbytes, share, per_node, self.bandwidth_bytes_per_s,
+                                         self.inter_bytes_per_s, self.latency_s)
 
     @property
     def attention_share(self) -> float:

@@ -55,7 +55,8 @@ class PipelineEstimator:
             kv = each(lambda c, u, sh: c.acts.kv_bytes(st, sum(s.length for s in u.segments if s.end < lengths[s.seq])))
             save = each(lambda c, u, sh: c.acts.unit_checkpoint_saving(st, u.segments) * layers)
             redo = each(lambda c, u, sh: c.recompute_time(st, sh, layers))
-            work = each(lambda c, u, sh: c.acts.working_bytes(st, u.num_tokens, 1, backward=True))
+            work = each(lambda c, u, sh: c.acts.working_bytes(st, u.num_tokens, 1, backward=True)
+                        + (c.acts.context_read_bytes(u.segments) if hasattr(c.acts, "context_read_bytes") else 0.0))
             self.per_stage[st] = (
                 np.concatenate([[0.0], np.cumsum(act)]), np.concatenate([[0.0], np.cumsum(kv)]),
                 np.concatenate([[0.0], np.cumsum(save)]), np.concatenate([[0.0], np.cumsum(redo)]),

@@ -51,6 +51,7 @@ class ActionCosts:
         fixed = self.group_fixed_s if self.group_fixed_s and self.plan.sub_group(a.unit).size > 1 else 0.0
         if stage in self.plan.offload_kv:  # the host KV store's copies that outlast the compute
             fixed += self.kv_exposed(stage, a)
+        fixed += self.kv_exchange(stage, a)
         if a.is_forward:
             return cost.compute.forward_time(stage, shape) + fixed
         t = cost.backward_time(stage, shape, self.plan.checkpointed(stage, a.unit))
@@ -61,6 +62,20 @@ class ActionCosts:
         segments = self.plan.unit_by_id[a.unit].segments
         return self.groups.get(a.unit, self.cost).host.kv_exposed_s(
             stage, segments, [self.plan.continues_after(s) for s in segments], not a.is_forward)
+
+    def kv_exchange(self, stage: int, a: Action) -> float:
+        """Seconds the action's context reads spend exchanging a shared K/V head's store chunks
+        (:meth:`~infinipipe_hf.planner.cost.ulysses.UlyssesCost.kv_exchange_s`): every layer's read
+        in the forward; in the backward the gradients' chunks back for every layer and the reads
+        again for the layers that replay their forward."""
+        ulysses = self.groups.get(a.unit, self.cost).ulysses if self.groups else getattr(self.cost, "ulysses", None)
+        if ulysses is None or ulysses.kv_store_share == 1:
+            return 0.0
+        per_layer = sum(ulysses.kv_exchange_s(s.start) for s in self.plan.unit_by_id[a.unit].segments if s.start)
+        if not per_layer:
+            return 0.0
+        layers = self.cost.layers_per_stage[stage]
+        return per_layer * (layers if a.is_forward else layers + self.plan.checkpoint_mix(stage, a.unit).replayed_whole)
 
     def recompute(self, stage: int, uid: int) -> float:
         """Seconds the unit's backward on the stage spends recomputing (whole layers and finer levels)."""

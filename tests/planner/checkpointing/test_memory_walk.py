@@ -47,11 +47,14 @@ def test_points_match_hand_computation(plan, cost):
     kv = cost.acts.kv_bytes(s, 200)  # only unit 0's segment continues (200 < 300)
     wf = lambda t: cost.acts.working_bytes(s, t, 0, backward=False)
     wb = lambda t: cost.acts.working_bytes(s, t, 1, backward=True)
+    # The second slice's layers read its 200 tokens of context: two copies while one runs.
+    read = 2 * 200 * cost.acts.kv_bytes_per_token_per_layer
+    assert cost.acts.context_read_bytes(plan.units[1].segments) == read
     expected = [
         (0, st + kv + wf(200), (0,)),
-        (1, st + kv + wf(100), (0, 1)),
+        (1, st + kv + wf(100) + read, (0, 1)),
         (2, st + kv + wf(150), (0, 1, 2)),
-        (3, st + kv + wb(100), (0, 1, 2)),
+        (3, st + kv + wb(100) + read, (0, 1, 2)),
         (4, st + kv + wb(200), (0, 2)),  # KV still held while the first slice runs backward
         (5, st + wb(150), (2,)),  # ... and freed after it
     ]
@@ -79,8 +82,10 @@ def test_kv_store_lifetime_three_slices(cost):
     kv0, kv1 = cost.acts.kv_bytes(s, 100), cost.acts.kv_bytes(s, 80)
     got = memory_points(plan, cost, 0, s)
     kv_of = [p.base_bytes - cost.acts.static_bytes(s) for p in got]
-    work = [cost.acts.working_bytes(s, t, 0, False) for t in (100, 80, 60, 64)]
-    work += [cost.acts.working_bytes(s, t, 1, True) for t in (60, 80, 100, 64)]
+    read = [cost.acts.context_read_bytes(u.segments) for u in units]  # slices 1 and 2 read 100, 180 tokens
+    assert read[1] == 2 * 100 * cost.acts.kv_bytes_per_token_per_layer and read[0] == read[3] == 0
+    work = [cost.acts.working_bytes(s, t, 0, False) + r for t, r in zip((100, 80, 60, 64), read)]
+    work += [cost.acts.working_bytes(s, t, 1, True) + read[u] for u, t in zip((2, 1, 0, 3), (60, 80, 100, 64))]
     kv_expected = [kv0, kv0 + kv1, kv0 + kv1, kv0 + kv1, kv0 + kv1, kv0 + kv1, kv0 + kv1, 0.0]
     assert kv_of == pytest.approx([k + w for k, w in zip(kv_expected, work)])
     assert [p.live_units for p in got] == [(0,), (0, 1), (0, 1, 2), (0, 1, 2, 3), (0, 1, 2, 3),
@@ -189,6 +194,7 @@ def _reference_point_bytes(plan, cost, stage, actions, ck):
         total = cost.acts.static_bytes(stage)
         u = by_id[a.unit]
         total += cost.acts.working_bytes(stage, u.num_tokens, 0 if a.is_forward else 1, backward=not a.is_forward)
+        total += cost.acts.context_read_bytes(u.segments)
         layers = cost.layers_per_stage[stage]
         for v, f in fpos.items():  # live activations, plus each layer's copy of the slice's context K/V
             if f <= i <= bpos[v]:

@@ -84,6 +84,50 @@ def test_fewer_kv_heads_than_sp_ranks_replicate_one_per_rank():
     assert c.acts.kv_bytes_per_token_per_layer == 2 * 1 * 128 * 2
 
 
+@pytest.mark.parametrize("sp,share", [(8, 1), (16, 2), (32, 4), (12, 1)])
+def test_ranks_sharing_a_kv_head_share_its_store(sp, share):
+    """At sp 16 and 32 with 8 K/V heads two and four ranks hold the same head: each keeps its chunk
+    of the store (and of its host copies), the attention still reads the whole context, and a
+    context read pays the chunks' exchange; at sp 8 (one head each) and sp 12 (heads not shared
+    evenly) nothing changes."""
+    c = CostModel(LLAMA2_70B, dims=ParallelDims(pp_degree=1, sp_degree=sp), host_budget_bytes=GIB)
+    assert c.ulysses.kv_store_share == c.acts.kv_store_share == share
+    whole = c.acts.kv_bytes_per_token_per_layer
+    assert c.acts.kv_store_bytes_per_token_per_layer == whole / share
+    assert c.acts.kv_bytes(0, 5000) == 2 * 5000 * c.num_layers(0) * whole / share
+    slice_ = [Segment(0, 40960, 49152)]
+    assert c.acts.context_bytes_per_layer(slice_) == 40960 * whole  # the gathered context, whole
+    assert c.host.kv_copy_bytes(slice_, [True], False) == (40960 + 8192) * whole / share
+    exchange = c.ulysses.kv_exchange_s(40960)
+    assert (exchange > 0) == (share > 1) and c.ulysses.kv_exchange_s(0) == 0.0
+    if share > 1:  # each rank sends its chunk to the other share - 1 ranks, on the node's links
+        nbytes = 40960 * 2 * LLAMA2_70B.head_dim * PROFILE.bytes_per_element
+        assert exchange == pytest.approx(PROFILE.collective_latency_s * (share - 1)
+                                         + nbytes * (share - 1) / share / PROFILE.intra_node_bandwidth_bytes_per_s,
+                                         rel=1e-12)
+
+
+def test_a_shared_kv_stores_exchange_is_in_the_step():
+    """The simulator charges a slice with context the exchange of every layer's read (forward),
+    and of the gradients' chunks and the replays' reads (backward)."""
+    from infinipipe_hf.ir.actions import Action, ActionKind
+    from infinipipe_hf.ir.plan import Plan
+    from infinipipe_hf.ir.units import Unit
+    from infinipipe_hf.planner.simulate.action_costs import ActionCosts
+
+    c = CostModel(LLAMA2_70B, dims=ParallelDims(pp_degree=1, sp_degree=16))
+    units = [Unit(0, (Segment(0, 0, 65536),)), Unit(1, (Segment(0, 65536, 131072),))]
+    acts = [Action(ActionKind.FORWARD, 0), Action(ActionKind.FORWARD, 1), Action(ActionKind.BACKWARD, 1),
+            Action(ActionKind.BACKWARD, 0)]
+    plan = Plan("epp", 1, 1, [131072], units, {0: [acts]}, {0: {0: 0, 1: 3}}, [c.num_layers(0)], {}, 16)
+    costs = ActionCosts(plan, c)
+    per_layer = c.ulysses.kv_exchange_s(65536)
+    layers = c.num_layers(0)
+    assert costs.kv_exchange(0, acts[0]) == costs.kv_exchange(0, acts[3]) == 0.0  # no context
+    assert costs.kv_exchange(0, acts[1]) == pytest.approx(layers * per_layer)
+    assert costs.kv_exchange(0, acts[2]) == pytest.approx((layers + 3) * per_layer)
+
+
 def test_sp_above_head_count_is_a_clear_error():
     with pytest.raises(ValueError, match=r"sp_degree=64 exceeds the model's 52 attention heads.*"
                                          r"1\.\.52 \(an even head split: 1, 2, 4, 13, 26, 52\)"):

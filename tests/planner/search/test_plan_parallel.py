@@ -24,7 +24,7 @@ BATCH = [120000, 40000, 9000, 3000, 2500, 1200, 800, 700, 400, 300, 120] * 3
 
 
 def test_a_stage_of_more_gpus_holds_longer_units():
-    budget = 50 * GIB
+    budget = 52 * GIB  # four stages of one GPU do not fit the batch; of two or eight they do
     assert not plan_step(BATCH, SPEC, ParallelDims(pp_degree=4), PlanOptions(memory_budget_bytes=budget)).feasible
     two = plan_step(BATCH, SPEC, ParallelDims(pp_degree=4, sp_degree=2), PlanOptions(memory_budget_bytes=budget))
     eight = plan_step(BATCH, SPEC, ParallelDims(pp_degree=4, sp_degree=8), PlanOptions(memory_budget_bytes=budget))
