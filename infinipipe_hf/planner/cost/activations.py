@@ -182,11 +182,14 @@ class StageActivations:
         return 2 * context * self.kv_bytes_per_token_per_layer + self.context_exchange_bytes(segments)
 
     def context_exchange_bytes(self, segments: Iterable[Segment]) -> float:
-        """With a shared K/V head's store (:attr:`kv_store_share` > 1), the context read's send and
-        receive buffers, of which one outlives the reassembled context: one more copy of it."""
-        if self.kv_store_share == 1:
+        """With a shared K/V head's store (:attr:`kv_store_share` ``r`` > 1), what the read's exchange
+        adds (``runtime/attention/kv_shards.py``): its send and receive buffers beside the context
+        put together, one copy of the context more at once, and the rank's own chunks (forward) or
+        their summed gradient and its copy (backward), two ``1 / r`` of it at most."""
+        r = self.kv_store_share
+        if r == 1:
             return 0.0
-        return sum(s.start for s in segments if s.start) * self.kv_bytes_per_token_per_layer
+        return sum(s.start for s in segments if s.start) * self.kv_bytes_per_token_per_layer * (1 + 2 / r)
 
     def unit_activation_bytes(self, stage_index: int, segments: Sequence[Segment],
                               checkpointed_layers: int, mlp_tiled: bool = False,

@@ -97,6 +97,10 @@ def test_ranks_sharing_a_kv_head_share_its_store(sp, share):
     assert c.acts.kv_bytes(0, 5000) == 2 * 5000 * c.num_layers(0) * whole / share
     slice_ = [Segment(0, 40960, 49152)]
     assert c.acts.context_bytes_per_layer(slice_) == 40960 * whole  # the gathered context, whole
+    # A read holds the context put together and its concatenation; shared, also the exchange's
+    # send and receive buffers beside the own chunks (forward) or summed gradient (backward).
+    exchange_copies = 1 + 2 / share if share > 1 else 0
+    assert c.acts.context_read_bytes(slice_) == pytest.approx(40960 * whole * (2 + exchange_copies), rel=1e-12)
     assert c.host.kv_copy_bytes(slice_, [True], False) == (40960 + 8192) * whole / share
     exchange = c.ulysses.kv_exchange_s(40960)
     assert (exchange > 0) == (share > 1) and c.ulysses.kv_exchange_s(0) == 0.0
