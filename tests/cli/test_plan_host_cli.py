@@ -93,9 +93,9 @@ def test_search_plans_state_offload_modes_and_recommends_the_host_budget(tmp_pat
 
 def test_one_sequence_search_reports_largest_lengths_with_and_without_the_host_tier(tmp_path, capsys):
     files = _files(tmp_path, [20000])
-    # 20000 tokens sit at the edge of what 0.12 GiB holds without the host tier; the slice cuts (equal
+    # 20000 tokens sit at the edge of what 0.125 GiB holds without the host tier; the slice cuts (equal
     # time, collectives included) move with the profile's compute speed, so the layer fit is pinned.
-    args = [*files, "--world-size", "2", "--gpus-per-node", "2", "--memory-budget-gib", "0.12",
+    args = [*files, "--world-size", "2", "--gpus-per-node", "2", "--memory-budget-gib", "0.125",
             "--search-layout", "--search-workers", "1", "--json", "--profile", "uncalibrated"]
     assert main([*args, "--host-memory-gib", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
