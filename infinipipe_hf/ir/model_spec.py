@@ -19,6 +19,16 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+def kv_head_sharers(group_size: int, num_kv_heads: int) -> int:
+    """Consecutive ranks of a Ulysses group of ``group_size`` that hold the same K/V head and share
+    its store of earlier slices: ``group_size // num_kv_heads`` when that is a whole number above 1
+    (every rank then holds one K/V head), else 1 (each rank's K/V heads are its own, or replicated
+    unevenly).  The planner's memory model and the runtime's K/V groups both follow it."""
+    if group_size > num_kv_heads and group_size % num_kv_heads == 0:
+        return group_size // num_kv_heads
+    return 1
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Sizes of a Llama-pattern causal LM."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.ir.model_spec import ModelSpec, kv_head_sharers
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.collectives import all_to_all_time_two_level
 from infinipipe_hf.planner.cost.profile import HardwareProfile, TimeCoefficients
@@ -121,8 +121,7 @@ class UlyssesCost:
         """Ranks that share one K/V head's store of earlier slices, each keeping ``1 / share`` of
         its tokens: ``sp / H_kv`` when that is a whole number above 1 (every rank then holds one K/V
         head, used by that many consecutive ranks), else 1 (each rank stores its own K/V heads)."""
-        kv, sp = self.spec.num_key_value_heads, self.sp_degree
-        return sp // kv if sp > kv and sp % kv == 0 else 1
+        return kv_head_sharers(self.sp_degree, self.spec.num_key_value_heads)
 
     def kv_exchange_s(self, context_tokens: int) -> float:
         """Seconds one layer's read of ``context_tokens`` of a sharded K/V store takes to exchange

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from infinipipe_hf.ir.model_spec import kv_head_sharers
 from infinipipe_hf.layout import MESH_DIMS, ParallelDims
-from infinipipe_hf.runtime.parallel.sp_shards import kv_group_size
 
 
 def set_group_timeout(group, timeout: timedelta) -> None:
@@ -172,7 +172,8 @@ class ParallelLayout:
     def kv_group_size(self) -> int | None:
         """SP ranks sharing one K/V head (``sp_degree // kv_heads`` when ``sp_degree`` is a larger
         multiple of ``kv_heads``), else ``None``."""
-        return kv_group_size(self.sp_degree, self.kv_heads)
+        r = kv_head_sharers(self.sp_degree, self.kv_heads) if self.kv_heads else 1
+        return r if r > 1 else None
 
     def kv_group_ranks(self, sp_rank: int | None = None) -> list[int]:
         """Global ranks of the K/V group of ``sp_rank`` (default: this rank's) in this stage."""

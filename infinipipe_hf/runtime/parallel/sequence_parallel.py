@@ -52,13 +52,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from infinipipe_hf.ir.model_spec import kv_head_sharers
 from infinipipe_hf.ir.sp_rounds import SubGroup
 from infinipipe_hf.runtime.parallel.kv_group import KVGroup, all_to_all
 from infinipipe_hf.runtime.parallel.sp_shards import (
     HeadShard,
     TokenShards,
     head_shards,
-    kv_group_size,
     token_shards,
 )
 
@@ -100,8 +100,8 @@ class SequenceParallel:
         sharding off (tests compare both)."""
 
     def _kv_group(self, sub_group: SubGroup | None) -> KVGroup | None:
-        r = kv_group_size(self.sp_degree, self.num_kv_heads)
-        if sub_group is not None and sub_group.size != self.layout.sp_degree or r is None:
+        r = kv_head_sharers(self.sp_degree, self.num_kv_heads)
+        if sub_group is not None and sub_group.size != self.layout.sp_degree or r == 1:
             return None
         if self.layout.kv_group is None or self.layout.kv_group_size != r:
             return None  # a layout built without the model's K/V heads (or without groups)

@@ -23,7 +23,8 @@ heads, 8 K/V heads at sp 3), the rank expands K/V to one head per query head for
 (``HeadShard.expand``), which costs that rank memory in attention but never changes results.
 ``sp_degree`` larger than the number of query heads would leave a rank without a head: refused.
 When ``sp_degree`` is a larger multiple of the K/V heads, every rank has one K/V head, shared by
-``kv_group_size`` consecutive ranks (which then shard the carried K/V store, ``kv_group.py``).
+``ir.model_spec.kv_head_sharers`` consecutive ranks (which then shard the carried K/V store,
+``kv_group.py``).
 """
 from __future__ import annotations
 
@@ -103,11 +104,3 @@ def head_shards(num_heads: int, num_kv_heads: int, sp_degree: int) -> tuple[Head
         grouped = per_kv > 0 and uses == [i // per_kv for i in range(qb - qa)]
         shards.append(HeadShard(qa, qb, ka, kb, None if grouped else tuple(uses)))
     return tuple(shards)
-
-
-def kv_group_size(sp_degree: int, num_kv_heads: int | None) -> int | None:
-    """Ranks sharing one K/V head when the store is sharded (``sp_degree`` a multiple of the K/V
-    heads and larger), else ``None`` (each rank holds K/V heads of its own, or a replicated store)."""
-    if not num_kv_heads or sp_degree <= num_kv_heads or sp_degree % num_kv_heads:
-        return None
-    return sp_degree // num_kv_heads
