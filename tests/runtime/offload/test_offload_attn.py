@@ -22,7 +22,7 @@ from infinipipe_hf.runtime.stage.runner import StageRunner
 from infinipipe_hf.runtime.stage.unit_tensors import label_token_count
 from tests.helpers.local_pipeline import LENGTHS, NUM_LAYERS, build_stages, check, collect_grads, make_plan
 from tests.helpers.reference import random_batch, tiny_model
-from tests.runtime.offload.test_offload_levels import with_mix
+from tests.runtime.offload.test_offload_levels import check_round_trip, with_mix
 
 HIDDEN, HEADS = 32, 4  # tiny_config's
 HOST_BYTES_PER_TOKEN = (HIDDEN + HIDDEN + HEADS) * 8  # input + attention output + lse, float64
@@ -64,10 +64,7 @@ def test_every_layer_at_offload_attn_is_exact_and_round_trips_the_tier(pp):
     for name, g in got.items():
         torch.testing.assert_close(g, plain[name], rtol=1e-12, atol=1e-14, msg=name)
     for s, tier in enumerate(tiers):
-        want = host_bytes(plan, s)
-        st = tier.stats
-        assert want > 0 and st.bytes_out == st.bytes_in == want, (st, want)
-        assert st.current_bytes == 0 and 0 < st.peak_bytes <= want
+        check_round_trip(tier, host_bytes(plan, s))
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])

@@ -70,10 +70,14 @@ def test_every_layer_offloaded(pp):
     plan = with_mix(make_plan(pp, "1f1b", "none"), lambda s, u, n: CheckpointMix(offload=n))
     runners, _ = run(model, plan, batch)
     for r in runners:
-        s = r.kv_store.host_tier.stats
-        want = offloaded_bytes(plan, r.stage.stage_index)
-        assert want > 0 and s.bytes_out == s.bytes_in == want, (s, want)
-        assert s.current_bytes == 0 and 0 < s.peak_bytes <= want
+        check_round_trip(r.kv_store.host_tier, offloaded_bytes(plan, r.stage.stage_index))
+
+
+def check_round_trip(tier, want: int) -> None:
+    """The tier took ``want`` bytes out, gave them all back, and never held more at once."""
+    s = tier.stats
+    assert want > 0 and s.bytes_out == s.bytes_in == want, (s, want)
+    assert s.current_bytes == 0 and 0 < s.peak_bytes <= want
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
