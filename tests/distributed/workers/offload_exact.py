@@ -5,7 +5,7 @@ float64 HF model, many cases in one launch.
 ``offload_attn`` (each mixed with whole layers and ``mlp``), and ``offload_kv`` on a sliced
 sequence; ``state_offload='optimizer'`` (AdamW on the host, step on the CPU) over three steps
 against the reference's AdamW, with a save after step 2 and a resume into a fresh engine giving
-the same step 3 as the uninterrupted run; ``state_offload='states'`` on unsharded stages (FSDP2
+the same step 3 as the uninterrupted run, every step at ``offload_attn`` with K/V on the host; ``state_offload='states'`` on unsharded stages (FSDP2
 over each rank alone).
 ``offload_exact.py sp2 OUT`` (2 ranks): sp 2 with ``offload`` and ``offload_kv``, and with
 ``offload_attn``; ``shard='sp'`` with ``state_offload='states'`` (FSDP2 ``CPUOffloadPolicy``).
@@ -113,8 +113,15 @@ def offload_case(name: str, *, pp: int, sp: int, offload_kv: list[int], family: 
 
 
 def _step(engine, opt, batch) -> None:
+    """One step whose activations use the host tier as well: ``offload_attn`` mixed with whole
+    layers and ``mlp``, the last stage's carried K/V on the host."""
     plan = make_plan(LENGTHS, UNITS_DP1, 2, engine.layers_per_stage, checkpoint=CKPT["mixed"])
+    offload_mix(plan, engine.layers_per_stage, "offload_attn")
+    plan.offload_kv = [1]
+    stats = engine.host_tier.stats
+    before = stats.bytes_out
     engine.train_step(batch, plan=plan)
+    assert stats.bytes_out - before >= offloaded_bytes(engine, plan), stats
     opt.step()
     opt.zero_grad()
 
@@ -131,7 +138,8 @@ def _host_engine(seed: int):
 
 
 def optimizer_offload_resume(out_dir: str) -> None:
-    """Three AdamW steps on the host = the reference's; save after two, resume, same third step."""
+    """Three AdamW steps on the host = the reference's; save after two, resume, same third step.
+    Every step also keeps activations in the host tier (``_step``), so resume is checked with them."""
     from infinipipe_hf.trainer.checkpoints.optimizer import load_optimizer_state, save_optimizer_state
 
     t0 = time.time()
