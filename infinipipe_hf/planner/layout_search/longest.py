@@ -11,11 +11,13 @@ Two questions, two prices:
   feasibility of ``plan_step``'s candidate search (:func:`candidates_fit`: ``plan_step`` without
   the message of a failure, which would search a largest length itself), a power-of-two search
   from the seed, then bisection until the bracket is within ``1 / RESOLUTION`` of its lower end;
-  ``plan_step`` itself then confirms the length found (:func:`confirmed`).  Feasibility is nearly
+  ``plan_step`` itself then confirms the length found (:func:`confirmed`).  Like ``plan_step``,
+  the feasibility tries each gradient-reduce mode it would plan (a sharded stage reducing per unit
+  holds less).  Feasibility is nearly
   monotone in the length (a longer sequence needs every byte a shorter one does, but the slice
   grid EPP searches changes with the length, so a length inside the bracket may fail where a
   longer one fits): the answer is a length ``plan_step`` trains, within about ``1 / RESOLUTION``
-  of the limit.  :class:`LengthCache` keeps each answer per (pricing, host budget, length).
+  of the limit, and never below a one-sequence batch the layout planned.  :class:`LengthCache` keeps each answer per (pricing, host budget, length).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from infinipipe_hf.planner.schedules.base import PIPELINE
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
 from infinipipe_hf.planner.search.api import PlanOptions, plan_step, resolve_sp_rounds
 from infinipipe_hf.planner.search.finish import host_states_message
+from infinipipe_hf.planner.search.grad_reduce import reduce_modes, with_reduce
 from infinipipe_hf.planner.search.limits import (
     SEARCH_CAP,
     largest_trainable_length,
@@ -130,9 +133,15 @@ def searched(inputs, layout: ParallelDims, host_budget_bytes: float, seed: int, 
 
 
 def candidates_fit(lengths: list[int], cost: CostModel, options: PlanOptions) -> bool:
-    """Whether ``plan_step``'s candidate search finds a plan of ``lengths`` that fits: its
-    feasibility, without the message an infeasible ``plan_step`` builds (which searches the
-    largest length itself, most of the time of a failing plan)."""
+    """Whether ``plan_step``'s candidate search finds a plan of ``lengths`` that fits under one of
+    the gradient-reduce modes it plans (the leaner ``unit`` first): its feasibility, without the
+    message an infeasible ``plan_step`` builds (which searches the largest length itself, most of
+    the time of a failing plan)."""
+    modes = reduce_modes(options.grad_reduce, cost)
+    return any(_candidates_fit(lengths, with_reduce(cost, mode), options) for mode in reversed(modes))
+
+
+def _candidates_fit(lengths: list[int], cost: CostModel, options: PlanOptions) -> bool:
     if states_per_gpu(cost) >= cost.memory_budget_bytes or host_states_message(cost, options.schedule):
         return False
     sched = SCHEDULES[options.schedule]
@@ -172,16 +181,20 @@ def add_largest_lengths(inputs, outcome, key: Callable[[ParallelDims], tuple]) -
     layout offloads no states (:func:`fill_without_offload` copies it to the others)."""
     lay = outcome.layout
     host = inputs.host_budget_bytes
+    # A one-sequence batch the layout planned is a length it trains, whatever the search finds
+    # (feasibility is not quite monotone in the length).
+    planned = inputs.lengths[0] if outcome.feasible and len(inputs.lengths) == 1 else 0
     without = None
     if not lay.state_offload.offloaded:
         base = inputs.cost(lay, 0.0)
         fits = states_per_gpu(base) < inputs.memory_budget_bytes
         without = searched(inputs, lay, 0.0, largest_alone(base), key) if fits else 0
+        without = max(without, planned if host == 0 else 0)
     with_host = without
     if host > 0:
         seed = max(without or 0, max(inputs.lengths) if outcome.feasible else 0, SMALLEST)
         fits = states_per_gpu(inputs.cost(lay)) < inputs.memory_budget_bytes
-        with_host = searched(inputs, lay, host, seed, key) if fits else 0
+        with_host = max(searched(inputs, lay, host, seed, key) if fits else 0, planned)
     outcome.largest_length, outcome.largest_length_without_offload = with_host, without
 
 

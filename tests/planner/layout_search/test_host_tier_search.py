@@ -6,9 +6,15 @@ import pytest
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
+from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.layout_search.host_tier import offload_modes, planned_alternatives, with_offload_modes
-from infinipipe_hf.planner.layout_search.longest import SMALLEST, LengthCache, largest_length
+from infinipipe_hf.planner.layout_search.longest import (
+    SMALLEST,
+    LengthCache,
+    candidates_fit,
+    largest_length,
+)
 from infinipipe_hf.planner.layout_search.result import NoLayoutFits
 from infinipipe_hf.planner.layout_search.search import pricing_key, search_layouts
 from infinipipe_hf.planner.registry import ALTERNATIVES
@@ -90,3 +96,15 @@ def test_without_a_host_tier_the_no_fit_message_names_host_memory():
         search_layouts([400_000], TINY, world_size=2, gpus_per_node=2, memory_budget_bytes=0.12 * GIB,
                        alternatives=False, longest=False)
     assert info.value.search.host_budget_bytes == 0.0
+
+
+def test_one_sequence_feasibility_tries_each_gradient_reduce_mode():
+    """Llama-3.1-8B at pp 1 x sp 8 shard sp with a host tier: 3.3M tokens fit only with gradients
+    reduced per unit, which ``plan_step`` plans; the length search's feasibility must agree."""
+    spec = dataclasses.replace(ModelSpec.from_json_file(config_path("llama3.1-8b")), max_position_embeddings=1 << 25)
+    lay = ParallelDims(1, 8, 1, "sp", gpus_per_node=8)
+    cost = CostModel(spec, None, lay, memory_budget_bytes=71.6 * GIB, host_budget_bytes=256 * GIB)
+    n, options = 3_276_800, PlanOptions()
+    assert not candidates_fit([n], cost, PlanOptions(grad_reduce="step"))  # reduced at the step's end: no plan
+    assert plan_step([n], spec, lay, options, cost=cost).feasible
+    assert candidates_fit([n], cost, options)
