@@ -22,7 +22,7 @@ from functools import cached_property
 from typing import Any
 
 from infinipipe_hf.ir.actions import Action
-from infinipipe_hf.ir.levels import CheckpointMix
+from infinipipe_hf.ir.levels import HOST_LEVELS, CheckpointMix
 from infinipipe_hf.ir.sp_rounds import SubGroup
 from infinipipe_hf.ir.units import Segment, Unit
 from infinipipe_hf.layout import NO_SHARDING, ParallelDims, ShardMode
@@ -151,6 +151,13 @@ class Plan:
     @property
     def num_pipelines(self) -> int:
         return len({(u.dp_rank, u.pipeline) for u in self.units})
+
+    @property
+    def uses_host_tier(self) -> bool:
+        """Whether the plan keeps activations in host memory: a stage's K/V store (``offload_kv``)
+        or layers of some (stage, unit) at a host level (``offload``, ``offload_attn``)."""
+        return bool(self.offload_kv) or any(per.get(lv) for per_stage in self.checkpoint_levels.values()
+                                            for per in per_stage.values() for lv in HOST_LEVELS)
 
     def continues_after(self, segment: Segment) -> bool:
         """True when a later slice of the same sequence needs this segment's K/V."""

@@ -23,3 +23,15 @@ def test_offload_level_and_offload_kv_round_trip_and_stay_absent_when_unused():
     assert back.checkpoint_mix(0, 0) == CheckpointMix(full=1, mlp=1, offload=2)
     assert back.to_dict() == d
     assert "(o2+c1+m1)" in str(back)
+
+
+def test_uses_host_tier_sees_each_host_level_and_offload_kv():
+    plan = epp_plan([4096, 2048], 2, 2048, 2048)
+    plan.checkpoint_levels = {0: {0: {"mlp": 2, "keep_attn": 1}}}
+    assert not plan.uses_host_tier  # device levels only
+    for level in ("offload", "offload_attn"):
+        plan.checkpoint_levels = {0: {0: {"mlp": 1}}, 1: {1: {level: 1}}}
+        assert plan.uses_host_tier, level
+    plan.checkpoint_levels = {}
+    plan.offload_kv = [1]
+    assert plan.uses_host_tier

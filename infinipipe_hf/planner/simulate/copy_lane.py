@@ -53,8 +53,7 @@ def has_host_copies(plan: Plan, cost) -> bool:
         return True
     if getattr(cost, "host", None) is None:
         return False
-    return bool(plan.offload_kv) or any(per.get(h) for lv in plan.checkpoint_levels.values() for h in HOST_LEVELS
-                                        for per in lv.values())
+    return plan.uses_host_tier
 
 
 def copy_event(r: int, s: int, action: str, start: float, parts: list[CopyPart], *,

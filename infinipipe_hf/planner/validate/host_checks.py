@@ -6,7 +6,7 @@ Each check returns ``None`` or ``(problem, dp_rank, marks)`` like :mod:`.sp_roun
 """
 from __future__ import annotations
 
-from infinipipe_hf.ir.levels import HOST_LEVELS, OFFLOAD, OFFLOAD_ATTN
+from infinipipe_hf.ir.levels import OFFLOAD, OFFLOAD_ATTN
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.planner.checkpointing.host_peak import offloaded_bytes, stage_host_peak_bytes
 from infinipipe_hf.planner.cost.model import GIB, CostModel
@@ -31,9 +31,7 @@ def host_memory(plan: Plan, cost: CostModel, dp_rank: int) -> Problem:
     if getattr(cost, "host", None) is None:  # stand-in cost models of tests
         return None
     budget = cost.host_budget_bytes
-    offloads = any(per.get(lv) for per_stage in plan.checkpoint_levels.values() for per in per_stage.values()
-                   for lv in HOST_LEVELS)
-    if not (budget or offloads or plan.offload_kv or any(map(cost.host.state_host_bytes, range(plan.pp_degree)))):
+    if not (budget or plan.uses_host_tier or any(map(cost.host.state_host_bytes, range(plan.pp_degree)))):
         return None  # no host tier and nothing on it
     for s in range(plan.pp_degree):
         peak = stage_host_peak_bytes(plan, cost, dp_rank, s)
