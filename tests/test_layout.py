@@ -3,6 +3,7 @@ rank layout."""
 import pytest
 
 from infinipipe_hf.layout import SHARD_MODES, SHARD_TABLE, ParallelDims
+from infinipipe_hf.layout.shard_modes import shard_mode
 from infinipipe_hf.runtime.parallel.mesh import ParallelLayout
 
 
@@ -68,3 +69,12 @@ def test_shard_groups_and_degrees():
 def test_bad_layouts(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ParallelDims(**kwargs)
+
+
+def test_for_world_takes_a_shard_mode_or_its_name():
+    row = ParallelDims.for_world(4, sp_degree=2, shard=shard_mode("sp"))
+    assert ParallelDims.for_world(4, sp_degree=2, shard="sp") == row and row.dp_degree == 2
+    with pytest.raises(ValueError, match="shard='sp\\+dp' shards over SP x DP.*use shard='sp' or 'none'"):
+        ParallelDims.for_world(2, sp_degree=2, shard="sp+dp")
+    with pytest.raises(ValueError, match="shard='zero9' is not known"):
+        ParallelDims.for_world(2, sp_degree=2, shard="zero9")
