@@ -183,9 +183,9 @@ class StageActivations:
 
     def context_exchange_bytes(self, segments: Iterable[Segment]) -> float:
         """With a shared K/V head's store (:attr:`kv_store_share` ``r`` > 1), what the read's exchange
-        adds (``runtime/attention/kv_shards.py``): its send and receive buffers beside the context
-        put together, one copy of the context more at once, and the rank's own chunks (forward) or
-        their summed gradient and its copy (backward), two ``1 / r`` of it at most."""
+        adds (``runtime/attention/kv_shards.py``): one context-sized buffer (the all-gather's
+        receive buffer, or the reduce-scatter's send buffer) and the rank's own padded chunks
+        (forward) or their summed gradient and its copies (backward), two ``1 / r`` at most."""
         r = self.kv_store_share
         if r == 1:
             return 0.0

@@ -125,8 +125,9 @@ class UlyssesCost:
 
     def kv_exchange_s(self, context_tokens: int) -> float:
         """Seconds one layer's read of ``context_tokens`` of a sharded K/V store takes to exchange
-        the chunks among the ranks sharing the head (each sends its chunk to the others; the
-        backward sends the gradients' chunks back the same way); 0 without sharing."""
+        the chunks among the ranks sharing the head (an all-gather of the chunks; the backward
+        reduce-scatters their gradients): each rank moves ``(r - 1) / r`` of the context, as in an
+        all-to-all of a context-sized buffer; 0 without sharing."""
         share = self.kv_store_share
         if share == 1 or context_tokens <= 0:
             return 0.0

@@ -6,12 +6,14 @@ would keep ``r`` copies of every carried K/V and of its gradients.  Sharded, a r
 entry (tokens ``[start, end)``) only its *chunk*: the contiguous rows ``token_shards(end - start,
 r).range(position)`` (the first ranks take the remainder, a rank may have none).
 
-Reading the context (``gather_context``): the rank's chunks of the earlier entries, in order,
-go to every peer of the K/V group in one ``all_to_all`` per (layer, read), K and V together;
-each rank reassembles the full context ``[1, 1, start, d]`` in token order (identical on every
-rank of the group).  Its backward sends each peer the rows of the incoming gradient that fall in
-that peer's chunks and sums what it receives: the gradient of this rank's chunks from every
-rank's query heads, which autograd adds to the chunk leaves (or the host accumulators).
+Reading the context (``gather_context``): the rank's chunks of the earlier entries, K and V
+together in one buffer padded to the longest peer's rows, go to every peer of the K/V group in
+one ``all_gather`` per (layer, read); each rank reassembles the full context ``[1, 1, start, d]``
+in token order (identical on every rank of the group).  Its backward lays the incoming gradient
+out the same way, peer by peer, and one ``reduce_scatter`` leaves each rank the sum over the group
+of its own chunks' rows: the gradient of this rank's chunks from every rank's query heads, which
+autograd adds to the chunk leaves (or the host accumulators).  Beside the context (forward) or
+its gradient (backward), a read holds one context-sized buffer and at most two ``1 / r`` of it.
 
 The earlier slice's backward (``PendingKVGrad``) then hands its K/V a full-size gradient that is
 zero outside the rank's chunk (``widen``); the to-heads all-to-all's backward sums it over the
@@ -34,10 +36,11 @@ class KVGroupExchange(Protocol):
     size: int
     position: int
 
-    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                   what: str) -> torch.Tensor:
-        """Send ``send_splits[j]`` elements of flat ``send`` to peer ``j``; return what came, in
-        peer order (``recv_splits`` elements each)."""
+    def all_gather(self, send: torch.Tensor, what: str) -> torch.Tensor:
+        """Every peer's flat ``send`` (all of one size), concatenated in peer order."""
+
+    def reduce_scatter(self, send: torch.Tensor, what: str) -> torch.Tensor:
+        """The sum over the peers of each one's ``position``-th of ``size`` equal parts of ``send``."""
 
 
 def chunk_rows(num_tokens: int, group: KVGroupExchange) -> tuple[int, int]:
@@ -67,39 +70,40 @@ def _chunk_sizes(lengths: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
     return [token_shards(n, size).sizes for n in lengths]
 
 
-def _split_rows(block: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """``block`` ``[1, h, sum(sizes), d]`` cut along the rows into pieces of ``sizes``."""
-    return list(torch.split(block, sizes, dim=2))
+def _offsets(sizes: list[tuple[int, ...]], r: int) -> list[list[int]]:
+    """Per entry and peer, the row where the peer's chunk of the entry starts in its buffer (the
+    peer's chunks of the entries in order: K rows first, V rows ``width`` further)."""
+    offs, run = [], [0] * r
+    for s in sizes:
+        offs.append(list(run))
+        run = [a + b for a, b in zip(run, s)]
+    return offs
 
 
 class _GatherKV(torch.autograd.Function):
-    """Chunks of the entries on each rank -> the full context on every rank; backward: each
-    rank's chunk rows of every rank's gradient, summed."""
+    """Chunks of the entries on each rank -> the full context on every rank (all-gather of padded
+    per-peer buffers); backward: each rank's chunk rows of every rank's gradient, summed
+    (reduce-scatter of the gradient laid out the same way)."""
 
     @staticmethod
     def forward(ctx, group: KVGroupExchange, lengths: tuple[int, ...], what: str, *chunks: torch.Tensor):
-        n, r = len(lengths), group.size
+        n, r, me = len(lengths), group.size, group.position
         sizes = _chunk_sizes(lengths, r)
-        ref = chunks[0]
-        heads, d = ref.shape[1], ref.shape[-1]
-        mine = torch.cat(chunks, dim=2)  # this rank's K chunks, then its V chunks
-        rows = [sum(s[q] for s in sizes) for q in range(r)]  # chunk rows of each peer
-        send = mine.reshape(-1).repeat(r)  # the same to every peer
-        recv = group.all_to_all(send, [mine.numel()] * r, [heads * 2 * m * d for m in rows],
-                                f"{what}, K/V context")
-        pieces_k: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        pieces_v: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        offset = 0
-        for q in range(r):
-            block = recv[offset:offset + heads * 2 * rows[q] * d].view(1, heads, 2 * rows[q], d)
-            offset += heads * 2 * rows[q] * d
-            parts = _split_rows(block, [s[q] for s in sizes] * 2)
-            for e in range(n):
-                pieces_k[e].append(parts[e])
-                pieces_v[e].append(parts[n + e])
+        offs = _offsets(sizes, r)
+        width = max(sum(s[q] for s in sizes) for q in range(r))  # rows of the longest peer
+        heads, d = chunks[0].shape[1], chunks[0].shape[-1]
+        mine = chunks[0].new_zeros(heads, 2 * width, d)
+        for e in range(n):
+            lo, m = offs[e][me], sizes[e][me]
+            mine[:, lo:lo + m] = chunks[e][0]
+            mine[:, width + lo:width + lo + m] = chunks[n + e][0]
+        blocks = group.all_gather(mine.reshape(-1), f"{what}, K/V context").view(r, heads, 2 * width, d)
+        del mine
+        ck = torch.cat([blocks[q:q + 1, :, offs[e][q]:offs[e][q] + sizes[e][q]]
+                        for e in range(n) for q in range(r)], dim=2)
+        cv = torch.cat([blocks[q:q + 1, :, width + offs[e][q]:width + offs[e][q] + sizes[e][q]]
+                        for e in range(n) for q in range(r)], dim=2)
         ctx.group, ctx.sizes, ctx.what = group, sizes, what
-        ck = torch.cat([p for per in pieces_k for p in per], dim=2)
-        cv = torch.cat([p for per in pieces_v for p in per], dim=2)
         return ck, cv
 
     @staticmethod
@@ -108,19 +112,24 @@ class _GatherKV(torch.autograd.Function):
         n, r, me = len(sizes), group.size, group.position
         ref = gk if gk is not None else gv
         heads, d = ref.shape[1], ref.shape[-1]
-        gk = gk if gk is not None else torch.zeros_like(gv)
-        gv = gv if gv is not None else torch.zeros_like(gk)
-        # The context's rows entry by entry, peer by peer: piece (e, q) is peer q's chunk of entry e.
-        flat_sizes = [s[q] for s in sizes for q in range(r)]
-        parts_k, parts_v = _split_rows(gk, flat_sizes), _split_rows(gv, flat_sizes)
-        per_peer = [[parts_k[e * r + q] for e in range(n)] + [parts_v[e * r + q] for e in range(n)]
-                    for q in range(r)]
-        send = torch.cat([torch.cat(p, dim=2).reshape(-1) for p in per_peer])
-        rows = [sum(s[q] for s in sizes) for q in range(r)]
-        mine = rows[me]
-        recv = group.all_to_all(send, [heads * 2 * m * d for m in rows], [heads * 2 * mine * d] * r,
-                                f"{ctx.what}, K/V context gradients")
-        total = recv.view(r, heads, 2 * mine, d).sum(0).unsqueeze(0)
+        offs = _offsets(sizes, r)
+        width = max(sum(s[q] for s in sizes) for q in range(r))
+        send = ref.new_zeros(r, heads, 2 * width, d)  # peer q's part: the rows of its chunks
+        row = 0
+        for e in range(n):
+            for q in range(r):
+                lo, m = offs[e][q], sizes[e][q]
+                if gk is not None:
+                    send[q, :, lo:lo + m] = gk[0, :, row:row + m]
+                if gv is not None:
+                    send[q, :, width + lo:width + lo + m] = gv[0, :, row:row + m]
+                row += m
+        del gk, gv
+        total = group.reduce_scatter(send.reshape(-1), f"{ctx.what}, K/V context gradients")
+        total = total.view(1, heads, 2 * width, d)
+        del send
         # One storage per chunk gradient (a view would keep the whole sum alive in a leaf's .grad).
-        grads = [g.clone() for g in _split_rows(total, [s[me] for s in sizes] * 2)]
+        spans = [(offs[e][me], sizes[e][me]) for e in range(n)]
+        grads = [total[:, :, lo:lo + m].clone() for lo, m in spans]
+        grads += [total[:, :, width + lo:width + lo + m].clone() for lo, m in spans]
         return (None, None, None, *grads)

@@ -8,9 +8,12 @@ place in its group (its *position*) and the all-to-all over it.  The process gro
 with the layout's other groups (``ParallelLayout.kv_group``, one per K/V group of every stage,
 created on every rank in one order).
 
-``all_to_all`` is the one collective both this group and the Ulysses all-to-alls run: a 1-D
-``all_to_all_single`` with explicit split sizes (gloo and NCCL), waited with the step's deadline
-on CPU so that a stuck peer is an error naming the ranks, never a hang.
+The group runs two collectives, both on gloo and NCCL: an ``all_gather_into_tensor`` of equal
+(padded) chunks for a context read and a ``reduce_scatter_tensor`` for its backward, so neither
+direction holds a send or receive buffer of the whole context beside the context itself.
+:func:`all_to_all` is the Ulysses all-to-alls' collective (a 1-D ``all_to_all_single`` with
+explicit split sizes).  Every collective here is waited with the step's deadline on CPU, so that a
+stuck peer is an error naming the ranks, never a hang.
 """
 from __future__ import annotations
 
@@ -30,16 +33,22 @@ def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int
 
     recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
+    _wait(work, send, group=group, layout=layout, ranks=ranks, timeout_s=timeout_s, step=step, what=what)
+    return recv, work
+
+
+def _wait(work: Any, send: torch.Tensor, *, group: Any, layout, ranks: list[int], timeout_s: float,
+          step: int, what: str) -> None:
     if send.device.type == "cuda":
         work.wait()  # stream order only: a host-side wait per layer would stall the GPU queue
     else:
         wait_collective(work, timeout_s=timeout_s, layout=layout, ranks=ranks, what=what, step=step,
                         group=group)
-    return recv, work
 
 
 class KVGroup:
-    """This rank's K/V group: ``size`` ranks sharing its K/V head, its ``position`` among them."""
+    """This rank's K/V group: ``size`` ranks sharing its K/V head, its ``position`` among them, and
+    the group's two collectives."""
 
     def __init__(self, layout, clock) -> None:
         self.layout = layout
@@ -50,12 +59,27 @@ class KVGroup:
         self._clock = clock  # the SP objects' deadline and step number
         self._finished: tuple = ()
 
-    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                   what: str) -> torch.Tensor:
-        recv, work = all_to_all(send, send_splits, recv_splits, group=self.group, layout=self.layout,
-                                ranks=self.ranks, timeout_s=self._clock.timeout_s,
-                                step=self._clock.step, what=f"K/V group all-to-all ({what})")
+    def all_gather(self, send: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's flat ``send`` (all of one size), concatenated in position order."""
+        import torch.distributed as dist
+
+        recv = send.new_empty(send.numel() * self.size)
+        work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=True)
+        return self._finish(work, send, recv, f"K/V group all-gather ({what})")
+
+    def reduce_scatter(self, send: torch.Tensor, what: str) -> torch.Tensor:
+        """The sum over the group of every rank's ``position``-th of ``size`` equal parts of flat
+        ``send``."""
+        import torch.distributed as dist
+
+        recv = send.new_empty(send.numel() // self.size)
+        work = dist.reduce_scatter_tensor(recv, send, group=self.group, async_op=True)
+        return self._finish(work, send, recv, f"K/V group reduce-scatter ({what})")
+
+    def _finish(self, work: Any, send: torch.Tensor, recv: torch.Tensor, what: str) -> torch.Tensor:
+        _wait(work, send, group=self.group, layout=self.layout, ranks=self.ranks,
+              timeout_s=self._clock.timeout_s, step=self._clock.step, what=what)
         # As in SequenceParallel.exchange, gloo's buffers are freed on this thread, at the next
-        # exchange; on CUDA the send buffer (about the whole context) goes at once.
+        # exchange; on CUDA the send buffer goes at once.
         self._finished = (work, send) if send.device.type != "cuda" else ()
         return recv

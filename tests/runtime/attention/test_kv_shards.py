@@ -1,6 +1,6 @@
 """The sharded K/V store's gather and its backward, with uneven chunks, in one process.
 
-A K/V group of ``r`` ranks is played by ``r`` threads whose ``all_to_all`` meets at a barrier
+A K/V group of ``r`` ranks is played by ``r`` threads whose collectives meet at a barrier
 (the real one is ``runtime/parallel/kv_group.py``).  Each thread stores its chunks of the same
 entries (lengths that ``r`` does not divide, one shorter than ``r``: a rank without rows), reads
 the context, and backpropagates a gradient of its own: the context must be the whole K/V in token
@@ -35,19 +35,24 @@ class ThreadGroup:
     def position(self) -> int:
         return self.local.position
 
-    def all_to_all(self, send, send_splits, recv_splits, what):
+    def _exchange(self, send):
+        """Every thread's ``send``, in position order, once all have arrived."""
         me = self.position
         self.calls[me] += 1
-        offs = [0]
-        for n in send_splits:
-            offs.append(offs[-1] + n)
         self.barrier.wait()
-        self.slots[me] = [send[offs[j]:offs[j + 1]].clone() for j in range(self.size)]
+        self.slots[me] = send.clone()
         self.barrier.wait()
-        got = [self.slots[j][me] for j in range(self.size)]
-        assert [g.numel() for g in got] == list(recv_splits), (what, recv_splits)
+        got = list(self.slots)
         self.barrier.wait()
-        return torch.cat(got)
+        assert len({g.numel() for g in got}) == 1, [g.numel() for g in got]  # equal parts, as NCCL needs
+        return got
+
+    def all_gather(self, send, what):
+        return torch.cat(self._exchange(send))
+
+    def reduce_scatter(self, send, what):
+        parts = [g.view(self.size, -1)[self.position] for g in self._exchange(send)]
+        return sum(parts[1:], parts[0].clone())
 
 
 def run_ranks(group: ThreadGroup, fn) -> list:
@@ -72,15 +77,16 @@ def run_ranks(group: ThreadGroup, fn) -> list:
     return out
 
 
+@pytest.mark.parametrize("heads", [1, 2])
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("r,lengths", [(3, [5, 2, 7]), (2, [1, 4, 3]), (4, [6])])
-def test_gather_reassembles_and_sums_chunk_gradients(r, lengths, offload):
+def test_gather_reassembles_and_sums_chunk_gradients(r, lengths, offload, heads):
     torch.manual_seed(0)
     total = sum(lengths)
-    k_full = torch.randn(1, 1, total, D, dtype=torch.float64)
-    v_full = torch.randn(1, 1, total, D, dtype=torch.float64)
-    grads_k = [torch.randn(1, 1, total, D, dtype=torch.float64) for _ in range(r)]
-    grads_v = [torch.randn(1, 1, total, D, dtype=torch.float64) for _ in range(r)]
+    k_full = torch.randn(1, heads, total, D, dtype=torch.float64)
+    v_full = torch.randn(1, heads, total, D, dtype=torch.float64)
+    grads_k = [torch.randn(1, heads, total, D, dtype=torch.float64) for _ in range(r)]
+    grads_v = [torch.randn(1, heads, total, D, dtype=torch.float64) for _ in range(r)]
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     group = ThreadGroup(r)
 
@@ -97,8 +103,8 @@ def test_gather_reassembles_and_sums_chunk_gradients(r, lengths, offload):
         pending = []
         for e, s, n in zip(entries, starts, lengths):
             out = torch.zeros(1, requires_grad=True)
-            k_own = torch.zeros(1, 1, n, D, dtype=torch.float64, requires_grad=True)
-            v_own = torch.zeros(1, 1, n, D, dtype=torch.float64, requires_grad=True)
+            k_own = torch.zeros(1, heads, n, D, dtype=torch.float64, requires_grad=True)
+            v_own = torch.zeros(1, heads, n, D, dtype=torch.float64, requires_grad=True)
             PendingKVGrad.apply(out, k_own, v_own, e).sum().backward()
             pending.append((k_own.grad, v_own.grad))
         return held, pending
@@ -110,7 +116,7 @@ def test_gather_reassembles_and_sums_chunk_gradients(r, lengths, offload):
     for p, (held, pending) in enumerate(results):
         for (gk, gv), s, n in zip(pending, starts, lengths):
             lo, hi = token_shards_range(n, r, p)
-            want_k = torch.zeros(1, 1, n, D, dtype=torch.float64)
+            want_k = torch.zeros(1, heads, n, D, dtype=torch.float64)
             want_v = torch.zeros_like(want_k)
             want_k[:, :, lo:hi] = sum_k[:, :, s + lo:s + hi]
             want_v[:, :, lo:hi] = sum_v[:, :, s + lo:s + hi]
@@ -118,7 +124,7 @@ def test_gather_reassembles_and_sums_chunk_gradients(r, lengths, offload):
             torch.testing.assert_close(gv, want_v, rtol=1e-12, atol=1e-12)
         kept += held
     # K, V and their gradients once over the group (nothing on the device when offloaded).
-    assert kept == (0 if offload else 4 * total * D * 8)
+    assert kept == (0 if offload else 4 * heads * total * D * 8)
 
 
 def token_shards_range(n: int, r: int, p: int) -> tuple[int, int]:
