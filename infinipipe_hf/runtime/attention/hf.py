@@ -71,8 +71,9 @@ def epp_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value:
         values = [v.index_select(1, idx) for v in values]
     problem = AttentionSegments(query, keys, values, ctx.q_offsets, context_lens, scaling, dropout,
                                 kwargs.get("sliding_window"))
-    if ctx.kept_attention is not None and torch.is_grad_enabled():
-        out = ctx.kept_attention.run(problem, layer)
+    kept = ctx.kept_attention
+    if kept is not None and (torch.is_grad_enabled() or kept.peeking_now):  # peeking: a no-grad rebuild
+        out = kept.run(problem, layer)
     else:
         out = ctx.backend(problem)
     if torch.is_grad_enabled():

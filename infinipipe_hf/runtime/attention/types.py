@@ -61,6 +61,10 @@ class SequenceExchange(Protocol):
 class KeptCore(Protocol):
     """The ``keep_attn`` level's store: runs the attention core, keeping its output for the replay."""
 
+    peeking_now: bool
+    """Set while an ``offload_pair`` rebuild replays the layer without grad: ``run`` returns the
+    kept output and keeps it for the layer's own replay."""
+
     def run(self, problem: AttentionSegments, layer: int) -> torch.Tensor:
         """The unit's attention output ``[1, T, heads, d]``, as a backend returns it."""
 

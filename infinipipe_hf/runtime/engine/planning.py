@@ -54,8 +54,9 @@ def attention_table(config: InfiniPipeConfig) -> dict:
 
 def runnable_checkpoint_levels(engine) -> tuple[str, ...]:
     """The configured levels this stage can run (the others dropped with a warning).  The planner
-    offers ``offload_attn`` (``keep_attn`` in host memory) only beside ``keep_attn``, so a dropped
-    ``keep_attn`` takes it along: its layers are planned at ``offload`` or ``full`` instead."""
+    offers ``offload_attn`` and ``offload_pair`` (``keep_attn`` in host memory, the latter in pairs)
+    only beside ``keep_attn``, so a dropped ``keep_attn`` takes them along: their layers are planned
+    at ``offload`` or ``full`` instead."""
     from infinipipe_hf.ir.levels import KEEP_ATTN
     from infinipipe_hf.runtime.recompute.layers import runnable_levels
 
@@ -64,7 +65,8 @@ def runnable_checkpoint_levels(engine) -> tuple[str, ...]:
                                 engine.dtype)
     if why is not None:
         if KEEP_ATTN in levels and KEEP_ATTN not in kept:
-            why += " (offload_attn, keep_attn in host memory, goes with it: offload or full instead)"
+            why += (" (offload_attn and offload_pair, keep_attn in host memory, go with it: offload or "
+                    "full instead)")
         warnings.warn(f"checkpoint_levels={levels}: planning with {kept or 'whole layers only'}: {why}. "
                       f"Set InfiniPipeConfig(checkpoint_levels={kept!r}) to silence this", stacklevel=4)
         engine.config.checkpoint_levels = kept

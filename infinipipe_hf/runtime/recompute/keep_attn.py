@@ -24,6 +24,9 @@ store (``KeptAttention(host_tier, tag)``) copies the output, log-sum-exp and aux
 saved-tensor hooks that move the layer input, ``offload/activation_hooks.py``, never see them) and
 brings them back with ``get`` when the replay pops them; the replay's own ``save_for_backward``
 runs in backward, outside those hooks, so it saves device tensors as ``keep_attn``'s does.
+The ``offload_pair`` level (``offload_pair.py``) replays a pair's first layer without grad to
+rebuild the second one's input: inside :meth:`KeptAttention.peeking` the core returns the kept
+output with no graph and leaves the entry for the layer's own replay.
 
 Kernels (``attention/kept_kernels.py``): torch's flash attention for CPU, per segment, and torch's
 flash-attention varlen pair on CUDA (float16/bfloat16, checked on the device before the level is
@@ -31,6 +34,9 @@ planned there).  Dropout inside attention is refused: a replay that skips the fo
 reproduce its mask.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -57,6 +63,8 @@ class KeptAttention:
     def __init__(self, host_tier: HostTier | None = None, tag: object = None) -> None:
         self._entries: dict[int, tuple] = {}
         self.host_tier, self.tag = host_tier, tag
+        self.peeking_now = False
+        """Inside :meth:`peeking`: ``run`` reads the kept output and keeps the entry."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -91,6 +99,27 @@ class KeptAttention:
         tier.prefetch_tag(self.tag)  # the next thing the backward reads
         return out, lse, tuple(aux)
 
+    def peek(self, layer: int) -> torch.Tensor | None:
+        """``layer``'s kept attention output on the device, the entry left in place (its host copy
+        read with ``keep=True``): what an ``offload_pair`` rebuild's no-grad replay needs, before
+        the layer's own replay pops it (not the log-sum-exp: only the core's backward reads it)."""
+        entry = self._entries.get(layer)
+        if entry is None:
+            return None
+        out = entry[0]
+        return self.host_tier.get(out, keep=True) if isinstance(out, HostTensor) else out
+
+    @contextmanager
+    def peeking(self) -> Iterator[None]:
+        """Inside: the attention core returns the kept output of its layer without consuming the
+        entry, under ``no_grad`` too (the ``offload_pair`` rebuild replays a layer whose own
+        replay comes later)."""
+        self.peeking_now = True
+        try:
+            yield
+        finally:
+            self.peeking_now = False
+
     def __del__(self) -> None:  # a graph freed without its backward (an aborted step)
         try:
             if self.host_tier is not None:
@@ -102,7 +131,14 @@ class KeptAttention:
             pass
 
     def run(self, problem: AttentionSegments, layer: int) -> torch.Tensor:
-        """The attention core of ``layer`` at ``keep_attn`` (what the attention function calls)."""
+        """The attention core of ``layer`` at ``keep_attn`` (what the attention function calls);
+        while :meth:`peeking`, the kept output itself (no graph: the rebuild runs without grad)."""
+        if self.peeking_now:
+            out = self.peek(layer)
+            if out is None:
+                raise RuntimeError(f"layer {layer}: an offload_pair rebuild replays this layer but its kept "
+                                   f"attention output is gone (its own replay ran first?)")
+            return out
         return kept_attention(problem, self, layer)
 
 
