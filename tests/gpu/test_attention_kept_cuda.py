@@ -1,7 +1,8 @@
 """keep_attn on CUDA: torch's flash-attention pair passes its self-check, equals SDPA (forward and
 the gradients from the kept output and log-sum-exp) in bf16, and an engine step at keep_attn (or
-offload_attn, the same in host memory) on every layer equals one with whole layers recomputed
-(the same kernels, so within bf16 rounding).
+offload_attn, the same in host memory, or offload_pair, that in a pair whose second layer's input
+is rebuilt) on every layer equals one with whole layers recomputed (the same kernels, so within
+bf16 rounding).
 The pair's code around the kernels is tested on CPU (tests/runtime/attention/test_kept_kernels_cpu.py)."""
 import pytest
 import torch
@@ -76,10 +77,12 @@ def _step(model, levels):
     return out.loss, {n: p.grad.float().cpu() for n, p in engine.named_parameters()}, engine.host_tier.stats
 
 
-@pytest.mark.parametrize("level", ["keep_attn", "offload_attn"])
+@pytest.mark.parametrize("level", ["keep_attn", "offload_attn", "offload_pair"])
 def test_engine_keep_attn_equals_whole_layer_recompute_bf16(level):
     """``offload_attn`` also round-trips, per layer and token, the bf16 input and attention output
-    and the float32 log-sum-exp per head through pinned host memory."""
+    and the float32 log-sum-exp per head through pinned host memory; ``offload_pair`` (the two
+    layers one pair) all but the second layer's input, and its rebuild reads the first layer's
+    input and attention output once more."""
     make = lambda: tiny_model("qwen2", num_layers=2, seed=6, hidden=256, heads=4, kv_heads=2).to(torch.bfloat16)
     want_loss, want, _ = _step(make(), None)
     loss, got, tier = _step(make(), {level: 2})
@@ -87,6 +90,11 @@ def test_engine_keep_attn_equals_whole_layer_recompute_bf16(level):
     num = sum(float((got[n] - want[n]).pow(2).sum()) for n in want)
     den = sum(float(w.pow(2).sum()) for w in want.values())
     assert (num / den) ** 0.5 < 2e-2
-    host = 2 * sum(LENGTHS) * (256 * 2 + 256 * 2 + 4 * 4) if level == "offload_attn" else 0
+    tokens = sum(LENGTHS)
+    kept = tokens * (256 * 2 + 4 * 4)  # per layer: bf16 attention output, float32 lse per head
+    host = {"keep_attn": 0, "offload_attn": 2 * (tokens * 256 * 2 + kept),
+            "offload_pair": tokens * 256 * 2 + 2 * kept}[level]
+    reread = tokens * (256 * 2 + 256 * 2) if level == "offload_pair" else 0
     # (a few bytes more if a torch keeps the kernel's random-number state on the device)
-    assert host <= tier.bytes_out == tier.bytes_in <= host + 1024 and tier.current_bytes == 0, (tier, host)
+    assert host <= tier.bytes_out <= host + 1024 and tier.current_bytes == 0, (tier, host)
+    assert tier.bytes_in == tier.bytes_out + reread, (tier, reread)

@@ -4,7 +4,7 @@
 heads (K/V groups of r = 2 ranks) and with 1 K/V head (one group of r = 4): a long sequence in
 five slices (one of 2 tokens, so some ranks keep no row of it; hybrids with short sequences) and
 short sequences, with every checkpoint level (``full``, ``offload``, ``keep_attn``,
-``offload_attn``, ``mlp``, ``mlp_act``) and with and without ``offload_kv``.  Loss and every
+``offload_attn``, ``offload_pair``, ``mlp``, ``mlp_act``) and with and without ``offload_kv``.  Loss and every
 gradient equal single-process HF (1e-10 relative); the replicated store (sharding turned off) too.
 After each forward, the store's device bytes (host bytes with ``offload_kv``) of the ranks of one
 K/V group add up to one rank's replicated store: each rank holds its 1/r.  Prints ``CASE <name> OK`` and ``ALL OK``.
@@ -24,8 +24,10 @@ UNITS = [[[(0, 0, 10)], [(0, 10, 19)], [(0, 19, 21)], [(0, 21, 33), (1, 0, 7)], 
           [(3, 0, 11)]]]
 MIXES = [{"offload": 1, "keep_attn": 1, "mlp": 1}, {"offload_attn": 2, "mlp_act": 1},
          {"keep_attn": 2, "mlp_act": 1}, {"offload": 2, "offload_attn": 1},
-         {"mlp": 1, "offload_attn": 1}, {}]
-"""Finer levels per unit (by id); odd units also have one layer checkpointed whole."""
+         {"mlp": 1, "offload_attn": 1, "offload_pair": 2}, {}]
+"""Finer levels per unit (by id); odd units also have one layer checkpointed whole.  Unit 4 (a
+slice with context beside a short sequence) has an ``offload_pair`` pair, whose rebuild in
+backward reads the context (a collective over the K/V group) on every rank again."""
 
 
 def reference(kv_heads: int):
