@@ -8,6 +8,11 @@ runtime gives them to a unit's layers, see :meth:`CheckpointMix.layer_levels`):
     ``keep_attn`` with everything it keeps (the input, the attention output and the log-sum-exp)
     in host memory: no device bytes between forward and backward, and no attention core rerun,
     for twice ``offload``'s host bytes and copies.
+``offload_pair``
+    ``offload_attn`` in pairs of consecutive layers whose second layer keeps no input: its
+    backward rebuilds it by replaying the first layer's forward from what that one keeps (its
+    attention core skipped).  Per layer three quarters of ``offload_attn``'s host bytes, for one
+    more replay per pair (an odd last layer keeps its input, as ``offload_attn``).
 ``offload``
     the whole layer recomputed, and its input kept in host memory (copied out during the forward,
     brought back ahead of the backward): no device bytes between forward and backward.
@@ -33,25 +38,27 @@ from typing import Iterable, Mapping
 CHECKPOINTING = ("adaptive", "none", "full")
 """Step-level checkpointing choices: solved per (stage, unit), none, or every layer."""
 
-OFFLOAD_ATTN, OFFLOAD, FULL, KEEP_ATTN, MLP, MLP_ACT = "offload_attn", "offload", "full", "keep_attn", "mlp", "mlp_act"
-LEVELS = (OFFLOAD_ATTN, OFFLOAD, FULL, KEEP_ATTN, MLP, MLP_ACT)
+OFFLOAD_ATTN, OFFLOAD_PAIR, OFFLOAD = "offload_attn", "offload_pair", "offload"
+FULL, KEEP_ATTN, MLP, MLP_ACT = "full", "keep_attn", "mlp", "mlp_act"
+LEVELS = (OFFLOAD_ATTN, OFFLOAD_PAIR, OFFLOAD, FULL, KEEP_ATTN, MLP, MLP_ACT)
 """Every level, heaviest (most device bytes saved, then most host bytes) first."""
-HOST_LEVELS = (OFFLOAD_ATTN, OFFLOAD)
+HOST_LEVELS = (OFFLOAD_ATTN, OFFLOAD_PAIR, OFFLOAD)
 """The levels that keep what they save in host memory (planned where the plan has a host tier)."""
 FINER_LEVELS = (KEEP_ATTN, MLP, MLP_ACT)
 """The levels inside a layer, beside whole layers (the ``checkpoint_levels`` setting picks among them)."""
 PLAN_LEVELS = HOST_LEVELS + FINER_LEVELS
 """Every level but whole layers: the plan's ``checkpoint_levels`` entry holds these counts (whole
 layers are its ``checkpoint_layers``); the host levels are allowed where the plan has host memory
-(``offload_attn`` also where ``keep_attn`` runs)."""
+(``offload_attn`` and ``offload_pair`` also where ``keep_attn`` runs)."""
 MLP_LEVELS = (MLP, MLP_ACT)
 """The levels inside the MLP (runtime/recompute/mlp_levels.py)."""
 
 
 def host_levels(finer: Iterable[str]) -> tuple[str, ...]:
     """The host levels a plan with a host tier may use beside the finer levels ``finer``:
-    ``offload``, and ``offload_attn`` where ``keep_attn`` may run (it keeps what that level keeps)."""
-    return ((OFFLOAD_ATTN,) if KEEP_ATTN in tuple(finer) else ()) + (OFFLOAD,)
+    ``offload``, and ``offload_attn`` and ``offload_pair`` where ``keep_attn`` may run (they keep
+    what that level keeps)."""
+    return ((OFFLOAD_ATTN, OFFLOAD_PAIR) if KEEP_ATTN in tuple(finer) else ()) + (OFFLOAD,)
 
 
 def _in_order(levels: Iterable[str], allowed: tuple[str, ...], hint: str) -> tuple[str, ...]:
@@ -92,6 +99,8 @@ class CheckpointMix:
     """Layers recomputed whole whose input waits in host memory between forward and backward."""
     offload_attn: int = 0
     """Layers at ``keep_attn`` whose kept tensors wait in host memory between forward and backward."""
+    offload_pair: int = 0
+    """Layers at ``offload_attn`` in pairs whose second layer's input is rebuilt, not kept."""
 
     def __post_init__(self) -> None:
         for name in LEVELS:
@@ -101,7 +110,8 @@ class CheckpointMix:
 
     @property
     def total(self) -> int:
-        return self.offload_attn + self.offload + self.full + self.keep_attn + self.mlp + self.mlp_act
+        return (self.offload_attn + self.offload_pair + self.offload + self.full + self.keep_attn + self.mlp
+                + self.mlp_act)
 
     @property
     def recomputed_whole(self) -> int:
@@ -112,7 +122,7 @@ class CheckpointMix:
     def replayed_whole(self) -> int:
         """Layers whose forward replays in backward, the attention core at most skipped (every
         level but the MLP ones)."""
-        return self.offload_attn + self.offload + self.full + self.keep_attn
+        return self.offload_attn + self.offload_pair + self.offload + self.full + self.keep_attn
 
     @property
     def finer(self) -> dict[str, int]:
@@ -134,8 +144,10 @@ class CheckpointMix:
         the layers backward needs first keep what it needs."""
         if self.total > num_layers:
             raise ValueError(f"checkpoint levels {self} name {self.total} layers but the stage has "
-                             f"{num_layers}; offload_attn + offload + full + keep_attn + mlp + mlp_act must be at most "
+                             f"{num_layers}; offload_attn + offload_pair + offload + full + keep_attn + mlp + mlp_act "
+                             f"must be at most "
                              f"the stage's layers")
-        return ([OFFLOAD_ATTN] * self.offload_attn + [OFFLOAD] * self.offload + [FULL] * self.full
+        return ([OFFLOAD_ATTN] * self.offload_attn + [OFFLOAD_PAIR] * self.offload_pair
+                + [OFFLOAD] * self.offload + [FULL] * self.full
                 + [KEEP_ATTN] * self.keep_attn + [MLP] * self.mlp
                 + [MLP_ACT] * self.mlp_act + [None] * (num_layers - self.total))

@@ -286,6 +286,6 @@ class Plan:
         """``(c2)`` for two whole layers, ``(o1+c2+k1+m1+a3)`` with other levels (``h``: offload_attn,
         ``o``: offload, ``k``: keep_attn), empty for none."""
         mix = self.checkpoint_mix(stage_index, unit_id)
-        tags = (("h", mix.offload_attn), ("o", mix.offload), ("c", mix.full), ("k", mix.keep_attn), ("m", mix.mlp), ("a", mix.mlp_act))
+        tags = (("h", mix.offload_attn), ("p", mix.offload_pair), ("o", mix.offload), ("c", mix.full), ("k", mix.keep_attn), ("m", mix.mlp), ("a", mix.mlp_act))
         parts = [f"{tag}{n}" for tag, n in tags if n]
         return f"({'+'.join(parts)})" if parts else ""

@@ -45,11 +45,12 @@ def greedy_counts(prob: ReplicaProblem, x0: np.ndarray | None = None) -> np.ndar
 
 
 def _raise_savers(prob: ReplicaProblem, x: np.ndarray) -> None:
-    """Raise every variable that saves time (negative cost: ``offload_attn`` over ``offload``) to
-    the next finer one in its chain, within its bound: it costs device rows nothing, and the
-    host rows are the caller's to repair (:func:`~.host_rows.fit_host`)."""
+    """Raise every variable that saves time (negative cost: ``offload_attn`` over ``offload_pair``
+    over ``offload``) to the next finer one in its chain, within its bound: it costs device rows
+    nothing, and the host rows are the caller's to repair (:func:`~.host_rows.fit_host`).  Once per
+    chain link, so a raised variable lifts the heavier savers above it too."""
     savers = np.flatnonzero((prob.var_cost_s < 0) & (prob.var_parent >= 0))
-    if len(savers):
+    for _ in range(len(prob.levels) if len(savers) else 0):
         x[savers] = np.maximum(x[savers], np.minimum(x[prob.var_parent[savers]], prob.var_ub[savers]))
 
 

@@ -1,9 +1,8 @@
 """Host bytes of one stage at each of its actions, and the peak: the host tier's memory timeline.
 
 A stage's host bytes at an action are its checkpoint-independent part (model states kept on the
-host, an offloaded KV store: ``StageTimeline.host_base``) plus what the ``offload`` and
-``offload_attn`` layers of every live unit keep (forwarded on the stage, backward not finished),
-``cost.host.layer_offload_bytes`` of its level per layer.  The same live intervals as the device timeline
+host, an offloaded KV store: ``StageTimeline.host_base``) plus what the host-level layers of every
+live unit keep (forwarded on the stage, backward not finished), ``cost.host.unit_offload_bytes``.  The same live intervals as the device timeline
 (:mod:`.memory_walk`), so every point is one linear row of the checkpoint solver (:mod:`.host_rows`).
 """
 from __future__ import annotations
@@ -22,7 +21,7 @@ from infinipipe_hf.planner.cost.model import CostModel
 def offloaded_bytes(cost: CostModel, stage: int, segments, counts: Mapping[str, int] | None) -> float:
     """Host bytes of a unit's offloaded layers on the stage (``counts``: its level counts)."""
     counts = counts or {}
-    return sum(n * cost.host.layer_offload_bytes(stage, segments, lv) for lv in HOST_LEVELS if (n := counts.get(lv, 0)))
+    return cost.host.unit_offload_bytes(stage, segments, counts) if any(counts.get(lv) for lv in HOST_LEVELS) else 0.0
 
 
 def host_point_values(tl: StageTimeline, cost: CostModel, stage: int,

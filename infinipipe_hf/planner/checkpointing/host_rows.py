@@ -1,13 +1,15 @@
 """The host-memory rows of the checkpoint problem, and the repair that keeps an answer within them.
 
 With a host tier (``cost.host_budget_bytes > 0``) a cell's host columns (:mod:`.problem`: ``offload``,
-and ``offload_attn`` ahead of it) hold its offloaded layers, each keeping
-``cost.host.layer_offload_bytes`` of its level in host memory while the unit is live.  Every memory
+and ``offload_attn`` and ``offload_pair`` ahead of it) hold its offloaded layers, each keeping
+``cost.host.layer_offload_bytes`` of its level in host memory while the unit is live (a pair
+level's layer half an input: :func:`even_pairs` makes the answer's pair counts even, so the exact
+bytes are never above the rows').  Every memory
 point is then also a *packing* row ``sum host * y <= cap`` over those columns with ``cap = host
 budget - the point's host base`` (states on the host, an offloaded KV store): raising a host
 column can break it, so the covering arguments of the device rows (round up, greedy raise) do not
 hold for it.  :func:`fit_host` repairs any answer instead: it demotes offloaded layers a level
-(``offload_attn`` to ``offload``, ``offload`` to ``full``) at the worst host row, caps those variables there, and lets the
+(``offload_attn`` to ``offload_pair`` to ``offload``, ``offload`` to ``full``) at the worst host row, caps those variables there, and lets the
 greedy cover the device rows again with the other levels; the MILP takes the rows as constraints
 (:mod:`.lp`).  Rows that cannot bind (every live layer offloaded still fits) are dropped.
 """
@@ -21,6 +23,7 @@ import numpy as np
 from scipy import sparse
 
 from infinipipe_hf.ir.actions import Action
+from infinipipe_hf.ir.levels import OFFLOAD, OFFLOAD_ATTN, OFFLOAD_PAIR
 from infinipipe_hf.planner.cost.model import GIB
 
 HOST_SLACK_BYTES = 1.0
@@ -137,3 +140,21 @@ def kv_offload_stages(plan, problems, slack: float) -> list[int]:
         over = prob.overshoot(prob.columns_from_vars(prob.var_ub))
         failing.update(prob.row_stage[over > slack].tolist())
     return sorted(failing)
+
+
+def even_pairs(counts: dict[str, int]) -> dict[str, int]:
+    """``counts`` (layers per level of one cell) with an even ``offload_pair`` count: an odd pair
+    run's last layer would keep its own input, above the rows' half.  It takes an ``offload_attn``
+    layer as its partner when there is one, else it becomes an ``offload`` layer; either keeps the
+    exact host bytes within the linear rows' (a kept attention output is at least half an input)
+    and the device bytes the same (no host level keeps anything on the device)."""
+    if counts.get(OFFLOAD_PAIR, 0) % 2 == 0:
+        return counts
+    out = dict(counts)
+    if out.get(OFFLOAD_ATTN, 0):
+        out[OFFLOAD_ATTN] -= 1
+        out[OFFLOAD_PAIR] += 1
+    else:
+        out[OFFLOAD_PAIR] -= 1
+        out[OFFLOAD] = out.get(OFFLOAD, 0) + 1
+    return {lv: n for lv, n in out.items() if n}

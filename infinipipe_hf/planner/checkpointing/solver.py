@@ -42,7 +42,7 @@ from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import has_sub_groups
 from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
 from infinipipe_hf.planner.checkpointing.host_peak import stage_host_peak_bytes
-from infinipipe_hf.planner.checkpointing.host_rows import HOST_SLACK_BYTES, fit_host, kv_offload_stages
+from infinipipe_hf.planner.checkpointing.host_rows import HOST_SLACK_BYTES, even_pairs, fit_host, kv_offload_stages
 from infinipipe_hf.planner.checkpointing.lp import LP_TIME_LIMIT_S, lp_rounding, milp_counts
 from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
 from infinipipe_hf.planner.checkpointing.problem import SHARING, ReplicaProblem, build_problem
@@ -306,7 +306,7 @@ def _assemble(plan: Plan, problems: list[ReplicaProblem], columns: list[np.ndarr
         full = prob.levels.index(FULL)
         for s, u, row in zip(prob.cell_stage.tolist(), prob.cell_unit.tolist(), per_level.tolist()):
             out[s][u] = int(row[full])
-            extra = {lv: int(n) for lv, n in zip(prob.levels, row) if n and lv != FULL}
+            extra = even_pairs({lv: int(n) for lv, n in zip(prob.levels, row) if n and lv != FULL})
             if extra:
                 finer.setdefault(s, {})[u] = extra
     return out, finer

@@ -3,7 +3,9 @@ there, and the copy seconds they add.
 
 Bytes.  An ``offload`` layer (:mod:`infinipipe_hf.ir.levels`) keeps its input in pinned host
 memory between its forward and its backward: ``hidden_bytes_per_token`` per GPU token, per layer;
-an ``offload_attn`` layer also its attention output and log-sum-exp (what ``keep_attn`` keeps).
+an ``offload_attn`` layer also its attention output and log-sum-exp (what ``keep_attn`` keeps); an
+``offload_pair`` layer those and half an input (a pair keeps its first layer's input only; an odd
+last layer keeps its own: :meth:`HostTierCost.unit_offload_bytes` counts exactly).
 A stage in the plan's ``offload_kv`` keeps its KV store (context K/V of continuing sequences and
 their pending gradients) in host memory: the whole store there, on the device only the K/V of the
 layer running and of the next one (prefetched): ``min(2, L) / (2 L)`` of it.  The host peak of a
@@ -15,7 +17,9 @@ per GPU) beside the layer's compute; only the part of a copy longer than the com
 is exposed.  An offloaded layer copies what it keeps out during its own forward and back during the
 backward of the layer after it (in backward order, the same shape), so its exposed seconds are
 ``max(0, copy - forward) + max(0, copy - backward with replay)`` per layer, linear in the layer
-count (the checkpoint solver needs that).  With ``offload_kv`` a slice with context copies its
+count (the checkpoint solver needs that).  An ``offload_pair`` layer's backward also reads half of
+a pair's rebuild (the first layer's input and attention output, again) and replays half of the
+first layer's forward.  With ``offload_kv`` a slice with context copies its
 context K/V in per layer (forward: to attend; backward: to replay, plus the pending K/V gradients
 in and out) and its own new K/V out, each overlapping that layer's compute.  Trade-off: the
 copies share no bandwidth with other copies (state offload's, the other direction's) in this
@@ -23,9 +27,10 @@ model, and the forward's exposed part is charged to the backward (one place, sam
 """
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Mapping, Sequence
 
-from infinipipe_hf.ir.levels import HOST_LEVELS, OFFLOAD, OFFLOAD_ATTN
+from infinipipe_hf.ir.levels import HOST_LEVELS, OFFLOAD, OFFLOAD_ATTN, OFFLOAD_PAIR
 from infinipipe_hf.ir.units import Segment
 from infinipipe_hf.planner.cost.activations import StageActivations
 from infinipipe_hf.planner.cost.compute import StageCompute, UnitShape
@@ -66,29 +71,47 @@ class HostTierCost:
     # --- offloaded layer inputs ----------------------------------------------------------------
     def layer_host_bytes_per_token(self, level: str = OFFLOAD) -> float:
         """Host bytes per GPU token one layer at a host level keeps: ``offload`` its input,
-        ``offload_attn`` also the attention output and log-sum-exp ``keep_attn`` keeps."""
+        ``offload_attn`` also the attention output and log-sum-exp ``keep_attn`` keeps,
+        ``offload_pair`` those and half an input (the pair's average)."""
         if level not in HOST_LEVELS:
             raise ValueError(f"level {level!r} keeps nothing in host memory; host levels are {', '.join(HOST_LEVELS)}")
-        h = self.acts.hidden_bytes_per_token
-        return h + self.acts.kept_attention_bytes_per_token if level == OFFLOAD_ATTN else h
+        h, kept = self.acts.hidden_bytes_per_token, self.acts.kept_attention_bytes_per_token
+        return {OFFLOAD: h, OFFLOAD_ATTN: h + kept, OFFLOAD_PAIR: kept + h / 2}[level]
 
     def layer_offload_bytes(self, stage_index: int, segments: Sequence[Segment], level: str = OFFLOAD) -> float:
         """Host bytes one layer at ``level`` of a unit with these segments holds."""
         tokens = self.acts.gpu_tokens(sum(s.end - s.start for s in segments))
         return tokens * self.layer_host_bytes_per_token(level)
 
-    def layer_copy_bytes(self, shape: UnitShape, level: str = OFFLOAD) -> float:
-        """Bytes one layer at ``level`` of a unit of ``shape`` copies each way (out in the forward, back
-        in the backward) on the busiest GPU."""
-        return self.compute.gpu_tokens(shape.tokens) * self.layer_host_bytes_per_token(level)
+    def unit_offload_bytes(self, stage_index: int, segments: Sequence[Segment], counts: Mapping[str, int]) -> float:
+        """Host bytes a unit's host-level layers on the stage hold (``counts``: layers per level),
+        exactly: an odd ``offload_pair`` run's last layer keeps its own input."""
+        tokens = self.acts.gpu_tokens(sum(s.end - s.start for s in segments))
+        per = sum(n * self.layer_host_bytes_per_token(lv) for lv in (OFFLOAD_ATTN, OFFLOAD) if (n := counts.get(lv, 0)))
+        pairs = counts.get(OFFLOAD_PAIR, 0)
+        h = self.acts.hidden_bytes_per_token
+        return tokens * (per + pairs * self.acts.kept_attention_bytes_per_token + math.ceil(pairs / 2) * h)
+
+    def layer_copy_bytes(self, shape: UnitShape, level: str = OFFLOAD, backward: bool = False) -> float:
+        """Bytes one layer at ``level`` of a unit of ``shape`` copies out in the forward (or back in
+        the ``backward``) on the busiest GPU; an ``offload_pair`` layer's backward also reads half
+        of its pair's rebuild (the first layer's input and attention output)."""
+        per = self.layer_host_bytes_per_token(level)
+        if backward and level == OFFLOAD_PAIR:
+            per += self.layer_host_bytes_per_token(OFFLOAD_ATTN) / 2
+        return self.compute.gpu_tokens(shape.tokens) * per
 
     def layer_exposed_s(self, shape: UnitShape, level: str = OFFLOAD) -> float:
         """Exposed copy seconds per layer at ``level`` of a unit of ``shape`` (module docstring)."""
-        copy = self.copy_s(self.layer_copy_bytes(shape, level))
+        out = self.copy_s(self.layer_copy_bytes(shape, level))
+        back = self.copy_s(self.layer_copy_bytes(shape, level, backward=True))
         fwd = self.compute.layer_fwd(shape.pairs, shape.tokens)
-        replay = self.compute.layer_fwd(0, shape.tokens) if level == OFFLOAD_ATTN else fwd  # no attention core
+        replay = fwd
+        if level in (OFFLOAD_ATTN, OFFLOAD_PAIR):
+            replay = self.compute.layer_fwd(0, shape.tokens)  # no attention core
+            replay *= 1.5 if level == OFFLOAD_PAIR else 1.0  # half a rebuild per layer
         bwd = self.compute.layer_bwd(shape.pairs, shape.tokens) + replay
-        return max(0.0, copy - fwd) + max(0.0, copy - bwd)
+        return max(0.0, out - fwd) + max(0.0, back - bwd)
 
     # --- the KV store in host memory -----------------------------------------------------------
     def kv_device_share(self, stage_index: int) -> float:

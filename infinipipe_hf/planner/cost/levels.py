@@ -36,6 +36,7 @@ from infinipipe_hf.ir.levels import (
     MLP_ACT,
     OFFLOAD,
     OFFLOAD_ATTN,
+    OFFLOAD_PAIR,
     PLAN_LEVELS,
     CheckpointMix,
 )
@@ -93,6 +94,10 @@ class LevelCosts:
             return full + self.host.layer_exposed_s(shape, OFFLOAD)
         if level == OFFLOAD_ATTN and self.host is not None:
             return self.layer_recompute_s(KEEP_ATTN, shape) + self.host.layer_exposed_s(shape, OFFLOAD_ATTN)
+        if level == OFFLOAD_PAIR and self.host is not None:  # and half a rebuild: the first layer's forward, no core
+            rebuild = self.compute.layer_fwd(0, shape.tokens)
+            return (self.layer_recompute_s(KEEP_ATTN, shape) + rebuild / 2
+                    + self.host.layer_exposed_s(shape, OFFLOAD_PAIR))
         act = min(self.act_s_per_token * tokens, full)
         if level == MLP_ACT:
             return act

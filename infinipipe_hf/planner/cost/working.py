@@ -49,7 +49,16 @@ from typing import Sequence
 
 import numpy as np
 
-from infinipipe_hf.ir.levels import FULL, HOST_LEVELS, KEEP_ATTN, MLP, MLP_ACT, OFFLOAD_ATTN, CheckpointMix
+from infinipipe_hf.ir.levels import (
+    FULL,
+    HOST_LEVELS,
+    KEEP_ATTN,
+    MLP,
+    MLP_ACT,
+    OFFLOAD_ATTN,
+    OFFLOAD_PAIR,
+    CheckpointMix,
+)
 from infinipipe_hf.ir.units import Segment
 from infinipipe_hf.planner.cost.activations import StageActivations, norm_elements
 from infinipipe_hf.planner.cost.levels import LevelCosts
@@ -108,7 +117,7 @@ class WorkingMemory:
             if level in HOST_LEVELS:
                 # Keeps nothing; what it keeps on the host lives on through the forward until its
                 # copy is out, and comes back beside what the replay rebuilds.
-                held = h + (self.levels.keep_attn_bytes_per_token if level == OFFLOAD_ATTN else 0.0)
+                held = h + (self.levels.keep_attn_bytes_per_token if level in (OFFLOAD_ATTN, OFFLOAD_PAIR) else 0.0)
                 out.append((0.0, tokens * (self.forward[FULL] + held) + ctx - mask, tokens * a + ctx))
             elif level in (FULL, KEEP_ATTN):
                 # Measured: the context K/V copy is still alive at the forward's peak, the mask not.

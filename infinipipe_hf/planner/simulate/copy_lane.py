@@ -109,7 +109,7 @@ class CopyLane:
         if not held:
             return None
         shape = self.costs.shapes[a.unit]
-        nbytes = sum(n * cost.host.layer_copy_bytes(shape, lv) for lv, n in held)
+        nbytes = sum(n * cost.host.layer_copy_bytes(shape, lv, backward=not a.is_forward) for lv, n in held)
         exposed = 0.0 if a.is_forward else sum(n * cost.host.layer_exposed_s(shape, lv) for lv, n in held)
         return CopyPart(OFFLOAD, nbytes, cost.host.copy_s(nbytes), 0.0, exposed)
 

@@ -6,7 +6,7 @@ Each check returns ``None`` or ``(problem, dp_rank, marks)`` like :mod:`.sp_roun
 """
 from __future__ import annotations
 
-from infinipipe_hf.ir.levels import OFFLOAD, OFFLOAD_ATTN
+from infinipipe_hf.ir.levels import OFFLOAD, OFFLOAD_ATTN, OFFLOAD_PAIR
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.planner.checkpointing.host_peak import offloaded_bytes, stage_host_peak_bytes
 from infinipipe_hf.planner.cost.model import GIB, CostModel
@@ -45,8 +45,9 @@ def host_memory(plan: Plan, cost: CostModel, dp_rank: int) -> Problem:
         if s in plan.offload_kv:
             parts.append("its KV store")
         if unit is not None:
-            parts.append(f"unit {unit} offloads {levels[unit].get(OFFLOAD, 0)} layer inputs and "
-                         f"{levels[unit].get(OFFLOAD_ATTN, 0)} layers' kept attention "
+            parts.append(f"unit {unit} offloads {levels[unit].get(OFFLOAD, 0)} layer inputs, "
+                         f"{levels[unit].get(OFFLOAD_ATTN, 0)} layers' kept attention and "
+                         f"{levels[unit].get(OFFLOAD_PAIR, 0)} paired layers "
                          f"({held[unit] / GIB:.2f} GiB, {held[unit]:.0f} bytes)")
         if not budget:
             fix = "give the plan a host budget (--host-memory-gib, host_memory_gib) or plan without offload"

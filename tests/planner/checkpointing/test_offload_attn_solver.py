@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from infinipipe_hf.ir.levels import FINER_LEVELS, FULL, KEEP_ATTN, OFFLOAD, OFFLOAD_ATTN
+from infinipipe_hf.ir.levels import FINER_LEVELS, FULL, KEEP_ATTN, OFFLOAD, OFFLOAD_ATTN, OFFLOAD_PAIR
 from infinipipe_hf.ir.units import Segment
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.checkpointing.host_peak import host_peak_bytes_per_stage
@@ -62,9 +62,10 @@ def test_host_bytes_and_recompute_of_the_level(setting):
 
 def test_the_level_heads_the_chain_only_where_keep_attn_may_run(setting):
     plan, cost, _ = setting
-    assert build_problem(plan, cost, 0, levels=FINER_LEVELS).levels[:3] == (OFFLOAD_ATTN, OFFLOAD, FULL)
+    assert build_problem(plan, cost, 0, levels=FINER_LEVELS).levels[:4] == (OFFLOAD_ATTN, OFFLOAD_PAIR, OFFLOAD, FULL)
     assert build_problem(plan, cost, 0, levels=("mlp", "mlp_act")).levels[:2] == (OFFLOAD, FULL)
-    assert OFFLOAD_ATTN not in build_problem(plan, cost_of(1e18, 0.0), 0, levels=FINER_LEVELS).levels
+    no_host = build_problem(plan, cost_of(1e18, 0.0), 0, levels=FINER_LEVELS).levels
+    assert OFFLOAD_ATTN not in no_host and OFFLOAD_PAIR not in no_host
 
 
 @pytest.mark.parametrize("policy,sharing", [("adaptive", "cell"), ("adaptive", "diagonal"), ("greedy", "diagonal")])
