@@ -95,7 +95,8 @@ class HostTierCost:
     def layer_copy_bytes(self, shape: UnitShape, level: str = OFFLOAD, backward: bool = False) -> float:
         """Bytes one layer at ``level`` of a unit of ``shape`` copies out in the forward (or back in
         the ``backward``) on the busiest GPU; an ``offload_pair`` layer's backward also reads half
-        of its pair's rebuild (the first layer's input and attention output)."""
+        of its pair's rebuild (the first layer's input and attention output; priced with its
+        log-sum-exp, which the rebuild does not read: a bound a few bytes per token high)."""
         per = self.layer_host_bytes_per_token(level)
         if backward and level == OFFLOAD_PAIR:
             per += self.layer_host_bytes_per_token(OFFLOAD_ATTN) / 2

@@ -201,11 +201,15 @@ ATTN_MIXES = [CheckpointMix(offload_attn=1, full=1), CheckpointMix(offload_attn=
               CheckpointMix(), CheckpointMix(offload_attn=1, offload=1)]
 
 
-@pytest.mark.parametrize("pp,mixes", [(1, MIXES), (2, MIXES), (2, ATTN_MIXES)])
+PAIR_MIXES = [CheckpointMix(offload_pair=2), CheckpointMix(offload_pair=1, full=1), CheckpointMix(offload_pair=2),
+              CheckpointMix(), CheckpointMix(offload_attn=1, offload_pair=1)]
+
+
+@pytest.mark.parametrize("pp,mixes", [(1, MIXES), (2, MIXES), (2, ATTN_MIXES), (1, PAIR_MIXES), (2, PAIR_MIXES)])
 def test_offloaded_layers_keep_what_the_model_says_on_the_device(pp, mixes):
     plan, lengths = sliced_plan(pp, mixes)
-    assert any(plan.checkpoint_mix(s, u.id).offload + plan.checkpoint_mix(s, u.id).offload_attn
-               for s in range(pp) for u in plan.units)
+    assert any(plan.checkpoint_mix(s, u.id).replayed_whole - plan.checkpoint_mix(s, u.id).keep_attn
+               - plan.checkpoint_mix(s, u.id).full for s in range(pp) for u in plan.units)
     probe, cost = run(plan, lengths)
     check_activations(probe, cost, plan)
     # The KV store on the device: exactly the slices' K/V at a forward's end; the model's K/V and

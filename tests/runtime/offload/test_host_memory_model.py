@@ -1,7 +1,7 @@
 """The planner's host-memory model (``planner/checkpointing/host_peak.py``, ``cost.host``) against
 the runtime host tier's own accounting, on CPU: a float64 model (the cost model priced at 8 bytes
-per element) runs a sliced, hybrid and packed plan with ``offload`` or ``offload_attn`` layers
-and/or ``offload_kv``
+per element) runs a sliced, hybrid and packed plan with ``offload``, ``offload_attn`` or ``offload_pair``
+layers (a unit's one layer at ``offload_pair`` keeps its input: an odd run) and/or ``offload_kv``
 through the stage runners, and each stage's ``HostTier`` peak is within 5% of the predicted host
 peak of that stage."""
 import dataclasses
@@ -43,7 +43,8 @@ def predicted_peaks(model, plan) -> list[float]:
 
 @pytest.mark.parametrize("offload_layers, offload_kv, level", [(True, [], "offload"), (False, [0, 1], "offload"),
                                                                (True, [1], "offload"), (True, [], "offload_attn"),
-                                                               (True, [1], "offload_attn")])
+                                                               (True, [1], "offload_attn"), (True, [], "offload_pair"),
+                                                               (True, [1], "offload_pair")])
 def test_host_peak_predicted_within_five_percent(offload_layers, offload_kv, level):
     model = tiny_model("llama", num_layers=NUM_LAYERS, seed=40)
     batch = random_batch(LENGTHS, seed=40)
