@@ -8,6 +8,7 @@ from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.cost.model import GIB, CostModel
+from infinipipe_hf.planner.cost.profile import default_profile
 from infinipipe_hf.planner.layout_search.host_tier import offload_modes, planned_alternatives, with_offload_modes
 from infinipipe_hf.planner.layout_search.longest import (
     SMALLEST,
@@ -16,7 +17,7 @@ from infinipipe_hf.planner.layout_search.longest import (
     largest_length,
 )
 from infinipipe_hf.planner.layout_search.result import NoLayoutFits
-from infinipipe_hf.planner.layout_search.search import pricing_key, search_layouts
+from infinipipe_hf.planner.layout_search.search import SearchInputs, pricing_key, search_layouts
 from infinipipe_hf.planner.registry import ALTERNATIVES
 from infinipipe_hf.planner.search.api import PlanOptions, plan_step
 
@@ -108,3 +109,22 @@ def test_one_sequence_feasibility_tries_each_gradient_reduce_mode():
     assert not candidates_fit([n], cost, PlanOptions(grad_reduce="step"))  # reduced at the step's end: no plan
     assert plan_step([n], spec, lay, options, cost=cost).feasible
     assert candidates_fit([n], cost, options)
+
+
+@pytest.mark.parametrize("host,length", [(GIB, 30000), (0.0, 4096)])
+def test_a_planned_one_sequence_batch_bounds_its_largest_length(monkeypatch, host, length):
+    """Feasibility is not quite monotone in the length: whatever the length search reads, a layout
+    that planned the one-sequence batch reports at least that length (with the host tier, or
+    without one when the search has none)."""
+    from infinipipe_hf.planner.layout_search import longest
+
+    search = search_layouts([length], TINY, world_size=2, gpus_per_node=2, memory_budget_bytes=0.12 * GIB,
+                            host_budget_bytes=host, alternatives=False)
+    planned = [o for o in search.layouts if o.feasible and not o.layout.state_offload.offloaded]
+    assert planned
+    monkeypatch.setattr(longest, "searched", lambda *a, **k: 0)  # a length search that misses everything
+    inputs = SearchInputs([length], TINY, default_profile(), 0.12 * GIB, 2, {}, host, True)
+    for o in planned:
+        longest.add_largest_lengths(inputs, o, pricing_key)
+        assert o.largest_length == length
+        assert o.largest_length_without_offload == (length if host == 0.0 else 0)
