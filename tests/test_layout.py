@@ -71,10 +71,10 @@ def test_bad_layouts(kwargs, match):
         ParallelDims(**kwargs)
 
 
-def test_for_world_takes_a_shard_mode_or_its_name():
+def test_for_world_takes_a_shard_mode_row_and_says_so_for_a_name():
     row = ParallelDims.for_world(4, sp_degree=2, shard=shard_mode("sp"))
-    assert ParallelDims.for_world(4, sp_degree=2, shard="sp") == row and row.dp_degree == 2
+    assert row.dp_degree == 2 and row.shard.name == "sp"
     with pytest.raises(ValueError, match="shard='sp\\+dp' shards over SP x DP.*use shard='sp' or 'none'"):
-        ParallelDims.for_world(2, sp_degree=2, shard="sp+dp")
-    with pytest.raises(ValueError, match="shard='zero9' is not known"):
-        ParallelDims.for_world(2, sp_degree=2, shard="zero9")
+        ParallelDims.for_world(2, sp_degree=2, shard=shard_mode("sp+dp"))
+    with pytest.raises(ValueError, match="takes a shard mode's row, got 'sp'; pass InfiniPipeConfig"):
+        ParallelDims.for_world(4, sp_degree=2, shard="sp")

@@ -69,14 +69,16 @@ class ParallelDims:
 
     @classmethod
     def for_world(cls, world_size: int, pp_degree: int = 1, sp_degree: int = 1, dp_degree: int | None = None,
-                  shard: str | ShardMode = NO_SHARDING, gpus_per_node: int = 8, model=None,
+                  shard: ShardMode = NO_SHARDING, gpus_per_node: int = 8, model=None,
                   state_offload: str | StateOffload = NO_OFFLOAD) -> "ParallelDims":
         """The layout of ``world_size`` processes: ``dp_degree`` derived (or checked) from the world,
         the shard mode runnable, and, given a ``model`` (``num_layers``, ``num_attention_heads``),
         the degrees against it (its layers first: launching more processes cannot fix those).
-        ``shard`` (a row, ``InfiniPipeConfig.shard_row()``, or its name) is checked runnable on the
-        world before it is built in."""
-        shard = shard_mode(shard)
+        ``shard`` is a row (``InfiniPipeConfig.shard_row()``): it is checked runnable on the world
+        before it is built in, which a name could not be (``ValueError`` for a name)."""
+        if not isinstance(shard, ShardMode):
+            raise ValueError(f"ParallelDims.for_world takes a shard mode's row, got {shard!r}; pass "
+                             f"InfiniPipeConfig(shard=...).shard_row(), or build ParallelDims(shard=name) directly")
         replica = cls(pp_degree, sp_degree)  # one replica, unsharded: checks the degrees are positive
         if model is not None:
             check_layers(replica, model.num_layers)

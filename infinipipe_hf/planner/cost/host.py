@@ -108,9 +108,8 @@ class HostTierCost:
         back = self.copy_s(self.layer_copy_bytes(shape, level, backward=True))
         fwd = self.compute.layer_fwd(shape.pairs, shape.tokens)
         replay = fwd
-        if level in (OFFLOAD_ATTN, OFFLOAD_PAIR):
-            replay = self.compute.layer_fwd(0, shape.tokens)  # no attention core
-            replay *= 1.5 if level == OFFLOAD_PAIR else 1.0  # half a rebuild per layer
+        if level in (OFFLOAD_ATTN, OFFLOAD_PAIR):  # no attention core; a pair layer half a rebuild more
+            replay = self.compute.layer_fwd(0, shape.tokens) * (1.5 if level == OFFLOAD_PAIR else 1.0)
         bwd = self.compute.layer_bwd(shape.pairs, shape.tokens) + replay
         return max(0.0, out - fwd) + max(0.0, back - bwd)
 

@@ -103,17 +103,15 @@ class _GatherKV(torch.autograd.Function):
                         for e in range(n) for q in range(r)], dim=2)
         cv = torch.cat([blocks[q:q + 1, :, width + offs[e][q]:width + offs[e][q] + sizes[e][q]]
                         for e in range(n) for q in range(r)], dim=2)
-        ctx.group, ctx.sizes, ctx.what = group, sizes, what
+        ctx.group, ctx.sizes, ctx.offs, ctx.width, ctx.what = group, sizes, offs, width, what
         return ck, cv
 
     @staticmethod
     def backward(ctx, gk: torch.Tensor, gv: torch.Tensor):
-        group, sizes = ctx.group, ctx.sizes
+        group, sizes, offs, width = ctx.group, ctx.sizes, ctx.offs, ctx.width
         n, r, me = len(sizes), group.size, group.position
         ref = gk if gk is not None else gv
         heads, d = ref.shape[1], ref.shape[-1]
-        offs = _offsets(sizes, r)
-        width = max(sum(s[q] for s in sizes) for q in range(r))
         send = ref.new_zeros(r, heads, 2 * width, d)  # peer q's part: the rows of its chunks
         row = 0
         for e in range(n):

@@ -53,6 +53,11 @@ def offload_saved(tier: HostTier, tag: object,
                   record: list[_Offloaded] | None = None) -> torch.autograd.graph.saved_tensors_hooks:
     """A ``saved_tensors_hooks`` context that keeps the tensors autograd saves in ``tier``; each
     packed one is appended to ``record`` when given (a pair's first layer: its input)."""
+    return torch.autograd.graph.saved_tensors_hooks(_offloading_pack(tier, tag, record), _unpack)
+
+
+def _offloading_pack(tier: HostTier, tag: object, record: list[_Offloaded] | None = None):
+    """The pack hook that puts a saved tensor in ``tier`` (parameters and empty tensors stay)."""
 
     def pack(t: torch.Tensor):
         if isinstance(t, nn.Parameter) or t.numel() == 0:
@@ -62,7 +67,7 @@ def offload_saved(tier: HostTier, tag: object,
             record.append(packed)
         return packed
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+    return pack
 
 
 def _unpack(packed):
@@ -96,12 +101,9 @@ def rebuild_saved(layer_input: torch.Tensor, source: _Offloaded, replay: Callabl
     is packed as a :class:`_Rebuilt` (``replay(source's tensor)`` in backward), anything else
     goes to ``tier`` as :func:`offload_saved` sends it."""
     wanted = weakref.ref(layer_input)  # the hooks must not keep the input alive
+    offload = _offloading_pack(tier, tag)
 
     def pack(t: torch.Tensor):
-        if t is wanted():
-            return _Rebuilt(source, replay)
-        if isinstance(t, nn.Parameter) or t.numel() == 0:
-            return t
-        return _Offloaded(tier, tier.put(t, tag))
+        return _Rebuilt(source, replay) if t is wanted() else offload(t)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)

@@ -11,6 +11,7 @@ from infinipipe_hf.ir.levels import FINER_LEVELS, FULL, KEEP_ATTN, OFFLOAD, OFFL
 from infinipipe_hf.ir.units import Segment
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.checkpointing.host_peak import host_peak_bytes_per_stage
+from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
 from infinipipe_hf.planner.checkpointing.problem import build_problem
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
 from infinipipe_hf.planner.cost.compute import UnitShape
@@ -68,16 +69,21 @@ def test_the_level_heads_the_chain_only_where_keep_attn_may_run(setting):
     assert OFFLOAD_ATTN not in no_host and OFFLOAD_PAIR not in no_host
 
 
-@pytest.mark.parametrize("policy,sharing", [("adaptive", "cell"), ("adaptive", "diagonal"), ("greedy", "diagonal")])
-def test_roomy_host_takes_offload_attn_a_tight_one_offload(setting, policy, sharing):
-    plan, big, _ = setting
+def host_levels_needed_budget(plan, big) -> float:
+    """A device budget between every layer whole and every layer at ``offload``: only host levels
+    fit it for some layers."""
     full = offload = 0.0
-    from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
     for s in range(plan.pp_degree):
         full = max(full, stage_peak_bytes(plan, big, 0, s, {u.id: LAYERS[s] for u in plan.units}))
         offload = max(offload, stage_peak_bytes(plan, big, 0, s, {}, checkpoint_levels={
             u.id: {OFFLOAD: LAYERS[s]} for u in plan.units}))
-    budget = full - 0.3 * (full - offload)  # only host levels fit for some layers
+    return full - 0.3 * (full - offload)
+
+
+@pytest.mark.parametrize("policy,sharing", [("adaptive", "cell"), ("adaptive", "diagonal"), ("greedy", "diagonal")])
+def test_roomy_host_takes_offload_attn_a_tight_one_offload(setting, policy, sharing):
+    plan, big, _ = setting
+    budget = host_levels_needed_budget(plan, big)
     roomy = cost_of(budget, 1e18)
     sol = solve_checkpointing(plan, roomy, policy=policy, sharing=sharing, levels=FINER_LEVELS)
     assert sol.feasible and count(sol, OFFLOAD_ATTN) > 0

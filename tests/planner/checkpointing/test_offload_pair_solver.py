@@ -10,11 +10,10 @@ from infinipipe_hf.ir.levels import FINER_LEVELS, KEEP_ATTN, OFFLOAD, OFFLOAD_AT
 from infinipipe_hf.ir.units import Segment
 from infinipipe_hf.planner.checkpointing.host_peak import host_peak_bytes_per_stage
 from infinipipe_hf.planner.checkpointing.host_rows import even_pairs
-from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.validate.validator import validate
-from tests.planner.checkpointing.test_offload_attn_solver import LAYERS, cost_of, count
+from tests.planner.checkpointing.test_offload_attn_solver import cost_of, count, host_levels_needed_budget
 from tests.planner.hand_plans import epp_plan
 
 
@@ -61,13 +60,7 @@ def test_even_pairs_keeps_host_bytes_within_the_linear_rows(counts, want):
 @pytest.mark.parametrize("policy,sharing", [("adaptive", "cell"), ("adaptive", "diagonal"), ("greedy", "diagonal")])
 def test_a_host_short_of_offload_attn_takes_pairs_in_even_counts(policy, sharing):
     plan = epp_plan([65536, 16384, 8192], 2, 16384, 16384)  # long slices: the attention core dominates
-    big = cost_of(1e18, 1e18)
-    full = offload = 0.0
-    for s in range(plan.pp_degree):
-        full = max(full, stage_peak_bytes(plan, big, 0, s, {u.id: LAYERS[s] for u in plan.units}))
-        offload = max(offload, stage_peak_bytes(plan, big, 0, s, {}, checkpoint_levels={
-            u.id: {OFFLOAD: LAYERS[s]} for u in plan.units}))
-    budget = full - 0.3 * (full - offload)  # only host levels fit for some layers
+    budget = host_levels_needed_budget(plan, cost_of(1e18, 1e18))
     roomy = solve_checkpointing(plan, cost_of(budget, 1e18), policy=policy, sharing=sharing, levels=FINER_LEVELS)
     assert roomy.feasible and count(roomy, OFFLOAD_ATTN) > 0
     plan.checkpoint_layers, plan.checkpoint_levels = roomy.checkpoint_layers, roomy.checkpoint_levels

@@ -39,8 +39,12 @@ def host_bytes(plan, stage) -> int:
 
 
 def run_with_tiers(model, plan, batch):
-    """Run the plan; the runners' host tiers, checked empty after the step."""
-    stages = build_stages(model, plan.pp_degree)
+    """Run the plan on fresh stages of ``model`` (:func:`run_stages_with_tiers`)."""
+    return run_stages_with_tiers(build_stages(model, plan.pp_degree), plan, batch)
+
+
+def run_stages_with_tiers(stages, plan, batch):
+    """Loss, gradients and the runners' host tiers after running ``plan`` on ``stages``."""
     runners = [StageRunner(st, loss_chunk_tokens=5) for st in stages]
     for r in runners:
         r.begin_step(plan, batch, label_token_count(batch))

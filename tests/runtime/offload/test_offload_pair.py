@@ -25,12 +25,13 @@ from infinipipe_hf.runtime.offload import activation_hooks
 from infinipipe_hf.runtime.offload.host_tier import HostTier
 from infinipipe_hf.runtime.recompute.keep_attn import KeptAttention
 from infinipipe_hf.runtime.recompute.offload_pair import pair_partners
-from infinipipe_hf.runtime.stage.local import _run_replica, run_plan_locally
+from infinipipe_hf.runtime.stage.local import run_plan_locally
 from infinipipe_hf.runtime.stage.module import build_stage
 from infinipipe_hf.runtime.stage.runner import StageRunner
 from infinipipe_hf.runtime.stage.unit_tensors import label_token_count
 from tests.helpers.local_pipeline import LENGTHS, NUM_LAYERS, build_stages, check, collect_grads, make_plan
 from tests.helpers.reference import random_batch, tiny_model
+from tests.runtime.offload.test_offload_attn import run_stages_with_tiers
 from tests.runtime.offload.test_offload_levels import with_mix
 
 HIDDEN, HEADS = 32, 4  # tiny_config's
@@ -73,17 +74,6 @@ def stages_and_plan(model, pp, num_layers, mix):
     return stages, with_mix(plan, mix)
 
 
-def run_with_tiers(stages, plan, batch):
-    """Loss, gradients and the runners' host tiers after running ``plan`` on ``stages``."""
-    runners = [StageRunner(st, loss_chunk_tokens=5) for st in stages]
-    for r in runners:
-        r.begin_step(plan, batch, label_token_count(batch))
-    loss = sum(_run_replica(runners, plan, d) for d in sorted(plan.actions))
-    for r in runners:
-        r.end_step()
-    return loss, collect_grads(stages, False), [r.kv_store.host_tier for r in runners]
-
-
 def assert_same(got, want, loss, want_loss):
     assert loss == pytest.approx(want_loss, rel=1e-12, abs=0)
     assert set(got) == set(want)
@@ -100,7 +90,7 @@ def test_every_layer_at_offload_pair_is_exact_and_round_trips_the_tier(pp, num_l
     plain_loss = run_plan_locally(plain_stages, plain_plan, batch, loss_chunk_tokens=5)
     stages, plan = stages_and_plan(model, pp, num_layers, lambda s, u, n: CheckpointMix(offload_pair=n))
     assert any(n % 2 for n in plan.layers_per_stage) == (num_layers == 5)  # an odd last layer
-    loss, got, tiers = run_with_tiers(stages, plan, batch)
+    loss, got, tiers = run_stages_with_tiers(stages, plan, batch)
     assert_same(got, collect_grads(plain_stages, False), loss, plain_loss)
     for s, tier in enumerate(tiers):
         check_tier(tier, plan, s)
@@ -126,7 +116,7 @@ def test_offload_pair_mixed_with_every_level(family, pp):
     mixes = PP1_MIXES if pp == 1 else PP2_MIXES
     plan = with_mix(make_plan(pp, "gpipe", "none"), lambda s, u, n: mixes[(s + u) % len(mixes)])
     check(model, build_stages(model, pp), plan, batch, tied=tied)
-    _, _, tiers = run_with_tiers(build_stages(model, pp), plan, batch)
+    _, _, tiers = run_stages_with_tiers(build_stages(model, pp), plan, batch)
     for s, tier in enumerate(tiers):
         check_tier(tier, plan, s)
 
@@ -140,7 +130,7 @@ def test_offload_pair_with_attention_and_mlp_tiles_is_exact():
     plan = with_mix(make_plan(1, "1f1b", "none"), lambda s, u, n: CheckpointMix(offload_attn=1, offload_pair=3))
     plan.attention_tile_tokens = {u.id: 3 for u in plan.units}
     plan.mlp_tile_tokens = {u.id: 2 for u in plan.units}
-    loss, got, (tier,) = run_with_tiers(build_stages(model, 1), plan, batch)
+    loss, got, (tier,) = run_stages_with_tiers(build_stages(model, 1), plan, batch)
     assert_same(got, collect_grads(plain_stages, False), loss, plain_loss)
     check_tier(tier, plan, 0)
 
