@@ -57,15 +57,16 @@ def has_host_copies(plan: Plan, cost) -> bool:
 
 
 def copy_event(r: int, s: int, action: str, start: float, parts: list[CopyPart], *,
-               step: bool = False) -> CopyEvent | None:
-    """The event of ``parts`` (None when there are none); a ``step`` event lasts its exposed seconds."""
+               step: bool = False, sub_group: tuple[int, int] | None = None) -> CopyEvent | None:
+    """The event of ``parts`` (None when there are none); a ``step`` event lasts its exposed seconds;
+    ``sub_group``: the SP ranks ``(offset, size)`` it runs on, None for the whole group."""
     parts = [p for p in parts if p is not None]
     if not parts:
         return None
     copy_s, cpu_s = sum(p.copy_s for p in parts), sum(p.cpu_s for p in parts)
     exposed = sum(p.exposed_s for p in parts)
     return CopyEvent(r, s, action, start, start + (exposed if step else copy_s + cpu_s),
-                     sum(p.bytes for p in parts), copy_s, cpu_s, exposed, tuple(p.source for p in parts))
+                     sum(p.bytes for p in parts), copy_s, cpu_s, exposed, tuple(p.source for p in parts), sub_group)
 
 
 class CopyLane:
@@ -81,8 +82,10 @@ class CopyLane:
         if not self.active:
             return None
         cost = self.costs.groups.get(a.unit, self.cost)
+        group = self.plan.sp_groups.get(a.unit)
         return copy_event(r, s, str(a), start, [self._offload(cost, s, a), self._kv(cost, s, a),
-                                                self._states(cost, s, a)])
+                                                self._states(cost, s, a)],
+                          sub_group=None if group is None else (group.offset, group.size))
 
     def step_event(self, r: int, s: int, sync_end: float, tail_s: float) -> CopyEvent | None:
         """The copies the stage's end adds after its last backward (``sync_end``: that backward's

@@ -42,6 +42,13 @@ class CopyEvent:
     sources: tuple[str, ...]
     """What is copied: ``offload`` (layer inputs), ``kv`` (an offloaded KV store), ``states``
     (weights fetched, gradients drained), ``step`` (the optimizer step's tail)."""
+    sub_group: tuple[int, int] | None = None
+    """``(offset, size)`` of the stage's SP ranks the action runs on (an elastic SP round's unit),
+    None for all of them; ``bytes`` and the seconds are each of those GPUs'."""
+
+    def on_rank(self, rank: int) -> bool:
+        """Whether SP rank ``rank`` of the stage runs these copies."""
+        return self.sub_group is None or self.sub_group[0] <= rank < sum(self.sub_group)
 
 
 @dataclass
@@ -70,20 +77,21 @@ class SimulationResult:
 
     @property
     def host_copy_s(self) -> float:
-        """Host link seconds of the step, total over stages and replicas."""
-        return sum(e.copy_s for e in self.copy_events)
+        """Host link seconds of the step: each stage's busiest GPU's, total over stages and replicas."""
+        return sum(e.copy_s for lane in self.copy_lanes().values() for e in lane)
 
     @property
     def host_copy_exposed_s(self) -> float:
-        """Exposed seconds of the host copy chains, total over stages and replicas."""
-        return sum(e.exposed_s for e in self.copy_events)
+        """Exposed seconds of the busiest GPUs' host copy chains, total over stages and replicas."""
+        return sum(e.exposed_s for lane in self.copy_lanes().values() for e in lane)
 
     def copy_lanes(self) -> dict[tuple[int, int], list[CopyEvent]]:
-        """(dp_rank, stage) -> that stage's copy events in time order."""
-        lanes: dict[tuple[int, int], list[CopyEvent]] = {}
+        """(dp_rank, stage) -> the copy events of that stage's busiest GPU (the most link seconds), in
+        time order: with elastic SP rounds a stage's GPUs run different units, each its own copies."""
+        stages: dict[tuple[int, int], list[CopyEvent]] = {}
         for e in sorted(self.copy_events, key=lambda e: e.start_s):
-            lanes.setdefault((e.dp_rank, e.stage), []).append(e)
-        return lanes
+            stages.setdefault((e.dp_rank, e.stage), []).append(e)
+        return {key: _busiest_gpu(events) for key, events in stages.items()}
 
     def copy_totals(self) -> dict:
         """The host copy keys of ``to_dict`` and the planner's JSON: totals over stages and replicas
@@ -92,14 +100,11 @@ class SimulationResult:
         if not self.copy_events:
             return {}
         stages = len(self.peak_memory_bytes)
-        per: dict[tuple[int, int], list[float]] = {}
-        for e in self.copy_events:
-            acc = per.setdefault((e.dp_rank, e.stage), [0.0, 0.0])
-            acc[0] += e.copy_s
-            acc[1] += e.exposed_s
+        lanes = self.copy_lanes()
+        per = {key: (sum(e.copy_s for e in lane), sum(e.exposed_s for e in lane)) for key, lane in lanes.items()}
         return {"host_copy_s": self.host_copy_s, "host_copy_exposed_s": self.host_copy_exposed_s,
-                "host_copy_bytes": sum(e.bytes for e in self.copy_events),
-                "host_copy_cpu_s": sum(e.cpu_s for e in self.copy_events),
+                "host_copy_bytes": sum(e.bytes for lane in lanes.values() for e in lane),
+                "host_copy_cpu_s": sum(e.cpu_s for lane in lanes.values() for e in lane),
                 "host_copy_s_per_stage": [max((v[0] for (_, s), v in per.items() if s == st), default=0.0)
                                           for st in range(stages)],
                 "host_copy_exposed_s_per_stage": [max((v[1] for (_, s), v in per.items() if s == st),
@@ -125,3 +130,13 @@ class SimulationResult:
             if self.copy_events:
                 d["copy_events"] = [asdict(e) for e in self.copy_events]
         return d
+
+
+def _busiest_gpu(events: list[CopyEvent]) -> list[CopyEvent]:
+    """The events one GPU of a stage runs, for the GPU with the most link seconds (``events``: the
+    stage's, whole-group ones on every GPU)."""
+    ranks = sorted({r for e in events if e.sub_group is not None for r in range(e.sub_group[0], sum(e.sub_group))})
+    if not ranks:
+        return list(events)
+    lanes = [[e for e in events if e.on_rank(r)] for r in ranks]
+    return max(lanes, key=lambda lane: sum(e.copy_s for e in lane))

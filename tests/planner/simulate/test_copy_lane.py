@@ -137,3 +137,26 @@ def test_plan_step_with_a_host_budget_reports_its_copies():
     assert summary["host_copy_s"] == pytest.approx(sim.host_copy_s) and sim.host_copy_s > 0
     assert 0 < summary["host_copy_exposed_s"] <= sum(e.end_s - e.start_s for e in sim.events)
     assert summary["host_copy_exposed_s_per_stage"] == sim.copy_totals()["host_copy_exposed_s_per_stage"]
+
+
+def test_an_sp_rounds_copy_lane_is_its_busiest_gpus_not_the_sum_of_the_units_side_by_side():
+    """Units 2 and 3 run side by side on SP ranks 0 and 1, each copying its own inputs: a stage's
+    link seconds are one GPU's (whole-group units' plus its own round unit's), not both units'."""
+    from tests.planner.simulate.test_sp_round_simulation import round_plan
+
+    plan = round_plan(pp=1)
+    plan.checkpoint_levels[0] = {u.id: {OFFLOAD: 6} for u in plan.units}
+    cost = CostModel(dataclasses.replace(TINY, num_layers=6), default_profile(), ParallelDims(1, 2),
+                     memory_budget_bytes=1e18, host_budget_bytes=64 * GIB)
+    sim = simulate(plan, cost)
+    by = {e.action: e for e in sim.copy_events}
+    assert by["F2"].sub_group == (0, 1) and by["F3"].sub_group == (1, 1) and by["F0"].sub_group is None
+    whole = sum(e.copy_s for e in sim.copy_events if e.sub_group is None)
+    rank0, rank1 = whole + by["F2"].copy_s + by["B2"].copy_s, whole + by["F3"].copy_s + by["B3"].copy_s
+    assert rank0 > rank1 > whole > 0  # unit 2 (900 tokens) copies more than unit 3 (200)
+    totals = sim.copy_totals()
+    assert totals["host_copy_s_per_stage"] == [pytest.approx(rank0)] and sim.host_copy_s == pytest.approx(rank0)
+    assert sum(e.copy_s for e in sim.copy_events) > rank0  # the sum over units would overstate it
+    lane = sim.copy_lanes()[(0, 0)]
+    assert {e.action for e in lane} == {"F0", "F1", "F2", "B0", "B1", "B2"}
+    assert totals["host_copy_bytes"] == pytest.approx(sum(e.bytes for e in lane))
