@@ -44,12 +44,22 @@ class SearchState:
 
     best: tuple[Any, Any] | None = None
     """``(plan, simulation)`` of the fastest candidate that fits."""
+    runner_up: tuple[Any, Any] | None = None
+    """The second fastest that fits: a final checkpoint solve can reorder the two."""
     tried: list[dict] = field(default_factory=list)
     """One record per candidate tried, in order."""
     last_error: str | None = None
     """Why the latest failing candidate failed."""
     last: Any = None
     """Simulation of the latest candidate; ``None`` when it failed before simulating."""
+
+    def offer(self, plan: Any, sim: Any) -> None:
+        """Keep a feasible candidate as the best or the runner-up when it is faster than either
+        (the first on ties)."""
+        if self.best is None or sim.step_time_s < self.best[1].step_time_s:
+            self.best, self.runner_up = (plan, sim), self.best
+        elif self.runner_up is None or sim.step_time_s < self.runner_up[1].step_time_s:
+            self.runner_up = (plan, sim)
 
 
 class Outcome(Protocol):

@@ -2,8 +2,11 @@
 winner, or the message saying why nothing fits.
 
 Candidates are compared with the greedy checkpoint solve (milliseconds); only the winner pays for
-the finer levels, per-cell counts and the LP/MILP.  Its plan is kept when its simulated step is
-not slower (per-cell counts save recompute but can add bubbles on the other stages).
+the finer levels, per-cell counts and the LP/MILP, and the runner-up too when the greedy put it
+within ``RUNNER_UP_GAP`` of the winner: the finer levels save more on some plans than on others
+(a round of large units memory-bound at whole layers against more rounds of smaller units with
+room for finer levels), so the greedy's order can flip.  A solved plan is kept when its simulated
+step is not slower (per-cell counts save recompute but can add bubbles on the other stages).
 """
 from __future__ import annotations
 
@@ -34,8 +37,14 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
         return PlanResult(schedule.name, None, None, False, error, elapsed, state.tried, cost.dims.sp_degree, cost.dims.shard)
     plan, sim = state.best
     if ctx.policy == "adaptive":
-        sim = final_solve(plan, sim, cost, ctx.time_limit_s, levels, sharing)
-        sim = kv_offload_trial(plan, sim, cost, ctx.time_limit_s, levels, sharing)
+        finalists = [state.best]
+        if state.runner_up is not None and state.runner_up[1].step_time_s <= sim.step_time_s * (1 + RUNNER_UP_GAP):
+            finalists.append(state.runner_up)
+        solved = []
+        for plan, sim in finalists:
+            sim = final_solve(plan, sim, cost, ctx.time_limit_s, levels, sharing)
+            solved.append((plan, kv_offload_trial(plan, sim, cost, ctx.time_limit_s, levels, sharing)))
+        plan, sim = min(solved, key=lambda ps: ps[1].step_time_s)  # the winner on ties
     validate(plan, cost, max_tokens_per_unit=ctx.max_tokens_per_unit)
     plan.info["candidates_tried"] = len(state.tried)
     host = host_peak_bytes_per_stage(plan, cost)
@@ -43,6 +52,10 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
     plan.info["host_peak_memory_bytes"] = max(host, default=0.0)
     return PlanResult(schedule.name, plan, sim, True, None, time.perf_counter() - t0, state.tried,
                       cost.dims.sp_degree, cost.dims.shard)
+
+
+RUNNER_UP_GAP = 0.05
+"""The greedy's runner-up is solved finely too when it simulated within this share of the winner."""
 
 
 def final_solve(plan: Plan, sim: SimulationResult, cost: CostModel, time_limit_s: float,

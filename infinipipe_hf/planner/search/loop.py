@@ -32,8 +32,8 @@ def run_search(schedule: Schedule, ctx) -> SearchState:
             error = schedule.infeasible_error(sim)
             if error is not None:
                 state.last_error = error
-        elif state.best is None or sim.step_time_s < state.best[1].step_time_s:
-            state.best = (plan, sim)
+        else:
+            state.offer(plan, sim)
     return state
 
 

@@ -80,8 +80,8 @@ def _recompute_kept_layers(plan: Plan) -> None:
 
 
 def try_whole_sequences(ctx: PipelineContext, state: SearchState, schedule: str) -> None:
-    """Plan the candidate and make it ``state.best`` when nothing else fits or it is faster
-    (recorded in ``state.tried`` either way)."""
+    """Plan the candidate and offer it to ``state`` when it fits (recorded in ``state.tried``
+    either way)."""
     if not wanted(ctx):
         return
     for attention in (False, True):  # the attention side in tiles only when the MLP's are not enough
@@ -98,5 +98,5 @@ def try_whole_sequences(ctx: PipelineContext, state: SearchState, schedule: str)
     sim = simulate(plan, ctx.cost)
     state.tried.append({"candidate": plan.info["candidate"], "feasible": sim.feasible, "step_time_s": sim.step_time_s,
                         "recompute_time_s": sim.recompute_time_s})
-    if sim.feasible and (state.best is None or sim.step_time_s < state.best[1].step_time_s):
-        state.best = (plan, sim)
+    if sim.feasible:
+        state.offer(plan, sim)
