@@ -15,10 +15,21 @@ and ``"unit"``): the layout that holds FlexSP's and ZeRO-3 + Ulysses' plans, whe
 unsharded fp32 gradient through the step is what set EPP apart from them.
 
     python -m benchmarks.planner.verdict     # writes benchmarks/results/planner_verdict.json
+
+With ``--host-memory-gib G`` every search also gets ``--host-memory-gib G`` (a host tier of G GiB per
+GPU: EPP may offload activations and model states, and ALST joins the alternatives); ``--profile``
+prices with another profile, and ``--host-link-gbps`` / ``--host-adamw-gparams`` with the default's
+host link and CPU AdamW speed replaced (never measured on an H100 here: the defaults are 40 GB/s
+and 1 G parameters/s per GPU).  Such runs go to ``planner_verdict_host.json`` (one entry of its
+``runs`` per setting) unless ``--out`` says otherwise, without the pp 1 x sp 8 what-if.
+
+    python -m benchmarks.planner.verdict --host-memory-gib 256   # a DGX H100's 2 TiB over 8 GPUs
+    python -m benchmarks.planner.verdict --host-memory-gib 256 --host-link-gbps 25 --host-adamw-gparams 0.5
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -34,10 +45,11 @@ from infinipipe_hf.data import synthetic
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.model import GIB, CostModel
-from infinipipe_hf.planner.cost.profile import default_profile
+from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
 from infinipipe_hf.planner.search.api import PlanOptions, plan_step
 
 OUT = RESULTS / "planner_verdict.json"
+HOST_OUT = RESULTS / "planner_verdict_host.json"
 MODEL = REPO / "infinipipe_hf" / "models" / "configs" / "llama2-13b.json"
 SEED = 1
 """Held out: the planner tables' batches use seed 0."""
@@ -50,12 +62,13 @@ def held_out_batches(n: int = 512) -> dict[str, list[int]]:
             "real mix": real_batch(("stdlib", "shakespeare", "kjv"), n, seed=SEED)}
 
 
-def search(lengths: list[int], tmp: Path, name: str) -> tuple[dict, float, list[str]]:
-    """The CLI's layout search on ``lengths``: its JSON, its wall time, the command."""
+def search(lengths: list[int], tmp: Path, name: str, extra: list[str]) -> tuple[dict, float, list[str]]:
+    """The CLI's layout search on ``lengths`` (``extra``: more CLI arguments): its JSON, its wall
+    time, the command."""
     path = tmp / f"{name.replace(' ', '_')}.txt"
     path.write_text("\n".join(map(str, lengths)))
     cmd = [sys.executable, "-m", "infinipipe_hf.plan", "--model", str(MODEL), "--lengths", str(path),
-           "--world-size", "8", "--gpus-per-node", "8", "--gpu-memory-gib", "80", "--search-layout", "--json"]
+           "--world-size", "8", "--gpus-per-node", "8", "--gpu-memory-gib", "80", *extra, "--search-layout", "--json"]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out), time.perf_counter() - t0, cmd
@@ -76,15 +89,17 @@ def per_unit_reduce_what_if(lengths: list[int], budget_bytes: float) -> dict:
     return out
 
 
-def row(name: str, lengths: list[int], tmp: Path) -> dict:
-    got, wall, cmd = search(lengths, tmp, name)
+def row(name: str, lengths: list[int], tmp: Path, extra: list[str]) -> dict:
+    got, wall, cmd = search(lengths, tmp, name, extra)
     rec = got["recommended"]
     over = rec["over_alternatives"]
     best_alt = max(got["alternatives"], key=lambda a: a.get("tokens_per_s") or 0.0)
-    what_if = per_unit_reduce_what_if(lengths, got["memory_budget_bytes"])
+    what_if = None if extra else per_unit_reduce_what_if(lengths, got["memory_budget_bytes"])
     r = {"batch": name, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
          "recommended": {**{k: rec[k] for k in ("label", "shard", "tokens_per_s", "peak_memory_bytes")},
-                         "grad_reduce": rec["plan"].get("grad_reduce")},
+                         "grad_reduce": rec["plan"].get("grad_reduce"), "state_offload": rec.get("state_offload"),
+                         "recompute_fraction": rec["plan"].get("recompute_fraction"),
+                         "host_peak_memory_bytes": rec.get("host_peak_memory_bytes")},
          "over_alternatives": over, "min_over_alternatives": min(over.values()),
          "min_alternative": min(over, key=over.get), "best_alternative": best_alt["schedule"],
          "pricing": got.get("pricing"), "search_wall_s": wall, "search_time_s": got["search_time_s"],
@@ -92,30 +107,64 @@ def row(name: str, lengths: list[int], tmp: Path) -> dict:
          "command": " ".join(cmd[1:]).replace(str(tmp), "TMP")}
     print(f"{name:16s} recommended {rec['label']} shard {rec['shard']} grad_reduce {r['recommended']['grad_reduce']}: "
           f"{rec['tokens_per_s']:,.0f} tokens/s; " + ", ".join(f"{k} {v:.2f}x" for k, v in over.items())
-          + f"; search {wall:.1f} s; pp1 x sp8 per-unit reduce {what_if['unit']['tokens_per_s']:,.0f} "
-          f"(per-step {what_if['step']['tokens_per_s']:,.0f})", flush=True)
+          + f"; search {wall:.1f} s" + ("" if what_if is None else f"; pp1 x sp8 per-unit reduce "
+          f"{what_if['unit']['tokens_per_s']:,.0f} (per-step {what_if['step']['tokens_per_s']:,.0f})"), flush=True)
     return r
+
+
+def pricing_profile(args, tmp: Path) -> tuple[str | None, str]:
+    """The profile file the searches get (None: the CLI's default) and its description."""
+    if args.host_link_gbps is None and args.host_adamw_gparams is None:
+        return args.profile, args.profile or "shipped default"
+    base = HardwareProfile.load(args.profile) if args.profile else default_profile()
+    changed = {}
+    if args.host_link_gbps is not None:
+        changed["host_bandwidth_bytes_per_s"] = args.host_link_gbps * 1e9
+    if args.host_adamw_gparams is not None:
+        changed["host_optimizer_params_per_s"] = args.host_adamw_gparams * 1e9
+    path = tmp / "profile.json"
+    dataclasses.replace(base, **changed).save(path)
+    return str(path), (f"{args.profile or 'shipped default'} with " + ", ".join(f"{k}={v:g}" for k, v in changed.items()))
+
+
+def save(out: Path, result: dict, keyed: bool) -> None:
+    """Write ``result``; ``keyed`` (a host tier or another profile): as one of the file's ``runs``,
+    replacing the run of the same host memory and profile, so the settings sit side by side."""
+    if keyed:
+        runs = json.loads(out.read_text()).get("runs", []) if out.exists() else []
+        key = (result["host_memory_gib"], result["profile"])
+        result = {"runs": [r for r in runs if (r["host_memory_gib"], r["profile"]) != key] + [result]}
+    out.write_text(json.dumps(result, indent=1))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None, help=f"default {OUT.name}, or {HOST_OUT.name} with a host tier or a profile")
     ap.add_argument("--n", type=int, default=512, help="sequences per batch")
+    ap.add_argument("--host-memory-gib", type=float, default=0.0, help="host memory per GPU (default 0: no host tier)")
+    ap.add_argument("--profile", default=None, help="a profile JSON to price with (default: the shipped default)")
+    ap.add_argument("--host-link-gbps", type=float, default=None, help="host link GB/s per direction per GPU")
+    ap.add_argument("--host-adamw-gparams", type=float, default=None, help="CPU AdamW, 1e9 parameters/s per GPU")
     args = ap.parse_args()
     load = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        profile, described = pricing_profile(args, Path(tmp))
+        extra = (["--host-memory-gib", f"{args.host_memory_gib:g}"] if args.host_memory_gib else []) + (
+            ["--profile", profile] if profile else [])
+        out = Path(args.out) if args.out else (HOST_OUT if extra else OUT)
         for name, lengths in held_out_batches(args.n).items():
-            rows.append(row(name, lengths, Path(tmp)))
+            rows.append(row(name, lengths, Path(tmp), extra))
     mins = [r["min_over_alternatives"] for r in rows]
     result = {"model": "llama2-13b", "world_size": 8, "gpus_per_node": 8, "gpu_memory_gib": 80, "seed": SEED,
+              "host_memory_gib": args.host_memory_gib, "profile": described,
               "rows": rows, "every_alternative_at_least_1": all(m >= 1.0 for m in mins),
               "geo_mean_of_min": math.exp(sum(math.log(m) for m in mins) / len(mins)),
               "max_search_wall_s": max(r["search_wall_s"] for r in rows),
               "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
               "note": "simulated tokens/s (cost model, shipped default profile); search times measured on the "
                       "machine running this, under the load recorded"}
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    save(out, result, keyed=bool(extra))
     print(json.dumps({k: result[k] for k in ("every_alternative_at_least_1", "geo_mean_of_min", "max_search_wall_s",
                                              "load_average_at_start")}))
 

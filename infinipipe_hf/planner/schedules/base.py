@@ -38,14 +38,19 @@ class Candidate:
     """Builds the plan; raises ``ValueError`` when the setting cannot hold the batch."""
 
 
+FINALISTS = 3
+"""Candidates a search keeps for the final checkpoint solve (:mod:`infinipipe_hf.planner.search.finish`)."""
+
+
 @dataclass
 class SearchState:
     """What the search has seen of one batch so far."""
 
     best: tuple[Any, Any] | None = None
     """``(plan, simulation)`` of the fastest candidate that fits."""
-    runner_up: tuple[Any, Any] | None = None
-    """The second fastest that fits: a final checkpoint solve can reorder the two."""
+    finalists: list[tuple[Any, Any]] = field(default_factory=list)
+    """The ``FINALISTS`` fastest that fit, fastest first (``best`` among them): a final checkpoint
+    solve can reorder them."""
     tried: list[dict] = field(default_factory=list)
     """One record per candidate tried, in order."""
     last_error: str | None = None
@@ -54,12 +59,12 @@ class SearchState:
     """Simulation of the latest candidate; ``None`` when it failed before simulating."""
 
     def offer(self, plan: Any, sim: Any) -> None:
-        """Keep a feasible candidate as the best or the runner-up when it is faster than either
-        (the first on ties)."""
-        if self.best is None or sim.step_time_s < self.best[1].step_time_s:
-            self.best, self.runner_up = (plan, sim), self.best
-        elif self.runner_up is None or sim.step_time_s < self.runner_up[1].step_time_s:
-            self.runner_up = (plan, sim)
+        """Keep a feasible candidate among the finalists when it is faster than one of them (the
+        first on ties), and as ``best`` when it is the fastest."""
+        at = next((i for i, (_, s) in enumerate(self.finalists) if sim.step_time_s < s.step_time_s), len(self.finalists))
+        self.finalists.insert(at, (plan, sim))
+        del self.finalists[FINALISTS:]
+        self.best = self.finalists[0]
 
 
 class Outcome(Protocol):

@@ -2,10 +2,10 @@
 winner, or the message saying why nothing fits.
 
 Candidates are compared with the greedy checkpoint solve (milliseconds); only the winner pays for
-the finer levels, per-cell counts and the LP/MILP, and the runner-up too when the greedy put it
-within ``RUNNER_UP_GAP`` of the winner: the finer levels save more on some plans than on others
-(a round of large units memory-bound at whole layers against more rounds of smaller units with
-room for finer levels), so the greedy's order can flip.  A solved plan is kept when its simulated
+the finer levels, per-cell counts and the LP/MILP, and so do the next two (``FINALISTS``) when the
+greedy put them within ``RUNNER_UP_GAP`` of the winner: the finer levels save more on some plans
+than on others (a round of large units memory-bound at whole layers against more rounds of
+smaller units with room for finer levels), so the greedy's order can flip.  A solved plan is kept when its simulated
 step is not slower (per-cell counts save recompute but can add bubbles on the other stages).
 """
 from __future__ import annotations
@@ -37,9 +37,8 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
         return PlanResult(schedule.name, None, None, False, error, elapsed, state.tried, cost.dims.sp_degree, cost.dims.shard)
     plan, sim = state.best
     if ctx.policy == "adaptive":
-        finalists = [state.best]
-        if state.runner_up is not None and state.runner_up[1].step_time_s <= sim.step_time_s * (1 + RUNNER_UP_GAP):
-            finalists.append(state.runner_up)
+        finalists = [state.best] + [(p, s) for p, s in state.finalists[1:]
+                                    if s.step_time_s <= sim.step_time_s * (1 + RUNNER_UP_GAP)]
         solved = []
         for plan, sim in finalists:
             sim = final_solve(plan, sim, cost, ctx.time_limit_s, levels, sharing)
@@ -55,7 +54,7 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
 
 
 RUNNER_UP_GAP = 0.05
-"""The greedy's runner-up is solved finely too when it simulated within this share of the winner."""
+"""The greedy's finalists are solved finely too when they simulated within this share of the winner."""
 
 
 def final_solve(plan: Plan, sim: SimulationResult, cost: CostModel, time_limit_s: float,

@@ -94,11 +94,11 @@ def test_packed_ring_at_cp1_is_zero3_data_parallel(flat):
 
 
 
-def test_epp_finishes_its_runner_up_and_so_stays_level_with_flexsp_when_kernels_have_little_fixed_cost(monkeypatch):
+def test_epp_solves_its_finalists_finely_and_so_stays_level_with_flexsp_when_kernels_have_little_fixed_cost(monkeypatch):
     """A layer profile fitted on 4K-64K-token rows only (a third of the full fit's per-unit fixed
     cost): FlexSP's best runs a short-only batch in eight rounds of one-GPU groups without
     recompute.  Compared with whole layers checkpointed, EPP's best candidate is a plan the finer
-    levels barely help, 2% behind FlexSP once solved; its runner-up, solved finely too, is not."""
+    levels barely help, 2% behind FlexSP once solved; the runners-up, solved finely too, are not."""
     rows = json.loads(resources.files("infinipipe_hf.profiles").joinpath("h100_bf16_measurements.json").read_text())
     kept = [r for r in rows["rows"] if r.get("kind") != "layer_causal" or r["tokens"] >= 4096]
     profile = fit_profile(kept, rows["reference"], name="h100-fit-4k-64k", calibration=shipped_calibration())
