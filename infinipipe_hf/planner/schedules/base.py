@@ -28,6 +28,11 @@ class Knobs(ABC):
     def record(self) -> dict:
         """The values as candidate records and messages show them (a fixed key order)."""
 
+    @property
+    def family(self) -> Any:
+        """Which family of the schedule's candidates these belong to (:class:`SearchState`)."""
+        return None
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -38,7 +43,7 @@ class Candidate:
     """Builds the plan; raises ``ValueError`` when the setting cannot hold the batch."""
 
 
-FINALISTS = 3
+FINALISTS = 2
 """Candidates a search keeps for the final checkpoint solve (:mod:`infinipipe_hf.planner.search.finish`)."""
 
 
@@ -48,9 +53,10 @@ class SearchState:
 
     best: tuple[Any, Any] | None = None
     """``(plan, simulation)`` of the fastest candidate that fits."""
-    finalists: list[tuple[Any, Any]] = field(default_factory=list)
-    """The ``FINALISTS`` fastest that fit, fastest first (``best`` among them): a final checkpoint
-    solve can reorder them."""
+    finalists: dict[Any, list[tuple[Any, Any]]] = field(default_factory=dict)
+    """Per family of candidates (EPP: on whole SP groups, with SP rounds), its ``FINALISTS``
+    fastest that fit, fastest first: a final checkpoint solve can reorder them, and a search over
+    a larger space must end at least as fast as the smaller one it contains."""
     tried: list[dict] = field(default_factory=list)
     """One record per candidate tried, in order."""
     last_error: str | None = None
@@ -58,13 +64,15 @@ class SearchState:
     last: Any = None
     """Simulation of the latest candidate; ``None`` when it failed before simulating."""
 
-    def offer(self, plan: Any, sim: Any) -> None:
-        """Keep a feasible candidate among the finalists when it is faster than one of them (the
-        first on ties), and as ``best`` when it is the fastest."""
-        at = next((i for i, (_, s) in enumerate(self.finalists) if sim.step_time_s < s.step_time_s), len(self.finalists))
-        self.finalists.insert(at, (plan, sim))
-        del self.finalists[FINALISTS:]
-        self.best = self.finalists[0]
+    def offer(self, plan: Any, sim: Any, family: Any = None) -> None:
+        """Keep a feasible candidate among its ``family``'s finalists when it is faster than one of
+        them (the first on ties), and as ``best`` when it is the fastest of all."""
+        kept = self.finalists.setdefault(family, [])
+        at = next((i for i, (_, s) in enumerate(kept) if sim.step_time_s < s.step_time_s), len(kept))
+        kept.insert(at, (plan, sim))
+        del kept[FINALISTS:]
+        if self.best is None or sim.step_time_s < self.best[1].step_time_s:
+            self.best = (plan, sim)
 
 
 class Outcome(Protocol):

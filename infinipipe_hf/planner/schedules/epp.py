@@ -54,6 +54,10 @@ class EPPKnobs(Knobs):
     sp_rounds: bool = False
     """Short sequences on SP sub-groups in rounds (:mod:`infinipipe_hf.planner.batch.sub_groups`)."""
 
+    @property
+    def family(self) -> str:
+        return "sp_rounds" if self.sp_rounds else "whole_groups"
+
     def record(self) -> dict:
         d = {"num_slices": self.num_slices, "estimate_s": self.estimate_s}
         if self.always_planned:

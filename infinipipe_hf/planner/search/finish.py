@@ -1,12 +1,14 @@
 """What ``plan_step`` does after the search: the final checkpoint solve and validation of the
 winner, or the message saying why nothing fits.
 
-Candidates are compared with the greedy checkpoint solve (milliseconds); only the winner pays for
-the finer levels, per-cell counts and the LP/MILP, and so do the next two (``FINALISTS``) when the
-greedy put them within ``RUNNER_UP_GAP`` of the winner: the finer levels save more on some plans
-than on others (a round of large units memory-bound at whole layers against more rounds of
-smaller units with room for finer levels), so the greedy's order can flip.  A solved plan is kept when its simulated
-step is not slower (per-cell counts save recompute but can add bubbles on the other stages).
+Candidates are compared with the greedy checkpoint solve (milliseconds); the finer levels,
+per-cell counts and the LP/MILP go to the winner and, per family of candidates (EPP's on whole SP
+groups and with SP rounds), to the ``FINALISTS`` fastest the greedy put within ``RUNNER_UP_GAP`` of
+the family's fastest.  The finer levels save more on some plans than on others (a round of large
+units memory-bound at whole layers against more rounds of smaller units with room for them), so
+the greedy's order can flip, and a search with SP rounds must end at least as fast as the search
+on whole groups it contains.  A solved plan is kept when its simulated step is not slower
+(per-cell counts save recompute but can add bubbles on the other stages).
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
         return PlanResult(schedule.name, None, None, False, error, elapsed, state.tried, cost.dims.sp_degree, cost.dims.shard)
     plan, sim = state.best
     if ctx.policy == "adaptive":
-        finalists = [state.best] + [(p, s) for p, s in state.finalists[1:]
-                                    if s.step_time_s <= sim.step_time_s * (1 + RUNNER_UP_GAP)]
+        finalists = [state.best] + [(p, s) for kept in state.finalists.values() for p, s in kept if p is not plan
+                                    and s.step_time_s <= kept[0][1].step_time_s * (1 + RUNNER_UP_GAP)]
         solved = []
         for plan, sim in finalists:
             sim = final_solve(plan, sim, cost, ctx.time_limit_s, levels, sharing)
@@ -54,7 +56,8 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
 
 
 RUNNER_UP_GAP = 0.05
-"""The greedy's finalists are solved finely too when they simulated within this share of the winner."""
+"""The greedy's finalists are solved finely too when they simulated within this share of their
+family's fastest."""
 
 
 def final_solve(plan: Plan, sim: SimulationResult, cost: CostModel, time_limit_s: float,

@@ -33,7 +33,7 @@ def run_search(schedule: Schedule, ctx) -> SearchState:
             if error is not None:
                 state.last_error = error
         else:
-            state.offer(plan, sim)
+            state.offer(plan, sim, candidate.knobs.family)
     return state
 
 

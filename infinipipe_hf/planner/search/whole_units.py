@@ -99,4 +99,4 @@ def try_whole_sequences(ctx: PipelineContext, state: SearchState, schedule: str)
     state.tried.append({"candidate": plan.info["candidate"], "feasible": sim.feasible, "step_time_s": sim.step_time_s,
                         "recompute_time_s": sim.recompute_time_s})
     if sim.feasible:
-        state.offer(plan, sim)
+        state.offer(plan, sim, "whole_sequences")
