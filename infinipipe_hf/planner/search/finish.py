@@ -43,6 +43,8 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
                                     and s.step_time_s <= kept[0][1].step_time_s * (1 + RUNNER_UP_GAP)]
         solved = []
         for plan, sim in finalists:
+            if solved and sim.step_time_s - sim.recompute_time_s >= min(s.step_time_s for _, s in solved):
+                continue  # even with no recompute at all it would not be faster: not worth a solve
             sim = final_solve(plan, sim, cost, ctx.time_limit_s, levels, sharing)
             solved.append((plan, kv_offload_trial(plan, sim, cost, ctx.time_limit_s, levels, sharing)))
         plan, sim = min(solved, key=lambda ps: ps[1].step_time_s)  # the winner on ties
