@@ -59,6 +59,7 @@ from infinipipe_hf.cli.inputs import (
     read_model_spec,
     read_profile,
 )
+from infinipipe_hf.cli.native_output import native_output_to_stderr
 from infinipipe_hf.cli.plan_layouts import add_search_arguments, search_main
 from infinipipe_hf.cli.viz import format_host_copies
 from infinipipe_hf.config import InfiniPipeConfig
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         return search_main(args)
     try:
         pipeline_defaults(args)
-        results = run(args)
+        with native_output_to_stderr():
+            results = run(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ from infinipipe_hf.cli.inputs import (
     read_model_spec,
     read_profile,
 )
+from infinipipe_hf.cli.native_output import native_output_to_stderr
 from infinipipe_hf.planner.cost.calibration import pricing_record
 from infinipipe_hf.planner.cost.profile import default_profile
 from infinipipe_hf.planner.layout_search.result import LayoutSearch, NoLayoutFits, plan_flags
@@ -132,7 +133,8 @@ def _write_outputs(args: argparse.Namespace, search: LayoutSearch) -> None:
 def search_main(args: argparse.Namespace) -> int:
     """Run the layout search for the CLI; the exit status."""
     try:
-        search = run_search(args)
+        with native_output_to_stderr():
+            search = run_search(args)
     except NoLayoutFits as exc:
         _print(args, exc.search)
         print(f"error: {exc}", file=sys.stderr)
