@@ -48,7 +48,7 @@ class CopyEvent:
 
     def on_rank(self, rank: int) -> bool:
         """Whether SP rank ``rank`` of the stage runs these copies."""
-        return self.sub_group is None or self.sub_group[0] <= rank < sum(self.sub_group)
+        return self.sub_group is None or rank in range(*_span(self.sub_group))
 
 
 @dataclass
@@ -102,9 +102,9 @@ class SimulationResult:
         stages = len(self.peak_memory_bytes)
         lanes = self.copy_lanes()
         per = {key: (sum(e.copy_s for e in lane), sum(e.exposed_s for e in lane)) for key, lane in lanes.items()}
-        return {"host_copy_s": self.host_copy_s, "host_copy_exposed_s": self.host_copy_exposed_s,
-                "host_copy_bytes": sum(e.bytes for lane in lanes.values() for e in lane),
-                "host_copy_cpu_s": sum(e.cpu_s for lane in lanes.values() for e in lane),
+        events = [e for lane in lanes.values() for e in lane]
+        return {"host_copy_s": sum(e.copy_s for e in events), "host_copy_exposed_s": sum(e.exposed_s for e in events),
+                "host_copy_bytes": sum(e.bytes for e in events), "host_copy_cpu_s": sum(e.cpu_s for e in events),
                 "host_copy_s_per_stage": [max((v[0] for (_, s), v in per.items() if s == st), default=0.0)
                                           for st in range(stages)],
                 "host_copy_exposed_s_per_stage": [max((v[1] for (_, s), v in per.items() if s == st),
@@ -135,8 +135,13 @@ class SimulationResult:
 def _busiest_gpu(events: list[CopyEvent]) -> list[CopyEvent]:
     """The events one GPU of a stage runs, for the GPU with the most link seconds (``events``: the
     stage's, whole-group ones on every GPU)."""
-    ranks = sorted({r for e in events if e.sub_group is not None for r in range(e.sub_group[0], sum(e.sub_group))})
+    ranks = sorted({r for e in events if e.sub_group is not None for r in range(*_span(e.sub_group))})
     if not ranks:
         return list(events)
     lanes = [[e for e in events if e.on_rank(r)] for r in ranks]
     return max(lanes, key=lambda lane: sum(e.copy_s for e in lane))
+
+
+def _span(sub_group: tuple[int, int]) -> tuple[int, int]:
+    """``(first rank, one past the last)`` of an ``(offset, size)`` sub-group."""
+    return sub_group[0], sub_group[0] + sub_group[1]
