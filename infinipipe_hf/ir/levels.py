@@ -33,6 +33,7 @@ What each level saves and costs to redo is the cost model's (planner/cost/levels
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterable, Mapping
 
 CHECKPOINTING = ("adaptive", "none", "full")
@@ -132,9 +133,9 @@ class CheckpointMix:
 
     @staticmethod
     def of(full: int, finer: Mapping[str, int] | None = None) -> "CheckpointMix":
-        finer = dict(finer or {})
-        check_plan_levels(finer)
-        return CheckpointMix(int(full), **{lv: int(finer.get(lv, 0)) for lv in PLAN_LEVELS})
+        """The mix of ``full`` whole layers and the ``finer`` level counts (one shared instance per
+        distinct mix: the planner builds the same few mixes for every unit it prices)."""
+        return _mix_of(int(full), tuple((lv, int(n)) for lv, n in (finer or {}).items()))
 
     def layer_levels(self, num_layers: int) -> list[str | None]:
         """Level of each of the stage's layers in forward order (``None``: keeps everything).
@@ -151,3 +152,10 @@ class CheckpointMix:
                 + [OFFLOAD] * self.offload + [FULL] * self.full
                 + [KEEP_ATTN] * self.keep_attn + [MLP] * self.mlp
                 + [MLP_ACT] * self.mlp_act + [None] * (num_layers - self.total))
+
+
+@lru_cache(maxsize=4096)
+def _mix_of(full: int, finer: tuple[tuple[str, int], ...]) -> CheckpointMix:
+    counts = dict(finer)
+    check_plan_levels(counts)
+    return CheckpointMix(full, **{lv: counts.get(lv, 0) for lv in PLAN_LEVELS})

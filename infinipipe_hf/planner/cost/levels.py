@@ -59,6 +59,7 @@ class LevelCosts:
         self.acts = acts
         self.host = host
         """The stage's :class:`~.host.HostTierCost` (prices ``offload``; None: the level is unknown)."""
+        self._recompute_s: dict[tuple[str, UnitShape], float] = {}
         inter = spec.intermediate_size
         elements = act_elements(spec.hidden_size, inter, spec.kv_dim, p.bytes_per_element)
         self.saved_share = {MLP: 4 * inter / elements, MLP_ACT: 2 * inter / elements}
@@ -79,7 +80,16 @@ class LevelCosts:
         """Bytes per GPU token a ``keep_attn`` layer keeps beyond a whole-layer checkpoint's input."""
 
     def layer_recompute_s(self, level: str, shape: UnitShape) -> float:
-        """Seconds to redo ``level`` of one layer on a unit of ``shape`` (monotone in the level).
+        """Seconds to redo ``level`` of one layer on a unit of ``shape`` (monotone in the level),
+        remembered per (level, shape): the solvers and the simulator price each unit many times."""
+        key = (level, shape)
+        got = self._recompute_s.get(key)
+        if got is None:
+            got = self._recompute_s[key] = self._layer_recompute_s(level, shape)
+        return got
+
+    def _layer_recompute_s(self, level: str, shape: UnitShape) -> float:
+        """:meth:`layer_recompute_s`, computed.
 
         A whole layer's replay is its forward less ``down_proj``'s GEMM: non-reentrant
         checkpointing stops once ``down_proj``'s input is rebuilt (the residual add after it saves

@@ -33,6 +33,7 @@ class ActionCosts:
         self.groups = unit_cost_map(plan, cost) if plan.sp_groups else {}
         self.steps = steps
         self.group_fixed_s = profile.calibration.group_round_s / (2 * plan.pp_degree) if profile else 0.0
+        self._kv_exposed: dict[tuple[int, int, bool], float] = {}
 
     def _shape(self, uid: int) -> UnitShape:
         if uid not in self.shapes:
@@ -58,10 +59,15 @@ class ActionCosts:
         return t + self.finer_recompute(stage, a.unit) + fixed
 
     def kv_exposed(self, stage: int, a: Action) -> float:
-        """Exposed copy seconds of the action on a stage whose KV store is in host memory."""
-        segments = self.plan.unit_by_id[a.unit].segments
-        return self.groups.get(a.unit, self.cost).host.kv_exposed_s(
-            stage, segments, [self.plan.continues_after(s) for s in segments], not a.is_forward)
+        """Exposed copy seconds of the action on a stage whose KV store is in host memory (once per
+        action: the replay and the copy lane both ask)."""
+        key = (stage, a.unit, a.is_forward)
+        got = self._kv_exposed.get(key)
+        if got is None:
+            segments = self.plan.unit_by_id[a.unit].segments
+            got = self._kv_exposed[key] = self.groups.get(a.unit, self.cost).host.kv_exposed_s(
+                stage, segments, [self.plan.continues_after(s) for s in segments], not a.is_forward)
+        return got
 
     def kv_exchange(self, stage: int, a: Action) -> float:
         """Seconds the action's context reads spend exchanging a shared K/V head's store chunks

@@ -103,3 +103,13 @@ def test_working_bound_covers_offloaded_layers(seed):
             no_off = CheckpointMix.of(mix.full + off, {})
             assert plain.working.bound(stage, tokens, ctx, backward) <= cost.working.bound(stage, tokens, ctx, backward)
             assert plain.working.excess(stage, segs, no_off, backward) <= plain.working.bound(stage, tokens, ctx, backward) + 1e-6
+
+
+def test_remembered_recompute_seconds_are_each_shapes_and_levels_own():
+    """``layer_recompute_s`` remembers per (level, shape): every answer equals a fresh computation."""
+    cost = tiny_cost(bandwidth=1e9)
+    shapes = [UnitShape(pairs=float(n * n), tokens=n) for n in (64, 512, 64)]
+    for level in (FULL, OFFLOAD, "mlp", "keep_attn"):
+        for shape in shapes:
+            assert cost.levels.layer_recompute_s(level, shape) == cost.levels._layer_recompute_s(level, shape)
+    assert cost.levels.layer_recompute_s(OFFLOAD, shapes[0]) != cost.levels.layer_recompute_s(OFFLOAD, shapes[1])
