@@ -158,6 +158,20 @@ def bracketed_steps(plan, step_costs, spans) -> list[dict]:
     return out
 
 
+def simulated_memory_series(plan, cost, stage: int, sp_rank: int) -> tuple[list[str], list[float]]:
+    """The simulated device bytes at each action of replica 0's ``stage`` as SP rank ``sp_rank``
+    runs it: with SP rounds a rank holds only its own units (its rank view), so the series'
+    maximum over the ranks is the simulator's peak."""
+    from infinipipe_hf.ir.rank_views import rank_view
+    from infinipipe_hf.planner.checkpointing.memory_walk import stage_timeline
+
+    view = rank_view(plan, sp_rank)
+    acts = [str(a) for a in view.stage_actions(0, stage)]
+    values = stage_timeline(view, cost, 0, stage).point_values(
+        cost, stage, plan.checkpoint_layers.get(stage, {}), plan.checkpoint_levels.get(stage, {})).tolist()
+    return acts, values
+
+
 def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=None) -> dict:
     """Everything ``sim_vs_real`` reports for one schedule's run.  ``cost`` prices the plan (its
     profile rescaled to the factor of all the run's speed probes pooled); ``uncalibrated``, the cost
@@ -183,7 +197,6 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=No
                             x.rank for x in last.events if x.stage == s and x.dp_rank == r)]
             orders_equal &= executed == [str(a) for a in acts if plan.runs_on(a.unit, 0)]  # SP rank 0's units
     replayed = statistics.median(measured_work_replay(plan, cost, tl) for tl in timelines)
-    from infinipipe_hf.planner.checkpointing.memory_walk import stage_timeline
 
     mem = {}
     for stage in range(plan.pp_degree):
@@ -191,9 +204,7 @@ def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=No
         top = max(ranks, key=lambda p: p["peak_bytes"], default=None)
         got = top["peak_bytes"] if top else None
         want = sim.peak_memory_bytes[stage]
-        acts = [str(a) for a in plan.stage_actions(0, stage)]
-        values = stage_timeline(plan, cost, 0, stage).point_values(
-            cost, stage, plan.checkpoint_layers.get(stage, {}), plan.checkpoint_levels.get(stage, {})).tolist()
+        acts, values = simulated_memory_series(plan, cost, stage, top.get("sp_rank", 0) if top else 0)
         where = top.get("peak_action") if top else None
         mem[str(stage)] = {"simulated_peak_bytes": want, "measured_peak_bytes": got,
                            "relative_difference": (want - got) / got if got else None,
