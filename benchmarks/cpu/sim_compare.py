@@ -163,13 +163,10 @@ def simulated_memory_series(plan, cost, stage: int, sp_rank: int) -> tuple[list[
     runs it: with SP rounds a rank holds only its own units (its rank view), so the series'
     maximum over the ranks is the simulator's peak."""
     from infinipipe_hf.ir.rank_views import rank_view
-    from infinipipe_hf.planner.checkpointing.memory_walk import stage_timeline
+    from infinipipe_hf.planner.simulate.simulator import stage_point_values
 
     view = rank_view(plan, sp_rank)
-    acts = [str(a) for a in view.stage_actions(0, stage)]
-    values = stage_timeline(view, cost, 0, stage).point_values(
-        cost, stage, plan.checkpoint_layers.get(stage, {}), plan.checkpoint_levels.get(stage, {})).tolist()
-    return acts, values
+    return [str(a) for a in view.stage_actions(0, stage)], stage_point_values(view, cost, 0, stage)
 
 
 def compare_run(run: dict, cost, *, tol: float, uncalibrated=None, step_costs=None) -> dict:

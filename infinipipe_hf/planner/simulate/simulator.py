@@ -147,7 +147,7 @@ def _add_replica(plan: Plan, cost: CostModel, costs: ActionCosts, r: int, rep: R
             totals.events.append(ActionEvent(r, s, str(a), rep.start[s][i], rep.end[s][i], rec))
             _add_copy(totals, totals.lane.action_event(r, s, a, rep.start[s][i]))
         _stage_end(cost, r, rep, s, acts, totals)
-        values = _point_values(plan, cost, r, s)
+        values = stage_point_values(plan, cost, r, s)
         _add_memory(cost, r, s, rep, values, totals)
 
 
@@ -168,7 +168,7 @@ def _add_round_replica(plan: Plan, cost: CostModel, costs: ActionCosts, steps: R
             totals.recompute += worst
         _stage_end(cost, r, rep, s, acts, totals)
         cache: dict = {}
-        per_rank = [_point_values(view, cost, r, s, cache) for view in steps.views]
+        per_rank = [stage_point_values(view, cost, r, s, cache) for view in steps.views]
         _add_memory(cost, r, s, rep, [max(vs) for vs in zip(*per_rank)], totals)
 
 
@@ -206,7 +206,7 @@ def _add_memory(cost: CostModel, r: int, s: int, rep: ReplayResult, values: list
     totals.peaks[s] = max(totals.peaks[s], max(values, default=cost.acts.static_bytes(s)))
 
 
-def _point_values(plan: Plan, cost: CostModel, dp_rank: int, stage: int, cache: dict | None = None) -> list[float]:
+def stage_point_values(plan: Plan, cost: CostModel, dp_rank: int, stage: int, cache: dict | None = None) -> list[float]:
     """``points.point_bytes`` of every point of the stage (the array timeline: a cumulative sum of
     live activations, bit-identical to summing each point's live set; see
     tests/planner/checkpointing/test_memory_walk.py)."""
