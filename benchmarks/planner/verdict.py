@@ -24,6 +24,10 @@ and 1 G parameters/s per GPU).  Such runs go to ``planner_verdict_host.json`` (o
 ``runs`` per setting) unless ``--out`` says otherwise, without the pp 1 x sp 8 what-if.
 
     python -m benchmarks.planner.verdict --host-memory-gib 256   # a DGX H100's 2 TiB over 8 GPUs
+
+``--flexsp-milp`` also plans FlexSP per batch with its bucketed MILP group solver (1 s per round
+problem) beside the greedy one the search uses, so a row shows whether the verdict's FlexSP is
+the best FlexSP the repository can plan (minutes per batch).
     python -m benchmarks.planner.verdict --host-memory-gib 256 --host-link-gbps 25 --host-adamw-gparams 0.5
 """
 from __future__ import annotations
@@ -46,7 +50,7 @@ from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
-from infinipipe_hf.planner.search.api import PlanOptions, plan_step
+from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step
 
 OUT = RESULTS / "planner_verdict.json"
 HOST_OUT = RESULTS / "planner_verdict_host.json"
@@ -89,7 +93,19 @@ def per_unit_reduce_what_if(lengths: list[int], budget_bytes: float) -> dict:
     return out
 
 
-def row(name: str, lengths: list[int], tmp: Path, extra: list[str]) -> dict:
+def flexsp_solvers(lengths: list[int], budget_bytes: float) -> dict:
+    """FlexSP's step time and planning time with its greedy and its MILP group solver."""
+    spec = ModelSpec.from_json_file(MODEL)
+    out = {}
+    for solver in ("greedy", "milp"):
+        r = plan_alternative(lengths, spec, "flexsp", world_size=8, gpus_per_node=8, memory_budget_bytes=budget_bytes,
+                             solver=solver, milp_time_limit_s=1.0)
+        out[solver] = {"step_time_s": r.simulation.step_time_s if r.feasible else None,
+                       "planning_time_s": r.planning_time_s}
+    return out
+
+
+def row(name: str, lengths: list[int], tmp: Path, extra: list[str], flexsp_milp: bool = False) -> dict:
     got, wall, cmd = search(lengths, tmp, name, extra)
     rec = got["recommended"]
     over = rec["over_alternatives"]
@@ -104,6 +120,7 @@ def row(name: str, lengths: list[int], tmp: Path, extra: list[str]) -> dict:
          "min_alternative": min(over, key=over.get), "best_alternative": best_alt["schedule"],
          "pricing": got.get("pricing"), "search_wall_s": wall, "search_time_s": got["search_time_s"],
          "pp1_sp8_shard_sp": what_if,
+         **({"flexsp_solvers": flexsp_solvers(lengths, got["memory_budget_bytes"])} if flexsp_milp else {}),
          "command": " ".join(cmd[1:]).replace(str(tmp), "TMP")}
     print(f"{name:16s} recommended {rec['label']} shard {rec['shard']} grad_reduce {r['recommended']['grad_reduce']}: "
           f"{rec['tokens_per_s']:,.0f} tokens/s; " + ", ".join(f"{k} {v:.2f}x" for k, v in over.items())
@@ -145,6 +162,7 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="a profile JSON to price with (default: the shipped default)")
     ap.add_argument("--host-link-gbps", type=float, default=None, help="host link GB/s per direction per GPU")
     ap.add_argument("--host-adamw-gparams", type=float, default=None, help="CPU AdamW, 1e9 parameters/s per GPU")
+    ap.add_argument("--flexsp-milp", action="store_true", help="also plan FlexSP with its MILP group solver (slow)")
     args = ap.parse_args()
     load = os.getloadavg()
     rows = []
@@ -154,7 +172,7 @@ def main() -> None:
             ["--profile", profile] if profile else [])
         out = Path(args.out) if args.out else (HOST_OUT if extra else OUT)
         for name, lengths in held_out_batches(args.n).items():
-            rows.append(row(name, lengths, Path(tmp), extra))
+            rows.append(row(name, lengths, Path(tmp), extra, args.flexsp_milp))
     mins = [r["min_over_alternatives"] for r in rows]
     result = {"model": "llama2-13b", "world_size": 8, "gpus_per_node": 8, "gpu_memory_gib": 80, "seed": SEED,
               "host_memory_gib": args.host_memory_gib, "profile": described,

@@ -14,7 +14,7 @@ from infinipipe_hf import InfiniPipeConfig, PipelineEngine  # noqa: E402
 from tests.helpers.reference import assert_grads_close, random_batch, reference_loss_and_grads, tiny_model  # noqa: E402
 
 LENGTHS = [700, 130, 90, 60, 300, 20]
-BUDGETS_GIB = [0.0026 - 0.0001 * i for i in range(10)]  # from comfortable to infeasible
+BUDGETS_GIB = [0.0021 - 0.00002 * i for i in range(16)]  # from comfortable to infeasible
 
 
 def offloaded(plan) -> int:

@@ -50,6 +50,13 @@ def _act_elements(spec: ModelSpec, bytes_per_element: float = 2) -> float:
     return act_elements(spec.hidden_size, spec.intermediate_size, spec.kv_dim, bytes_per_element)
 
 
+LOSS_LOGITS_COPIES = {False: 2, True: 3}
+"""Float32 copies of a loss chunk's logits alive at once, by phase (``backward``): forward holds the
+logits and their log-softmax; backward, after recomputing both, the log-softmax's gradient and the
+logits' (measured with the allocator's events in float32 and bfloat16:
+``tests/planner/cost/test_loss_chunk_memory.py``)."""
+
+
 class StageActivations:
     """Bytes of the actions of one stage, per GPU (module docstring)."""
 
@@ -257,6 +264,10 @@ class StageActivations:
             per_token += act * (2 if checkpointed_layers else 1)
         w = tokens * per_token + tile
         if stage_index == self.pp_degree - 1:
-            chunk = min(tokens, self.loss_chunk_tokens)
-            w += chunk * self.spec.vocab_size * 4 * 2  # fp32 logits and their gradient
+            w += self.loss_chunk_bytes(tokens, backward)
         return w
+
+    def loss_chunk_bytes(self, gpu_tokens: int, backward: bool) -> float:
+        """Float32 logits-sized tensors of one chunk of the chunked loss (``runtime/stage/loss.py``)
+        while it runs on ``gpu_tokens`` tokens: ``LOSS_LOGITS_COPIES`` of them."""
+        return min(gpu_tokens, self.loss_chunk_tokens) * self.spec.vocab_size * 4 * LOSS_LOGITS_COPIES[backward]

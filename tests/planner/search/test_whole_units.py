@@ -97,10 +97,10 @@ def test_too_long_for_every_candidate_says_so():
 
 
 def test_attention_side_in_tiles_when_the_mlp_tiles_do_not_fit():
-    """524,288 tokens on one GPU: the MLP-tiled unit does not fit the device, the attention-tiled
+    """491,520 tokens on one GPU: the MLP-tiled unit does not fit the device, the attention-tiled
     one does; every layer recomputed or offloaded, the tiles' projections priced, the peaks within
     both budgets, the key through JSON and the validator."""
-    r = _plan(lengths=(524288,))
+    r = _plan(lengths=(491520,))
     tried = {c["candidate"]: c for c in r.candidates if c.get("candidate", "").startswith("whole_sequences")}
     assert not tried[whole_units.KNOB]["feasible"]
     plan = r.plan
