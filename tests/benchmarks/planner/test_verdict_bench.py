@@ -21,3 +21,13 @@ def test_what_if_frees_the_unsharded_gradients():
     # Both fit 32 short sequences; per-unit reduction pays a reduce-scatter per unit, so it is faster
     # only where the kept gradients bind memory (the 512-sequence batches), not on a batch this small.
     assert got["unit"]["feasible"] and got["step"]["feasible"]
+
+
+def test_flexsp_solvers_plans_both_and_the_milp_is_no_slower_here():
+    """Eight short sequences: one round problem, small enough for the MILP to solve exactly, so it
+    plans a step at most as long as the greedy's."""
+    lengths = verdict.held_out_batches(n=8)["short-only"]
+    got = verdict.flexsp_solvers(lengths, 71.6 * 2**30)
+    assert set(got) == {"greedy", "milp"}
+    assert all(v["step_time_s"] > 0 and v["planning_time_s"] >= 0 for v in got.values())
+    assert got["milp"]["step_time_s"] <= got["greedy"]["step_time_s"] * (1 + 1e-9)
