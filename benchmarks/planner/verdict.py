@@ -24,11 +24,11 @@ and 1 G parameters/s per GPU).  Such runs go to ``planner_verdict_host.json`` (o
 ``runs`` per setting) unless ``--out`` says otherwise, without the pp 1 x sp 8 what-if.
 
     python -m benchmarks.planner.verdict --host-memory-gib 256   # a DGX H100's 2 TiB over 8 GPUs
+    python -m benchmarks.planner.verdict --host-memory-gib 256 --host-link-gbps 25 --host-adamw-gparams 0.5
 
 ``--flexsp-milp`` also plans FlexSP per batch with its bucketed MILP group solver (1 s per round
 problem) beside the greedy one the search uses, so a row shows whether the verdict's FlexSP is
 the best FlexSP the repository can plan (minutes per batch).
-    python -m benchmarks.planner.verdict --host-memory-gib 256 --host-link-gbps 25 --host-adamw-gparams 0.5
 """
 from __future__ import annotations
 

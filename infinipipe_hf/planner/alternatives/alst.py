@@ -37,7 +37,7 @@ from infinipipe_hf.planner.alternatives.flat_cost import FlatCost, UlyssesGroup
 from infinipipe_hf.planner.alternatives.round_plan import GroupRun, RoundPlan, RoundSimulation, check_plan
 from infinipipe_hf.planner.alternatives.round_schedule import RoundContext, RoundSchedule
 from infinipipe_hf.planner.batch.rounds import lockstep_rounds
-from infinipipe_hf.planner.cost.activations import LOSS_LOGITS_COPIES, norm_elements
+from infinipipe_hf.planner.cost.activations import norm_elements
 from infinipipe_hf.planner.cost.calibration import overlapped
 from infinipipe_hf.planner.cost.state_host import host_state_bytes_per_param, offloaded_step_tail_s, unit_copy_s
 from infinipipe_hf.planner.cost.states import sharded_numel
@@ -123,15 +123,14 @@ class ALSTCost:
         self.per_token_bytes = (act - mlp) + work * outside + (2 + 2 + final) * self.hidden
         self.tile_bytes = cost.spec.hidden_size * (2 * mlp + work * (1 - outside))
         """One MLP tile's intermediates and their gradients (``hidden_size`` tokens per GPU)."""
-        self.logits_bytes_per_token = cost.spec.vocab_size * 4 * LOSS_LOGITS_COPIES[True]  # backward's peak
-        self.loss_chunk_tokens = cost.layout.loss_chunk_tokens
+        self.acts = acts
 
     def gpu_tokens(self, padded: int) -> int:
         return self.group.gpu_tokens(padded)
 
     def device_activation_bytes(self, padded: int) -> float:
         t = self.gpu_tokens(padded)
-        return t * self.per_token_bytes + self.tile_bytes + min(t, self.loss_chunk_tokens) * self.logits_bytes_per_token
+        return t * self.per_token_bytes + self.tile_bytes + self.acts.loss_chunk_bytes(t, backward=True)  # backward's peak
 
     def host_activation_bytes(self, padded: int) -> float:
         """Every layer's input of the sequence, on one GPU's share of it."""
