@@ -79,11 +79,11 @@ def test_search_restricted_to_one_sp_degree(files, capsys):
 
 
 def test_no_layout_fits_exits_1_naming_the_largest_trainable_sequence_per_layout(files, capsys):
-    assert main(_search(files, "--json", gib="0.05")) == 1
+    assert main(_search(files, "--json", gib="0.046")) == 1
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["recommended"] is None and "Largest trainable sequence per layout" in out["error"]
-    assert "error: no layout of 4 GPUs fits 0.05 GiB per GPU" in captured.err
+    assert "error: no layout of 4 GPUs fits 0.046 GiB per GPU" in captured.err
     assert all("largest_trainable_length" in lay for lay in out["layouts"])
     assert "pp 4 x sp 1 x dp 1 shard none: " in captured.err
 

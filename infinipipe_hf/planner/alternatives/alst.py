@@ -130,7 +130,7 @@ class ALSTCost:
 
     def device_activation_bytes(self, padded: int) -> float:
         t = self.gpu_tokens(padded)
-        return t * self.per_token_bytes + self.tile_bytes + self.acts.loss_chunk_bytes(t, backward=True)  # backward's peak
+        return t * self.per_token_bytes + self.tile_bytes + self.acts.loss_chunk_bytes(t)
 
     def host_activation_bytes(self, padded: int) -> float:
         """Every layer's input of the sequence, on one GPU's share of it."""

@@ -50,11 +50,9 @@ def _act_elements(spec: ModelSpec, bytes_per_element: float = 2) -> float:
     return act_elements(spec.hidden_size, spec.intermediate_size, spec.kv_dim, bytes_per_element)
 
 
-LOSS_LOGITS_COPIES = {False: 2, True: 3}
-"""Float32 copies of a loss chunk's logits alive at once, by phase (``backward``): forward holds the
-logits and their log-softmax; backward, after recomputing both, the log-softmax's gradient and the
-logits' (measured with the allocator's events in float32 and bfloat16:
-``tests/planner/cost/test_loss_chunk_memory.py``)."""
+LOSS_BLOCK_ROWS = 1024
+"""Rows of a loss chunk's logits the runtime's fused cross-entropy upcasts at a time
+(``runtime/stage/loss.py``'s constant of the same name; a test keeps them equal)."""
 
 
 class StageActivations:
@@ -264,10 +262,14 @@ class StageActivations:
             per_token += act * (2 if checkpointed_layers else 1)
         w = tokens * per_token + tile
         if stage_index == self.pp_degree - 1:
-            w += self.loss_chunk_bytes(tokens, backward)
+            w += self.loss_chunk_bytes(tokens)
         return w
 
-    def loss_chunk_bytes(self, gpu_tokens: int, backward: bool) -> float:
-        """Float32 logits-sized tensors of one chunk of the chunked loss (``runtime/stage/loss.py``)
-        while it runs on ``gpu_tokens`` tokens: ``LOSS_LOGITS_COPIES`` of them."""
-        return min(gpu_tokens, self.loss_chunk_tokens) * self.spec.vocab_size * 4 * LOSS_LOGITS_COPIES[backward]
+    def loss_chunk_bytes(self, gpu_tokens: int) -> float:
+        """Bytes one chunk of the chunked loss (``runtime/stage/loss.py``) holds while it runs on
+        ``gpu_tokens`` tokens, forward or backward alike: its logits in the activation dtype and one
+        block of ``LOSS_BLOCK_ROWS`` rows in float32 (the fused cross-entropy's upcast; measured
+        with the allocator's events: ``tests/planner/cost/test_loss_chunk_memory.py``)."""
+        rows = min(gpu_tokens, self.loss_chunk_tokens)
+        bpe = self.profile.bytes_per_element
+        return self.spec.vocab_size * (rows * bpe + min(rows, LOSS_BLOCK_ROWS) * max(bpe, 4))

@@ -13,7 +13,7 @@ levels ``l_0..l_{L-1}`` (heaviest first, as the runtime runs them) is, per GPU t
 
 forward
     ``max_j (kept_0 + ... + kept_j + T * F(l_j))``, and on the last stage the loss phase
-    ``all kept + logits chunk`` (the logits and their log-softmax); where ``kept_j`` is what layer ``j`` keeps (its activations and
+    ``all kept + logits chunk`` (the logits and one float32 block); where ``kept_j`` is what layer ``j`` keeps (its activations and
     context copies; its input when checkpointed whole; less the level's share for ``mlp`` /
     ``mlp_act``) and ``F(l)`` the temporaries a layer at level ``l`` holds beyond what it keeps
     (``forward_full`` / ``forward_mlp`` / ``forward_mlp_act``; the profile's
@@ -25,8 +25,8 @@ backward
     last layer first: ``max_j (kept_0 + ... + kept_j + rebuilt_j + T * G)``, the layers after
     ``j`` already freed; ``rebuilt_j`` is what the level recomputes (the whole layer's activations
     and context copies, the MLP's share, the ``act(g) * u`` share) and ``G`` one layer's gradient
-    temporaries (``backward``); on the last stage first the loss phase (a chunk's logits and
-    log-softmax recomputed, their gradients: ``LOSS_LOGITS_COPIES``).
+    temporaries (``backward``); on the last stage first the loss phase (a chunk's logits, turned
+    into their gradient in place: :meth:`StageActivations.loss_chunk_bytes`).
 
 plus the unit's input and output (``2 * hidden`` per token) and the stage's rotary cos/sin of
 its tokens (``2 * head_dim``) throughout; with context, a checkpointed layer's forward also holds
@@ -93,9 +93,9 @@ class WorkingMemory:
         self.offload = offload
         """Whether host-level layers may occur (the host tier is on): :meth:`bound` covers them."""
 
-    def _logits(self, stage: int, tokens: int, backward: bool) -> float:
+    def _logits(self, stage: int, tokens: int) -> float:
         c = self.acts
-        return c.loss_chunk_bytes(tokens, backward) if stage == c.pp_degree - 1 else 0.0
+        return c.loss_chunk_bytes(tokens) if stage == c.pp_degree - 1 else 0.0
 
     def _mask_bytes(self, segments: Sequence[Segment]) -> float:
         """The explicit masks of the unit's segments with context (part of the context bytes)."""
@@ -162,9 +162,9 @@ class WorkingMemory:
                 peak = max(peak, prefix + k + fwd)
                 prefix += k
             if last:
-                peak = max(peak, total + self._logits(stage, t, False))
+                peak = max(peak, total + self._logits(stage, t))
         else:
-            peak = total + self._logits(stage, t, True) if last else 0.0
+            peak = total + self._logits(stage, t) if last else 0.0
             suffix = kept
             for k, _, rebuilt in reversed(layers):
                 peak = max(peak, suffix + rebuilt + grads)
@@ -188,9 +188,9 @@ class WorkingMemory:
         held = h + self.levels.keep_attn_bytes_per_token if self.offload else 0.0
         if backward:
             rebuilt = max(t * (a - h + held) + ctx, t * max(self.level_saved.values()))
-            worst = max(self._logits(stage, t, True), rebuilt + t * self.gradients)
+            worst = max(self._logits(stage, t), rebuilt + t * self.gradients)
         else:
-            worst = max(self._logits(stage, t, False), t * max(max(self.forward.values()), self.forward[FULL] + held) + ctx)
+            worst = max(self._logits(stage, t), t * max(max(self.forward.values()), self.forward[FULL] + held) + ctx)
         return worst + self._unit_extra(t)
 
     def pipeline_buffers(self, stage: int, forward: np.ndarray, tokens: np.ndarray,

@@ -5,8 +5,13 @@ chunks of ``loss_chunk_tokens`` label tokens, each under activation checkpointin
 logits exist only while that chunk runs (forward, and again in its backward).  Only tokens with a
 label (!= -100) go through the head at all, which also skips the last token of every sequence.
 The sum of token losses is divided by the step's *global* label-token count, so every split,
-packing, pipeline and DP replica adds up to the unsplit model's mean token loss.  Half-precision
-logits are upcast to float32 for the softmax, as HF's loss does; float64 stays float64.
+packing, pipeline and DP replica adds up to the unsplit model's mean token loss.
+
+The cross-entropy on a chunk's logits is fused (:class:`LogitsCrossEntropySum`): its forward
+reads the logits ``LOSS_BLOCK_ROWS`` rows at a time (half precision upcast to float32 a block at a
+time, as HF's loss upcasts; float64 stays float64) and its backward turns the logits, in place,
+into their gradient ``softmax - target``, so a chunk holds its logits once plus one float32 block,
+not the logits, their log-softmax and two gradients autograd's ``cross_entropy`` holds.
 
 Label smoothing is ``cross_entropy(label_smoothing=x)`` per token, which is exactly HF's
 ``LabelSmoother`` term by term: ``(1 - x) * nll + x * mean over the vocabulary of -log p``; summed
@@ -15,17 +20,65 @@ and divided by the same global label count, it stays exact under every split.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+LOSS_BLOCK_ROWS = 1024
+"""Rows of a chunk's logits the fused cross-entropy works on at a time (one float32 block)."""
+
+
+def _block_loss_sum(z: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """The cross-entropy sum of one block of logits, through one float32 (or float64) copy of it."""
+    work = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z.clone()
+    target = work.gather(1, labels[:, None]).squeeze(1)
+    mean = work.mean(-1) if label_smoothing else None
+    top = work.amax(-1)
+    lse = work.sub_(top[:, None]).exp_().sum(-1).log_() + top
+    if label_smoothing:
+        return ((1 - label_smoothing) * (lse - target) + label_smoothing * (lse - mean)).sum()
+    return (lse - target).sum()
+
+
+def _block_gradient_(z: torch.Tensor, labels: torch.Tensor, label_smoothing: float, scale: torch.Tensor) -> None:
+    """Overwrite one block of logits with ``scale * (softmax - target)``, the gradient of
+    :func:`_block_loss_sum` (half precision through one float32 copy of the block)."""
+    p = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+    p.sub_(p.amax(-1, keepdim=True)).exp_()
+    p.div_(p.sum(-1, keepdim=True))
+    if label_smoothing:
+        p.sub_(label_smoothing / p.shape[-1])
+    p.scatter_add_(1, labels[:, None], torch.full((p.shape[0], 1), label_smoothing - 1.0, dtype=p.dtype,
+                                                   device=p.device))
+    p.mul_(scale.to(p.dtype))
+    if p is not z:
+        z.copy_(p)
+
+
+class LogitsCrossEntropySum(torch.autograd.Function):
+    """``cross_entropy(logits, labels, reduction="sum", label_smoothing=x)``, with a backward that
+    overwrites the saved logits with their gradient (nothing else may need them: the LM head's
+    backward reads its input and weight, not its output)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+        total = sum(_block_loss_sum(logits[a:a + LOSS_BLOCK_ROWS], labels[a:a + LOSS_BLOCK_ROWS], label_smoothing)
+                    for a in range(0, logits.shape[0], LOSS_BLOCK_ROWS))
+        ctx.save_for_backward(logits, labels)
+        ctx.label_smoothing = label_smoothing
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        logits, labels = ctx.saved_tensors
+        for a in range(0, logits.shape[0], LOSS_BLOCK_ROWS):
+            _block_gradient_(logits[a:a + LOSS_BLOCK_ROWS], labels[a:a + LOSS_BLOCK_ROWS], ctx.label_smoothing,
+                             grad_total)
+        return logits, None, None
 
 
 def _chunk_ce_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                   label_smoothing: float = 0.0) -> torch.Tensor:
-    logits = lm_head(hidden)
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    return F.cross_entropy(logits, labels, reduction="sum", label_smoothing=label_smoothing)
+    return LogitsCrossEntropySum.apply(lm_head(hidden), labels, label_smoothing)
 
 
 def chunked_lm_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,

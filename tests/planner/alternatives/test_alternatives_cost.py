@@ -132,11 +132,12 @@ def test_memory_peak_and_least_checkpointing_by_hand():
     cost = flat(2)
     static = cost.states.static_bytes
 
-    def peak(c, t=3000):  # activations kept + the backward's working set + 3 fp32 logits chunks
+    def peak(c, t=3000):  # activations kept + the backward's working set + the loss chunk
         # The final RMSNorm keeps its fp32 input (2 bf16 hidden vectors) and its output (1), the
         # chunked head its input (1).
         kept = t * ((LAYERS - c) * ACT + c * H_BYTES + 4 * H_BYTES)
-        work = t * (WORK + 2 * H_BYTES + ACT * (2 if c else 1)) + t * 100 * 4 * 3
+        # The loss chunk: its bf16 logits and one float32 block of 1024 rows (the fused cross-entropy).
+        work = t * (WORK + 2 * H_BYTES + ACT * (2 if c else 1)) + 100 * (2 * t + 4 * 1024)
         return static + kept + work
 
     group = cost.group("ulysses", 1)

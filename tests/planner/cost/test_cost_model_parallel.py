@@ -34,8 +34,10 @@ def test_sp1_unsharded_numbers_are_unchanged():
     assert c.compute.transfer_time(8192) == 0.00069108864
     assert c.acts.static_bytes(0) == 28002222080.0
     assert c.acts.kv_bytes(1, 5000) == 1310720000
-    # Plus a third float32 logits chunk alive in the loss's backward (LOSS_LOGITS_COPIES), added since.
-    assert c.acts.working_bytes(3, 9000, 1, True) == 4758317419.642857 + 4096 * 32000 * 4
+    # The loss chunk, since: its logits in bf16 and one float32 block (the fused cross-entropy),
+    # where two float32 copies of the logits were: 4758317419.642857 - 2 * 4096 * 32000 * 4
+    # + 32000 * (4096 * 2 + 1024 * 4).
+    assert c.acts.working_bytes(3, 9000, 1, True) == 4102957419.642857
     assert c.compute.gradient_sync_time(0, 1.0) == 0.0
 
 
@@ -154,8 +156,8 @@ def test_memory_per_gpu_divides_by_sp_with_ceil():
     seg = [Segment(0, 3000, 4000)]
     assert four.acts.context_bytes_per_layer(seg) == one.acts.context_bytes_per_layer(seg) / 4
     # The loss's logits chunk is per GPU token too, up to loss_chunk_tokens (4096 > 9000 / 4).
-    loss_four, loss_one = four.acts.loss_chunk_bytes(2250, True), one.acts.loss_chunk_bytes(9000, True)
-    assert loss_four == one.acts.loss_chunk_bytes(2250, True) and loss_one == 4096 * 32000 * 12
+    loss_four, loss_one = four.acts.loss_chunk_bytes(2250), one.acts.loss_chunk_bytes(9000)
+    assert loss_four == one.acts.loss_chunk_bytes(2250) and loss_one == 32000 * (4096 * 2 + 1024 * 4)
     assert four.acts.working_bytes(3, 9000, 1, True) - loss_four < (one.acts.working_bytes(3, 9000, 1, True) - loss_one) / 3
     # Model states are not divided by SP (unsharded).
     assert four.acts.static_bytes(1) == one.acts.static_bytes(1)

@@ -100,12 +100,12 @@ def test_without_a_host_tier_the_no_fit_message_names_host_memory():
 
 
 def test_one_sequence_feasibility_tries_each_gradient_reduce_mode():
-    """Llama-3.1-8B at pp 1 x sp 8 shard sp with a host tier: 3.3M tokens fit only with gradients
+    """Llama-3.1-8B at pp 1 x sp 8 shard sp with a host tier: 3.4M tokens fit only with gradients
     reduced per unit, which ``plan_step`` plans; the length search's feasibility must agree."""
     spec = dataclasses.replace(ModelSpec.from_json_file(config_path("llama3.1-8b")), max_position_embeddings=1 << 25)
     lay = ParallelDims(1, 8, 1, "sp", gpus_per_node=8)
     cost = CostModel(spec, None, lay, memory_budget_bytes=71.6 * GIB, host_budget_bytes=256 * GIB)
-    n, options = 3_276_800, PlanOptions()
+    n, options = 3_440_640, PlanOptions()
     assert not candidates_fit([n], cost, PlanOptions(grad_reduce="step"))  # reduced at the step's end: no plan
     assert plan_step([n], spec, lay, options, cost=cost).feasible
     assert candidates_fit([n], cost, options)
