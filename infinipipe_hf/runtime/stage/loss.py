@@ -10,7 +10,8 @@ packing, pipeline and DP replica adds up to the unsplit model's mean token loss.
 The cross-entropy on a chunk's logits is fused (:class:`LogitsCrossEntropySum`): its forward
 reads the logits ``LOSS_BLOCK_ROWS`` rows at a time (half precision upcast to float32 a block at a
 time, as HF's loss upcasts; float64 stays float64) and its backward turns the logits, in place,
-into their gradient ``softmax - target``, so a chunk holds its logits once plus one float32 block,
+into their gradient ``softmax - target`` (the softmax from the forward's log-sum-exp, which the
+checkpoint's recompute gives the backward), so a chunk holds its logits once plus one float32 block,
 not the logits, their log-softmax and two gradients autograd's ``cross_entropy`` holds.
 
 Label smoothing is ``cross_entropy(label_smoothing=x)`` per token, which is exactly HF's
@@ -27,24 +28,29 @@ LOSS_BLOCK_ROWS = 1024
 """Rows of a chunk's logits the fused cross-entropy works on at a time (one float32 block)."""
 
 
-def _block_loss_sum(z: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    """The cross-entropy sum of one block of logits, through one float32 (or float64) copy of it."""
-    work = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z.clone()
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _block_loss_sum(z: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy sum of one block of logits and its rows' log-sum-exp, through one float32
+    (or float64) copy of the block."""
+    work = z.float() if z.dtype in _HALF else z.clone()
     target = work.gather(1, labels[:, None]).squeeze(1)
     mean = work.mean(-1) if label_smoothing else None
     top = work.amax(-1)
     lse = work.sub_(top[:, None]).exp_().sum(-1).log_() + top
     if label_smoothing:
-        return ((1 - label_smoothing) * (lse - target) + label_smoothing * (lse - mean)).sum()
-    return (lse - target).sum()
+        return ((1 - label_smoothing) * (lse - target) + label_smoothing * (lse - mean)).sum(), lse
+    return (lse - target).sum(), lse
 
 
-def _block_gradient_(z: torch.Tensor, labels: torch.Tensor, label_smoothing: float, scale: torch.Tensor) -> None:
+def _block_gradient_(z: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
+                     scale: torch.Tensor) -> None:
     """Overwrite one block of logits with ``scale * (softmax - target)``, the gradient of
-    :func:`_block_loss_sum` (half precision through one float32 copy of the block)."""
-    p = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
-    p.sub_(p.amax(-1, keepdim=True)).exp_()
-    p.div_(p.sum(-1, keepdim=True))
+    :func:`_block_loss_sum`, the softmax from the forward's log-sum-exp ``lse`` (half precision
+    through one float32 copy of the block)."""
+    p = z.float() if z.dtype in _HALF else z
+    p.sub_(lse[:, None]).exp_()
     if label_smoothing:
         p.sub_(label_smoothing / p.shape[-1])
     p.scatter_add_(1, labels[:, None], torch.full((p.shape[0], 1), label_smoothing - 1.0, dtype=p.dtype,
@@ -61,18 +67,18 @@ class LogitsCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-        total = sum(_block_loss_sum(logits[a:a + LOSS_BLOCK_ROWS], labels[a:a + LOSS_BLOCK_ROWS], label_smoothing)
-                    for a in range(0, logits.shape[0], LOSS_BLOCK_ROWS))
-        ctx.save_for_backward(logits, labels)
+        parts = [_block_loss_sum(logits[a:a + LOSS_BLOCK_ROWS], labels[a:a + LOSS_BLOCK_ROWS], label_smoothing)
+                 for a in range(0, logits.shape[0], LOSS_BLOCK_ROWS)]
+        ctx.save_for_backward(logits, labels, torch.cat([lse for _, lse in parts]))
         ctx.label_smoothing = label_smoothing
-        return total
+        return sum(total for total, _ in parts)
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        logits, labels = ctx.saved_tensors
+        logits, labels, lse = ctx.saved_tensors
         for a in range(0, logits.shape[0], LOSS_BLOCK_ROWS):
-            _block_gradient_(logits[a:a + LOSS_BLOCK_ROWS], labels[a:a + LOSS_BLOCK_ROWS], ctx.label_smoothing,
-                             grad_total)
+            rows = slice(a, a + LOSS_BLOCK_ROWS)
+            _block_gradient_(logits[rows], lse[rows], labels[rows], ctx.label_smoothing, grad_total)
         return logits, None, None
 
 
