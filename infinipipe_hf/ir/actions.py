@@ -6,8 +6,9 @@ printed, diffed and parsed back: ``Action.parse(str(a)) == a``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from functools import lru_cache
 from typing import Iterable
 
 _ACTION_RE = re.compile(r"^\s*([FB])(\d+)\s*$")
@@ -31,6 +32,8 @@ class Action:
     kind: ActionKind
     """An :class:`ActionKind` (its letter ``"F"`` / ``"B"`` is accepted)."""
     unit: int
+    is_forward: bool = field(init=False, repr=False, compare=False)
+    """Whether ``kind`` is the forward (kept as a plain attribute: the planner asks millions of times)."""
 
     def __post_init__(self) -> None:
         if self.kind.__class__ is not ActionKind:  # the letter given: typed here, once
@@ -40,13 +43,10 @@ class Action:
                 raise ValueError(f"action kind must be F or B, got {self.kind!r}") from None
         if self.unit < 0:
             raise ValueError(f"unit id must be >= 0, got {self.unit!r}")
+        object.__setattr__(self, "is_forward", self.kind is ActionKind.FORWARD)
 
     def __str__(self) -> str:
         return f"{self.kind.value}{self.unit}"
-
-    @property
-    def is_forward(self) -> bool:
-        return self.kind is ActionKind.FORWARD
 
     @staticmethod
     def parse(text: str) -> "Action":
@@ -56,12 +56,22 @@ class Action:
         return Action(ActionKind(m.group(1)), int(m.group(2)))
 
 
+@lru_cache(maxsize=1 << 16)
 def F(unit: int) -> Action:
+    """The forward of ``unit`` (one shared instance per unit: actions are immutable, and the
+    planner builds millions of them)."""
     return Action(ActionKind.FORWARD, unit)
 
 
+@lru_cache(maxsize=1 << 16)
 def B(unit: int) -> Action:
+    """The backward of ``unit`` (shared like :func:`F`'s)."""
     return Action(ActionKind.BACKWARD, unit)
+
+
+def like(action: Action, unit: int) -> Action:
+    """The action of the same kind as ``action`` on ``unit``."""
+    return F(unit) if action.is_forward else B(unit)
 
 
 def format_actions(actions: Iterable[Action]) -> str:

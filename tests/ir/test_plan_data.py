@@ -1,7 +1,7 @@
 """Plan, unit and action data: string and JSON round trips, classification, errors."""
 import pytest
 
-from infinipipe_hf.ir.actions import Action, B, F, format_actions, parse_actions
+from infinipipe_hf.ir.actions import Action, ActionKind, B, F, format_actions, like, parse_actions
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment, Unit, UnitKind
 
@@ -12,6 +12,18 @@ def test_action_string_round_trip():
     assert parse_actions(format_actions(acts)) == acts
     for a in acts:
         assert Action.parse(str(a)) == a
+
+
+def test_actions_are_shared_values():
+    """``F``/``B`` hand out one instance per unit; an action equals, hashes and copies as its
+    kind and unit alone, and knows whether it is a forward however it was built."""
+    assert F(7) is F(7) and B(7) is B(7) and F(7) != B(7)
+    assert F(7) == Action("F", 7) == Action(ActionKind.FORWARD, 7) and hash(F(7)) == hash(Action("F", 7))
+    assert F(7).is_forward and Action("F", 7).is_forward and not Action("B", 7).is_forward
+    assert like(B(1), 9) is B(9) and like(F(1), 9) is F(9)
+    assert repr(F(7)) == "Action(kind=<ActionKind.FORWARD: 'F'>, unit=7)"
+    with pytest.raises(ValueError, match="unit id must be >= 0"):
+        F(-1)
 
 
 @pytest.mark.parametrize("bad", ["X1", "F", "Fx", "1F0", "", "F-1"])

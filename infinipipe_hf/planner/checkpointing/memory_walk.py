@@ -56,17 +56,6 @@ def phase_model(cost: CostModel):
     return getattr(cost, "working", None)
 
 
-def working_correction(cost: CostModel, stage: int, segments, full: int,
-                       finer: Mapping[str, int] | None) -> tuple[float, float]:
-    """(forward, backward): the phase model's working bytes of a unit at this mix minus its bound."""
-    w = cost.working
-    tokens = sum(s.end - s.start for s in segments)
-    ctx = cost.acts.context_bytes_per_layer(segments)
-    mix = CheckpointMix.of(full, finer)
-    return (w.excess(stage, segments, mix, False) - w.bound(stage, tokens, ctx, False),
-            w.excess(stage, segments, mix, True) - w.bound(stage, tokens, ctx, True))
-
-
 @dataclass(eq=False)
 class StageTimeline:
     """Array form of one stage's memory points (see the module docstring); built by :func:`stage_timeline`."""
@@ -155,8 +144,8 @@ class StageTimeline:
         levels = checkpoint_levels or {}
         corr = np.zeros((len(self.units), 2))
         for k, u in enumerate(self.units.tolist()):
-            corr[k] = working_correction(self.slot_costs.get(k, cost), stage, self.segments[k],
-                                         checkpoint_layers.get(u, 0), levels.get(u))
+            corr[k] = self.slot_costs.get(k, cost).working.correction(stage, self.segments[k],
+                                                                      checkpoint_layers.get(u, 0), levels.get(u))
         return np.where(self.forward, corr[self.slot, 0], corr[self.slot, 1])
 
     def peak(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
@@ -225,7 +214,7 @@ def _unit_facts(plan: Plan, base_cost: CostModel, stage: int, units: np.ndarray,
     unit id -> these facts on this stage, shared by the rank views of one plan)."""
     by_id = plan.unit_by_id
     nu = len(units)
-    facts = _UnitFacts(np.zeros(nu, dtype=np.int64), [[] for _ in range(nu)], [[] for _ in range(nu)],
+    facts = _UnitFacts(np.zeros(nu, dtype=np.int64), [None] * nu, [None] * nu,
                        np.empty(nu), np.empty(nu), {}, [])
     for k, u in enumerate(units.tolist()):
         one = cache.get(u) if cache is not None else None
@@ -234,7 +223,7 @@ def _unit_facts(plan: Plan, base_cost: CostModel, stage: int, units: np.ndarray,
             if unit is None:
                 raise ValueError(f"stage {stage} runs unit {u}, which is not among the plan's units "
                                  f"{sorted(by_id)[:10]}...; build actions from plan.units")
-            one = _one_unit(unit, groups.get(u, base_cost), stage, plan)
+            one = _memoized_unit(unit, groups.get(u, base_cost), stage, plan)
             if cache is not None:
                 cache[u] = one
         extra, facts.kv_adds[k], facts.frees[k], facts.tokens[k], facts.work_f[k], facts.work_b[k], segs = one
@@ -242,6 +231,20 @@ def _unit_facts(plan: Plan, base_cost: CostModel, stage: int, units: np.ndarray,
             facts.context_bytes[k] = extra
         facts.segments.append(segs)
     return facts
+
+
+def _memoized_unit(unit, cost: CostModel, stage: int, plan: Plan) -> tuple:
+    """:func:`_one_unit` through ``cost.unit_memo`` (none on stand-in costs), keyed by what the facts
+    depend on beside the cost: the stage, the segments, which of them continue, the unit's tiles."""
+    memo, segments = getattr(cost, "unit_memo", None), unit.segments
+    if memo is None:
+        return _one_unit(unit, cost, stage, plan)
+    key = (stage, segments, tuple(s.end < plan.sequences[s.seq] for s in segments),
+           plan.mlp_tile_tokens.get(unit.id), plan.attention_tile_tokens.get(unit.id))
+    one = memo.get(key)
+    if one is None:
+        one = memo[key] = _one_unit(unit, cost, stage, plan)
+    return one
 
 
 def _one_unit(unit, cost: CostModel, stage: int, plan: Plan) -> tuple:

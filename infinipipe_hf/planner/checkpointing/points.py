@@ -9,8 +9,7 @@ of live activations.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import has_sub_groups, rank_classes, rank_view
@@ -20,14 +19,13 @@ from infinipipe_hf.planner.checkpointing.memory_walk import (
     finer_bytes,
     phase_model,
     stage_timeline,
-    working_correction,
 )
 from infinipipe_hf.planner.cost.model import CostModel, unit_cost_map
 
 
-@dataclass(frozen=True)
-class MemoryPoint:
-    """Memory of one stage at the peak of one of its actions."""
+class MemoryPoint(NamedTuple):
+    """Memory of one stage at the peak of one of its actions (a named tuple: the planner builds
+    one per action of every stage it walks)."""
 
     action_index: int
     """Index into ``plan.stage_actions(dp_rank, stage)``."""
@@ -86,8 +84,8 @@ def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
     total = point.base_bytes
     if phase_model(cost) is not None and point.running_unit is not None:
         u = point.running_unit
-        total += working_correction(groups.get(u, cost), stage, by_id[u].segments, checkpoint_layers.get(u, 0),
-                                     levels.get(u))[0 if point.forward else 1]
+        total += groups.get(u, cost).working.correction(stage, by_id[u].segments, checkpoint_layers.get(u, 0),
+                                                        levels.get(u))[0 if point.forward else 1]
     for uid in point.live_units:
         segs = by_id[uid].segments
         c = groups.get(uid, cost)
@@ -146,8 +144,8 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
             live_sum += act[a.unit]
         base = p.base_bytes
         if phase_model(cost) is not None:
-            base += working_correction(c, stage, by_id[a.unit].segments, checkpoint_layers.get(a.unit, 0),
-                                        levels.get(a.unit))[0 if a.is_forward else 1]
+            base += c.working.correction(stage, by_id[a.unit].segments, checkpoint_layers.get(a.unit, 0),
+                                         levels.get(a.unit))[0 if a.is_forward else 1]
         peak = max(peak, base + live_sum)
         if not a.is_forward:
             live_sum -= act.pop(a.unit)

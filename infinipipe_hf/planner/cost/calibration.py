@@ -97,11 +97,24 @@ def overlapped(compute_s: float, gathers: Sequence[float], reduces: Sequence[flo
     ``first + max(compute, rest) + last``.  Calibrated, the overlapped span ``min(compute, rest)``
     costs an extra ``(1 - collective_overlap + nccl_compute_slowdown)`` of itself.
     """
+    return overlapped_with(compute_s, overlap_terms(gathers, reduces, calibration))
+
+
+def overlap_terms(gathers: Sequence[float], reduces: Sequence[float] = (),
+                  calibration: Calibration | None = None) -> tuple[float, float, float | None, float]:
+    """What :func:`overlapped` needs of the collectives, for a caller that prices many actions
+    beside the same ones: (first gather, all of them, last reduce-scatter or None, overlap factor)."""
     c = calibration or Calibration()
     comm = sum(gathers) + sum(reduces) if reduces else sum(gathers)
     first = max(gathers) if gathers else 0.0
-    extra = (1.0 - c.collective_overlap + c.nccl_compute_slowdown) * min(compute_s, comm)
-    t = first + max(compute_s, comm) + max(reduces) if reduces else first + max(compute_s, comm)
+    return first, comm, max(reduces) if reduces else None, 1.0 - c.collective_overlap + c.nccl_compute_slowdown
+
+
+def overlapped_with(compute_s: float, terms: tuple[float, float, float | None, float]) -> float:
+    """:func:`overlapped` of ``compute_s`` beside collectives given by :func:`overlap_terms`."""
+    first, comm, last, factor = terms
+    extra = factor * min(compute_s, comm)
+    t = first + max(compute_s, comm) + last if last is not None else first + max(compute_s, comm)
     return t + extra if extra else t  # the ideal machine adds nothing, not even a rounding
 
 

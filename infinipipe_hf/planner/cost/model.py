@@ -88,6 +88,24 @@ def stage_part(build: Callable[[StageContext, "CostModel"], object]) -> cached_p
     return cached_property(lambda cost: build(cost.ctx, cost))
 
 
+class UnitMemo(dict):
+    """A bounded memo of per-unit facts: emptied when it reaches ``UNIT_MEMO_LIMIT`` entries (a
+    cost model that plans batch after batch would otherwise keep every unit it saw), and pickled
+    empty (a cost model sent to a worker process)."""
+
+    def __setitem__(self, key, value) -> None:
+        if len(self) >= UNIT_MEMO_LIMIT:
+            self.clear()
+        super().__setitem__(key, value)
+
+    def __reduce__(self):
+        return (UnitMemo, ())
+
+
+UNIT_MEMO_LIMIT = 200_000
+"""Most entries a :class:`UnitMemo` keeps."""
+
+
 def unit_cost_map(plan, cost: "CostModel") -> dict:
     """Unit id -> the cost of the SP sub-group it runs on, for the units of ``plan`` that run on a
     sub-group (:meth:`CostModel.for_group`); empty when every unit runs on the whole SP group."""
@@ -112,6 +130,9 @@ class CostModel:
     working = stage_part(WorkingMemory.from_stage)
     host = stage_part(HostTierCost.from_stage)
     state_host = stage_part(StateHostCost.from_stage)
+    unit_memo = cached_property(lambda cost: UnitMemo())
+    """Facts of units on this cost's stages the planner's memory walk asks for repeatedly
+    (:func:`~infinipipe_hf.planner.checkpointing.memory_walk._memoized_unit`)."""
 
     def __init__(self, spec: ModelSpec, profile: HardwareProfile | None = None, dims: ParallelDims | None = None,
                  *, layers_per_stage=None, memory_budget_bytes: float | None = None, loss_chunk_tokens: int = 4096,

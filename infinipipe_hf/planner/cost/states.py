@@ -57,13 +57,14 @@ Shard groups that span DP replicas fetch and gather once per step instead.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims, StateOffload
-from infinipipe_hf.planner.cost.calibration import overlapped
+from infinipipe_hf.planner.cost.calibration import overlap_terms, overlapped_with
 from infinipipe_hf.planner.cost.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
 from infinipipe_hf.planner.cost.profile import HardwareProfile
 
@@ -216,6 +217,7 @@ class ShardedStates:
                              f"per step) or 'unit' (after every backward)")
         self.grad_reduce = grad_reduce
         self._peak: dict[int, float] = {}
+        self._overlap_terms: dict[tuple[int, bool], tuple] = {}
         self.dims = dims
         self.precision = precision or StatePrecision.from_profile(profile)
         self.calibration = profile.calibration
@@ -315,14 +317,24 @@ class ShardedStates:
         accumulated = sum(numel) * p.reduce_bytes_per_param  # unsharded gradients until the reduction
         return sum(shard) * p.kept_bytes_per_param(self.offload) + accumulated + working
 
+    def without_host_copies(self) -> "ShardedStates":
+        """A copy whose action chains hold the gathers and reductions alone (no ``states`` host copies)."""
+        bare = copy.copy(self)
+        bare.action_gathers, bare.action_reduces, bare._overlap_terms = self.gather_s, self.reduce_s, {}
+        return bare
+
     def overlapped(self, stage_index: int, compute_s: float, backward: bool = False) -> float:
         """An action's time when its ``compute_s`` overlaps the stage's all-gathers (and, reducing
         per unit, a backward's reduce-scatters; with ``states`` offload the host copies too);
         :attr:`gathered` stages only."""
         if self.gathers_per_step:
             return compute_s  # gathered once when the step starts (gradient_sync_time counts it)
-        reduces = self.action_reduces[stage_index] if backward and self.reduces_per_unit else ()
-        return overlapped(compute_s, self.action_gathers[stage_index], reduces, self.calibration)
+        key = (stage_index, backward and self.reduces_per_unit)
+        terms = self._overlap_terms.get(key)
+        if terms is None:  # the same collectives for every action of the stage: summed once
+            terms = self._overlap_terms[key] = overlap_terms(
+                self.action_gathers[stage_index], self.action_reduces[stage_index] if key[1] else (), self.calibration)
+        return overlapped_with(compute_s, terms)
 
     def gradient_sync_time(self, stage_index: int, last_backward_s: float) -> float:
         """Exposed seconds of the step's gradient reduction after the stage's last backward (and,

@@ -141,6 +141,16 @@ class WorkingMemory:
         c = self.acts
         return tokens * (2 * c.hidden_bytes_per_token + 2 * c.spec.head_dim * c.profile.bytes_per_element)
 
+    def correction(self, stage: int, segments: Sequence[Segment], full: int,
+                   finer: dict[str, int] | None) -> tuple[float, float]:
+        """(forward, backward): a unit's working bytes at ``full`` whole layers and the ``finer``
+        levels less the bound a stage's base counts for it (:meth:`bound`; <= 0)."""
+        tokens = sum(s.end - s.start for s in segments)
+        ctx = self.acts.context_bytes_per_layer(segments)
+        mix = CheckpointMix.of(full, finer)
+        return (self.excess(stage, segments, mix, False) - self.bound(stage, tokens, ctx, False),
+                self.excess(stage, segments, mix, True) - self.bound(stage, tokens, ctx, True))
+
     def excess(self, stage: int, segments: Sequence[Segment], mix: CheckpointMix, backward: bool,
                mlp_tile_tokens: int | None = None) -> float:
         """Peak bytes of the unit's action beyond what the unit keeps (its activations); with

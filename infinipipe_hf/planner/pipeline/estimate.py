@@ -49,6 +49,7 @@ class PipelineEstimator:
         self.total_prefix = np.concatenate([[0.0], np.cumsum(totals)])
         self.stages = sorted({0, pp - 1})
         self.per_stage = {}
+        self._per_stage_lists = {}
         for st in self.stages:
             layers = cost.num_layers(st)
             act = each(lambda c, u, sh: c.acts.unit_activation_bytes(st, u.segments, 0))
@@ -61,6 +62,7 @@ class PipelineEstimator:
                 np.concatenate([[0.0], np.cumsum(act)]), np.concatenate([[0.0], np.cumsum(kv)]),
                 np.concatenate([[0.0], np.cumsum(save)]), np.concatenate([[0.0], np.cumsum(redo)]),
                 np.asarray(work), cost.acts.static_bytes(st) - SAFETY * cost.memory_budget_bytes)
+            self._per_stage_lists[st] = tuple(x.tolist() for x in self.per_stage[st][:5])
         self._chain_start_arr = np.asarray(self.chain_start)
 
     def time_of_ids(self, ids: Sequence[int]) -> float:
@@ -87,6 +89,8 @@ class PipelineEstimator:
         return steady + fill_drain + recompute
 
     def _window_recompute(self, a: int, b: int, stage: int, width: int) -> float:
+        if b - a - width < SMALL_WINDOW_COUNT:
+            return self._few_windows_recompute(a, b, stage, width)
         act, kv, save, redo, work, fixed = self.per_stage[stage]
         ends = np.arange(a + width, b + 1)
         starts = ends - width
@@ -102,6 +106,34 @@ class PipelineEstimator:
         # Windows overlap: the worst one, spread over the pipeline's length, approximates the
         # recompute on the critical path.
         return worst * (b - a) / width
+
+
+    def _few_windows_recompute(self, a: int, b: int, stage: int, width: int) -> float:
+        """:meth:`_window_recompute` in plain floats, the same operations in the same order: a
+        few windows cost less this way than in numpy's per-call overhead."""
+        act, kv, save, redo, work = self._per_stage_lists[stage]
+        fixed = self.per_stage[stage][5]
+        chain_start = self.chain_start
+        worst = None
+        for end in range(a + width, b + 1):
+            start = end - width
+            excess = fixed + (act[end] - act[start]) + (kv[end] - kv[max(chain_start[start], a)]) + work[end - 1]
+            if not excess > 0:
+                continue
+            saved = save[end] - save[start]
+            if excess > saved:
+                return math.inf
+            value = excess * (redo[end] - redo[start]) / saved
+            if worst is None or value > worst:
+                worst = value
+        if worst is None:
+            return 0.0
+        return worst * (b - a) / width
+
+
+SMALL_WINDOW_COUNT = 32
+"""Up to this many windows the estimate prices them in plain floats (:meth:`PipelineEstimator.
+_few_windows_recompute`), beyond it with numpy arrays."""
 
 
 class _Each:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, NamedTuple, Sequence
 
-from infinipipe_hf.ir.actions import Action
+from infinipipe_hf.ir.actions import Action, like
 from infinipipe_hf.ir.units import Unit
 from infinipipe_hf.planner.batch.elastic import SlicingResult, make_elastic_units
 from infinipipe_hf.planner.batch.sub_groups import RoundedUnits, elastic_rounds
@@ -57,7 +57,7 @@ class RoundItems:
         tagged, stages = replica_actions(lengths, cost, pipelines, dp_rank, warmup)
         units = [replace(u, pipeline=item.pipeline, dp_rank=dp_rank) for item in tagged
                  for u in self.members[item.id]]
-        expanded = [[Action(a.kind, u.id) for a in acts for u in self.members[a.unit]] for acts in stages]
+        expanded = [[like(a, u.id) for a in acts for u in self.members[a.unit]] for acts in stages]
         return units, expanded
 
 

@@ -34,6 +34,7 @@ class ActionCosts:
         self.steps = steps
         self.group_fixed_s = profile.calibration.group_round_s / (2 * plan.pp_degree) if profile else 0.0
         self._kv_exposed: dict[tuple[int, int, bool], float] = {}
+        self._durations: dict[tuple[int, Action], float] = {}
 
     def _shape(self, uid: int) -> UnitShape:
         if uid not in self.shapes:
@@ -47,6 +48,15 @@ class ActionCosts:
         return self.unit_duration(stage, a)
 
     def unit_duration(self, stage: int, a: Action) -> float:
+        """The unit's compute on the stage (asked again for a round's events after the replay:
+        computed once per action)."""
+        key = (stage, a)
+        got = self._durations.get(key)
+        if got is None:
+            got = self._durations[key] = self._unit_duration(stage, a)
+        return got
+
+    def _unit_duration(self, stage: int, a: Action) -> float:
         shape = self._shape(a.unit)
         cost = self.groups.get(a.unit, self.cost)
         fixed = self.group_fixed_s if self.group_fixed_s and self.plan.sub_group(a.unit).size > 1 else 0.0

@@ -147,9 +147,7 @@ class CopyLane:
     def _bare_compute(self, cost):
         """``cost.compute`` over states whose action chains hold the gathers and reductions only."""
         if id(cost) not in self._bare:
-            states = copy.copy(cost.compute.states)
-            states.action_gathers, states.action_reduces = states.gather_s, states.reduce_s
             compute = copy.copy(cost.compute)
-            compute.states = states
+            compute.states = cost.compute.states.without_host_copies()
             self._bare[id(cost)] = compute
         return self._bare[id(cost)]

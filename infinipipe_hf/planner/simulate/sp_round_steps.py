@@ -14,7 +14,7 @@ the stage's ranks it holds, and memory is the busiest rank's (the rank views of
 """
 from __future__ import annotations
 
-from infinipipe_hf.ir.actions import Action
+from infinipipe_hf.ir.actions import Action, like
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import collapse_rounds, rank_classes, rank_view, round_of
 
@@ -29,22 +29,30 @@ class RoundSteps:
         """Round's first unit -> the round's units."""
         self.first = {u: plan.rounds[r][0] for u, r in rounds.items()}
         self.steps = {r: [collapse_rounds(acts, rounds) for acts in per_stage] for r, per_stage in plan.actions.items()}
-        self.lists = {r: [[Action(step[0].kind, self.first.get(step[0].unit, step[0].unit)) for step in stage]
+        self.lists = {r: [[like(step[0], self.first.get(step[0].unit, step[0].unit)) for step in stage]
                           for stage in per_stage] for r, per_stage in self.steps.items()}
         """The replayed lists: one action per step, named after its round's first unit."""
         self.views = [rank_view(plan, rank) for rank in rank_classes(plan)]
         self.share = {u: plan.sub_group(u).size / plan.sp_degree for u in plan.unit_by_id}
         """Share of a stage's SP ranks each unit runs on."""
+        self._member_actions: dict[Action, list[Action]] = {}
 
     def units(self, uid: int) -> list[int]:
         """The units a replayed action stands for (the round of ``uid``)."""
         return self.members.get(self.first.get(uid, uid), [uid])
 
+    def member_actions(self, a: Action) -> list[Action]:
+        """The actions of the units a replayed action stands for (built once per round and kind)."""
+        got = self._member_actions.get(a)
+        if got is None:
+            got = self._member_actions[a] = [like(a, u) for u in self.units(a.unit)]
+        return got
+
     def step_duration(self, unit_duration, stage: int, a: Action) -> float:
-        return max(unit_duration(stage, Action(a.kind, u)) for u in self.units(a.unit))
+        return max(unit_duration(stage, m) for m in self.member_actions(a))
 
     def step_transfer(self, unit_transfer, a: Action) -> float:
-        return max(unit_transfer(Action(a.kind, u)) for u in self.units(a.unit))
+        return max(unit_transfer(m) for m in self.member_actions(a))
 
     def unit_events(self, r: int, s: int, i: int, start: float, end: float, unit_duration):
         """``(action, start, end, share)`` of every unit of step ``i`` of stage ``s``, replica ``r``."""

@@ -237,3 +237,27 @@ def test_array_timeline_equals_definition_on_planned_steps(schedule):
         assert stage_peak_bytes(plan, cost, 0, s, ck) == pytest.approx(max(want), rel=1e-12)
         firsts, lasts = tl.windows()
         assert (firsts.tolist(), lasts.tolist()) == tuple(map(list, live_windows(pts, actions)))
+
+
+def test_unit_facts_memo_keys_what_the_facts_depend_on():
+    """A cost model memoizes each unit's facts per stage; a unit with the same segments in a batch
+    where they are no longer continued, or tiled otherwise, gets its own facts, so a warm memo
+    walks every plan to the same memory as a fresh cost model does."""
+    from infinipipe_hf.planner.checkpointing.memory_walk import stage_timeline
+    from tests.planner.hand_plans import epp_plan
+
+    def fresh():
+        return CostModel(SPEC, dims=ParallelDims(pp_degree=2), layers_per_stage=[2, 2], memory_budget_bytes=1e12)
+
+    warm = fresh()
+    # The same slices (0-2048, 2048-4096 of sequence 0) continue in the first batch, not the second.
+    plans = [epp_plan([6144, 1024, 512], 2, 2048, 2048), epp_plan([4096, 1024, 512], 2, 2048, 2048)]
+    for tile in ("mlp_tile_tokens", "attention_tile_tokens"):
+        plans.append(epp_plan([4096, 1024, 512], 2, 2048, 2048))
+        setattr(plans[-1], tile, {u.id: 256 for u in plans[-1].units})
+    for plan in plans:
+        for stage in (0, 1):
+            got, want = stage_timeline(plan, warm, 0, stage), stage_timeline(plan, fresh(), 0, stage)
+            assert got.base.tolist() == want.base.tolist()
+            assert got.context_bytes == want.context_bytes
+    assert len(warm.unit_memo) > 0

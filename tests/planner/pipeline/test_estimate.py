@@ -94,3 +94,25 @@ def test_memory_pressure_only_adds_time_and_too_little_memory_is_infinite():
     assert math.isinf(pipeline_time_estimate(units, starved, lengths))
     est = PipelineEstimator(units, roomy, lengths)
     assert est.time(0, len(units)) == free and est.time(3, 3) == 0.0
+
+
+@pytest.mark.parametrize("batch,budget_gib", [("slimpajama_like", 40), ("slimpajama_like", 50), ("short_only", 30)])
+def test_few_windows_in_plain_floats_equal_the_numpy_windows(batch, budget_gib, monkeypatch):
+    """The estimate prices a few windows in plain floats and many with numpy arrays: the same
+    operations in the same order, so every (run, stage, width) gets the identical value."""
+    from infinipipe_hf.planner.pipeline import estimate
+
+    cost = CostModel(SPEC, None, ParallelDims(4), memory_budget_bytes=budget_gib * GIB)
+    lengths = BATCHES[batch]
+    units = make_elastic_units(lengths, cost, 4).units
+    est = PipelineEstimator(units, cost, lengths)
+    n = len(units)
+    values = []
+    for mode in (10**9, 0):  # every window in floats, then every one in numpy
+        monkeypatch.setattr(estimate, "SMALL_WINDOW_COUNT", mode)
+        got = [est._window_recompute(a, b, st, w) for a in range(0, n, 3) for b in range(a + 1, min(n, a + 40) + 1)
+               for st in est.stages for w in {1, min(b - a, 3), b - a}]
+        values.append(got)
+    assert values[0] == values[1]
+    # Windows that fit with recompute and windows that cannot fit both occur.
+    assert any(0 < v < math.inf for v in values[0]) and any(math.isinf(v) for v in values[0])
