@@ -107,7 +107,6 @@ class PipelineEstimator:
         # recompute on the critical path.
         return worst * (b - a) / width
 
-
     def _few_windows_recompute(self, a: int, b: int, stage: int, width: int) -> float:
         """:meth:`_window_recompute` in plain floats, the same operations in the same order: a
         few windows cost less this way than in numpy's per-call overhead."""

@@ -34,7 +34,7 @@ class ActionCosts:
         self.steps = steps
         self.group_fixed_s = profile.calibration.group_round_s / (2 * plan.pp_degree) if profile else 0.0
         self._kv_exposed: dict[tuple[int, int, bool], float] = {}
-        self._durations: dict[tuple[int, Action], float] = {}
+        self._durations: dict[tuple[int, int, bool], float] = {}
 
     def _shape(self, uid: int) -> UnitShape:
         if uid not in self.shapes:
@@ -50,7 +50,7 @@ class ActionCosts:
     def unit_duration(self, stage: int, a: Action) -> float:
         """The unit's compute on the stage (asked again for a round's events after the replay:
         computed once per action)."""
-        key = (stage, a)
+        key = (stage, a.unit, a.is_forward)  # plain values: an Action hashes through its enum
         got = self._durations.get(key)
         if got is None:
             got = self._durations[key] = self._unit_duration(stage, a)

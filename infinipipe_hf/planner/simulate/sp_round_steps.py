@@ -35,7 +35,7 @@ class RoundSteps:
         self.views = [rank_view(plan, rank) for rank in rank_classes(plan)]
         self.share = {u: plan.sub_group(u).size / plan.sp_degree for u in plan.unit_by_id}
         """Share of a stage's SP ranks each unit runs on."""
-        self._member_actions: dict[Action, list[Action]] = {}
+        self._member_actions: dict[tuple[int, bool], list[Action]] = {}
 
     def units(self, uid: int) -> list[int]:
         """The units a replayed action stands for (the round of ``uid``)."""
@@ -43,9 +43,10 @@ class RoundSteps:
 
     def member_actions(self, a: Action) -> list[Action]:
         """The actions of the units a replayed action stands for (built once per round and kind)."""
-        got = self._member_actions.get(a)
+        key = (a.unit, a.is_forward)
+        got = self._member_actions.get(key)
         if got is None:
-            got = self._member_actions[a] = [like(a, u) for u in self.units(a.unit)]
+            got = self._member_actions[key] = [like(a, u) for u in self.units(a.unit)]
         return got
 
     def step_duration(self, unit_duration, stage: int, a: Action) -> float:
