@@ -11,8 +11,10 @@ recompute seconds, per independent block (a stage, with per-cell counts):
 2. the LP relaxation (HiGHS, :mod:`.lp`), rounded up, its chains closed and pruned greedily (``lp-rounding``),
    and -- without levels, where it is cheap, or when the LP fails -- the greedy; the better kept.
    Within ``mip_rel_gap`` of the LP bound it is returned (``milp``: proven near-optimal);
-3. otherwise ``scipy.optimize.milp`` (HiGHS) runs for the rest of ``time_limit_s``; its answer is
-   used when better, else the candidate (its name as method, the message says why).  The greedy
+3. otherwise, when ``time_limit_s > 0``, ``scipy.optimize.milp`` (HiGHS) runs for the rest of it;
+   its answer is used when better, else the candidate (its name as method, the message says why).
+   ``time_limit_s=0`` stops at step 2: no wall-clock limit decides anything, so the same plan comes
+   out on every machine (the planner's default, ``PlanOptions.solver_time_limit_s``).  The greedy
    is feasible whenever full checkpointing is, since every row only involves its own cells.
 
 ``greedy`` is step 1 plus the greedy only (no LP, no MILP): for the many trial plans of pipeline
@@ -126,6 +128,8 @@ def _adaptive(prob: ReplicaProblem, time_limit_s: float, gap: float) -> tuple[np
     assert best is not None and _fits(prob, prob.columns_from_vars(best))
     if rounded is not None and best_s - bound <= gap * best_s:
         return best, True, "milp", f"{name} is within {gap:g} of the LP bound"
+    if time_limit_s <= 0:
+        return best, True, name, ""  # no branch and bound asked for: reproducible
     if time.perf_counter() >= deadline:
         return best, True, name, f"{name} solution used (no time left for the MILP)"
     x, note = milp_counts(prob, deadline - time.perf_counter(), gap)
@@ -161,7 +165,7 @@ def _adaptive_blocks(prob: ReplicaProblem, time_limit_s: float, gap: float) -> t
     methods, notes, failed = [], [], []
     sizes = np.array([max(b.num_vars, 1) for b, _ in blocks], dtype=float)
     for i, (block, index) in enumerate(blocks):
-        left = max(deadline - time.perf_counter(), 1e-3) * sizes[i] / sizes[i:].sum()
+        left = max(deadline - time.perf_counter(), 1e-3) * sizes[i] / sizes[i:].sum() if time_limit_s > 0 else 0.0
         xb, ok, method, note = _adaptive(block, left, gap)
         x[index] = xb
         methods.append(method)
@@ -206,7 +210,7 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
     memory (the solution's ``offload_kv``; the plan is left as it was when that does not fit either).
     """
     levels = _check_arguments(plan, cost, policy, levels, sharing, time_limit_s, mip_rel_gap)
-    deadline = time.perf_counter() + time_limit_s
+    deadline = time.perf_counter() + time_limit_s if time_limit_s > 0 else 0.0  # 0.0: no branch and bound
     adaptive = policy in ("adaptive", "greedy")
     levels = levels if adaptive else ()  # static settings are whole layers (Megatron / Seq1F1B style)
     offload = adaptive and getattr(cost, "host_budget_bytes", 0.0) > 0
@@ -261,8 +265,9 @@ def _check_arguments(plan: Plan, cost: CostModel, policy: str, levels, sharing: 
     if plan.layers_per_stage and list(plan.layers_per_stage) != list(cost.layers_per_stage):
         raise ValueError(f"plan has layers_per_stage={plan.layers_per_stage} but the cost model "
                          f"{cost.layers_per_stage}; build the CostModel with the plan's layer split")
-    if time_limit_s <= 0 or not 0 <= mip_rel_gap < 1:
-        raise ValueError(f"need time_limit_s > 0 and 0 <= mip_rel_gap < 1, got {time_limit_s}, {mip_rel_gap}")
+    if time_limit_s < 0 or not 0 <= mip_rel_gap < 1:
+        raise ValueError(f"need time_limit_s >= 0 (0: no branch and bound) and 0 <= mip_rel_gap < 1, got "
+                         f"{time_limit_s}, {mip_rel_gap}")
     return levels
 
 
@@ -272,7 +277,7 @@ def _solved_cells(problems: list[ReplicaProblem], policy: str, deadline: float, 
     cells: list[np.ndarray] = []  # per replica: column values
     feasible, methods, messages = True, [], []
     for i, prob in enumerate(problems):
-        left = max(deadline - time.perf_counter(), 1e-3) / (len(problems) - i)
+        left = max(deadline - time.perf_counter(), 1e-3) / (len(problems) - i) if deadline else 0.0
         if policy == "greedy":
             x, ok, method, note = _greedy_only(prob)
         else:

@@ -209,7 +209,7 @@ def test_user_errors():
     with pytest.raises(ValueError, match="layers_per_stage"):
         solve_checkpointing(plan, cost)
     with pytest.raises(ValueError, match="time_limit_s"):
-        solve_checkpointing(plan, tiny_cost([2, 4]), time_limit_s=0)
+        solve_checkpointing(plan, tiny_cost([2, 4]), time_limit_s=-1.0)
 
 
 def test_dp_replicas_solved_separately():
@@ -261,6 +261,22 @@ def test_deterministic():
     cost = budget_between(plan, TINY, [2, 2, 2], 0.3)
     a, b = solve_checkpointing(plan, cost), solve_checkpointing(plan, cost)
     assert a.checkpoint_layers == b.checkpoint_layers and a.recompute_time_s == b.recompute_time_s
+
+
+def test_zero_time_limit_never_branches(monkeypatch):
+    """``time_limit_s=0`` (the planner's default) stops at the rounded LP and the greedy: no MILP,
+    so no wall-clock limit can change the answer; with a limit the MILP runs on the same problem."""
+    plan = big_plan(8)
+    cost = budget_between(plan, LLAMA8B, CostModel(LLAMA8B, dims=ParallelDims(pp_degree=8)).layers_per_stage, 0.3)
+    calls = []
+    real = lp.milp
+    monkeypatch.setattr(lp, "milp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a, b = solve_checkpointing(plan, cost, time_limit_s=0), solve_checkpointing(plan, cost, time_limit_s=0)
+    assert not calls and a.feasible and a.method in ("lp-rounding", "greedy", "milp")
+    assert a.checkpoint_layers == b.checkpoint_layers and a.checkpoint_levels == b.checkpoint_levels
+    assert max(peaks(plan, cost, lambda s: a.checkpoint_layers[s])) <= cost.memory_budget_bytes
+    timed = solve_checkpointing(plan, cost, time_limit_s=1.0)
+    assert calls and timed.recompute_time_s <= a.recompute_time_s + 1e-12
 
 
 def test_greedy_policy_never_calls_solver(monkeypatch):

@@ -38,7 +38,7 @@ def test_bound_is_below_the_planned_step_on_every_layout(name, config, world, bu
     spec = ModelSpec.from_config_dict(config)
     ratios = []
     for lengths in BATCHES.values():
-        inputs = SearchInputs(lengths, spec, default_profile(), budget_gib * GIB, world, {"solver_time_limit_s": 10.0})
+        inputs = SearchInputs(lengths, spec, default_profile(), budget_gib * GIB, world, {})
         for lay in _layouts(spec, world):
             cost = inputs.cost(lay)
             bound = step_time_bound(lengths, cost)

@@ -21,9 +21,8 @@ TINY = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "nu
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 65536}
 SPEC = ModelSpec.from_config_dict(TINY)
 LENGTHS = [6000, 3000, 1200, 800, 500, 300, 200, 100]
-# The checkpoint MILP stops at a wall-clock limit; a generous one makes every plan here the same on
-# a loaded machine (the solver's limit is its own trade-off, not the search's).
-OPTIONS = {"solver_time_limit_s": 10.0}
+# The planner's default checkpoint solve has no wall-clock limit, so every plan here is the same on a
+# loaded machine.
 
 
 def _brute_force(layouts, budget_gib):
@@ -31,7 +30,7 @@ def _brute_force(layouts, budget_gib):
     out = {}
     for lay in layouts:
         cost = CostModel(SPEC, dims=lay, memory_budget_bytes=budget_gib * GIB)
-        out[lay] = plan_step(LENGTHS, SPEC, lay, PlanOptions(**OPTIONS), cost=cost)
+        out[lay] = plan_step(LENGTHS, SPEC, lay, PlanOptions(), cost=cost)
     return out
 
 
@@ -84,8 +83,7 @@ def test_no_runnable_layout_is_a_clear_error(kwargs, message):
 
 @pytest.mark.parametrize("budget_gib", [0.3, 0.1])
 def test_pick_is_the_fastest_of_a_brute_force(budget_gib):
-    search = search_layouts(LENGTHS, SPEC, world_size=4, gpus_per_node=4, memory_budget_bytes=budget_gib * GIB,
-                            plan_options=OPTIONS)
+    search = search_layouts(LENGTHS, SPEC, world_size=4, gpus_per_node=4, memory_budget_bytes=budget_gib * GIB)
     brute = _brute_force([o.layout for o in search.layouts], budget_gib)
     fastest = max(r.simulation.tokens_per_s for r in brute.values() if r.feasible)
     assert search.recommended.tokens_per_s == pytest.approx(fastest, rel=1e-12)
@@ -142,8 +140,7 @@ def test_tie_break():
 
 
 def test_process_pool_gives_the_same_search():
-    kw = dict(world_size=4, gpus_per_node=4, memory_budget_bytes=0.1 * GIB, alternatives=False,
-              plan_options=OPTIONS)
+    kw = dict(world_size=4, gpus_per_node=4, memory_budget_bytes=0.1 * GIB, alternatives=False)
     one, two = (search_layouts(LENGTHS, SPEC, prune=False, **kw),
                 search_layouts(LENGTHS, SPEC, workers=2, prune=False, **kw))
     assert [(o.layout, o.tokens_per_s, o.error) for o in one.layouts] == \
