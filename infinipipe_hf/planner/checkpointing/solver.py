@@ -200,6 +200,8 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
                         sharing: str = "diagonal") -> CheckpointSolution:
     """Checkpointed layers per (stage, unit) for ``plan`` under ``cost.memory_budget_bytes``.
 
+    ``time_limit_s``: wall-clock limit of the adaptive policy's branch and bound, 0 for none (what
+    the planner passes by default, ``PlanOptions.solver_time_limit_s``: reproducible plans).
     ``levels``: finer levels inside a layer the adaptive and greedy policies may use beside whole
     layers (``keep_attn``, ``mlp``, ``mlp_act``; :mod:`infinipipe_hf.ir.levels`); the static
     policies use whole layers only.  ``sharing``: ``diagonal`` shares counts along backward
