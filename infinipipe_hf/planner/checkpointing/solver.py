@@ -13,9 +13,9 @@ recompute seconds, per independent block (a stage, with per-cell counts):
    Within ``mip_rel_gap`` of the LP bound it is returned (``milp``: proven near-optimal);
 3. otherwise, when ``time_limit_s > 0``, ``scipy.optimize.milp`` (HiGHS) runs for the rest of it;
    its answer is used when better, else the candidate (its name as method, the message says why).
-   ``time_limit_s=0`` stops at step 2: no wall-clock limit decides anything, so the machine's speed
-   and load cannot change the plan (the planner's default, ``PlanOptions.solver_time_limit_s``).  The greedy
-   is feasible whenever full checkpointing is, since every row only involves its own cells.
+   ``time_limit_s=0`` stops at step 2: no wall-clock limit decides anything, so the machine's
+   speed and load cannot change the plan (the planner's default, ``PlanOptions.solver_time_limit_s``).
+   The greedy is feasible whenever full checkpointing is, since every row only involves its own cells.
 
 ``greedy`` is step 1 plus the greedy only (no LP, no MILP): for the many trial plans of pipeline
 grouping, where speed matters more than the last percent.  ``none``, ``full`` and ``uniform``

@@ -64,8 +64,8 @@ class PlanOptions:
     solver_time_limit_s: float = 0.0
     """Wall-clock limit of the adaptive checkpointing's branch and bound (HiGHS MILP) on the winning
     candidate; 0: none, the rounded LP relaxation and the greedy decide, and the same batch gets
-    the same plan however fast or loaded the machine is.  A limit may save a little recompute (docs/algorithms.md), but
-    where it binds the plan depends on the machine's speed and load."""
+    the same plan however fast or loaded the machine is.  A limit may save a little recompute
+    (docs/algorithms.md), but where it binds the plan depends on the machine's speed and load."""
     checkpoint_levels: Sequence[str] = FINER_LEVELS
     """Levels inside a decoder layer adaptive checkpointing may use beside whole layers (``()``:
     whole layers only); see docs/checkpoint_levels.md.  Baselines keep their static setting."""
