@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from infinipipe_hf.ir.grad_reduce import check_grad_reduce, unit_reduce_problem
-from infinipipe_hf.ir.levels import CHECKPOINTING
+from infinipipe_hf.ir.levels import CHECKPOINTING, check_solver_time_limit
 from infinipipe_hf.layout import ParallelDims, ShardMode, shard_mode, state_offload
 
 CHECKPOINT_LEVELS = ("keep_attn", "mlp", "mlp_act")
@@ -96,6 +96,12 @@ class InfiniPipeConfig:
     ``mlp_act`` (recompute only ``act(gate) * up``); ``()`` for whole layers only.  Levels the
     device or model cannot run are dropped with a warning.  See docs/checkpoint_levels.md."""
 
+    solver_time_limit_s: float = 0.0
+    """Seconds ``adaptive`` checkpointing may spend in HiGHS' branch and bound per plan (shared by
+    its stages and replicas).  ``0``: none, the rounded LP relaxation and a greedy decide, so every
+    rank plans the same however fast or loaded it is.  A limit may save a little recompute; where it
+    binds, ranks can plan differently and every rank then runs rank 0's plan."""
+
     max_tokens_per_unit: int | None = None
     """Upper bound on tokens in one unit; ``None`` lets the planner choose per batch."""
 
@@ -156,6 +162,7 @@ class InfiniPipeConfig:
             raise ValueError(f"checkpoint_levels={self.checkpoint_levels!r} names unknown level(s) {bad}; "
                              f"use any of {', '.join(CHECKPOINT_LEVELS)}, or () for whole layers only")
         self.checkpoint_levels = tuple(levels)
+        self.solver_time_limit_s = check_solver_time_limit(self.solver_time_limit_s)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not known; "
                              f"use one of {', '.join(ATTENTION_BACKENDS)}")

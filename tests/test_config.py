@@ -75,3 +75,11 @@ def test_state_offload_reaches_the_layout():
     assert dims.state_offload.weights_on_host and dims.shard.sharded
     assert InfiniPipeConfig(pp_degree=2, state_offload="states").layout(2).state_offload.weights_on_host
     assert not InfiniPipeConfig().layout(2).state_offload.offloaded
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), "1s", True])
+def test_solver_time_limit_must_be_finite_seconds(value):
+    with pytest.raises(ValueError, match="solver_time_limit_s=.* must be a finite number of seconds >= 0"):
+        InfiniPipeConfig(solver_time_limit_s=value)
+    assert InfiniPipeConfig().solver_time_limit_s == 0.0
+    assert InfiniPipeConfig(solver_time_limit_s=2).solver_time_limit_s == 2.0

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from infinipipe_hf.config import GIB, InfiniPipeConfig, MemoryBudget, planning_budget
-from infinipipe_hf.ir.levels import FINER_LEVELS
+from infinipipe_hf.ir.levels import FINER_LEVELS, check_solver_time_limit
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout.state_offload import STATE_OFFLOADS, state_offload
 from infinipipe_hf.planner.cost.profile import PROFILE_NAMES, HardwareProfile
@@ -96,7 +96,9 @@ def plan_options(args) -> dict:
         lv.strip() for lv in args.checkpoint_levels.split(","))
     return {"max_tokens_per_unit": args.max_tokens_per_unit, "checkpointing": args.checkpointing,
             "checkpoint_levels": levels, "sp_rounds": getattr(args, "sp_rounds", None),
-            "grad_reduce": getattr(args, "grad_reduce", "auto")}
+            "grad_reduce": getattr(args, "grad_reduce", "auto"),
+            "solver_time_limit_s": check_solver_time_limit(getattr(args, "solver_time_limit_s", 0.0),
+                                                           "--solver-time-limit-s")}
 
 
 def add_memory_arguments(p) -> None:
@@ -208,4 +210,6 @@ def plan_option_flags(args) -> str:
         out.append("--sp-rounds" if args.sp_rounds else "--no-sp-rounds")
     if getattr(args, "grad_reduce", "auto") != "auto":
         out.append(f"--grad-reduce {args.grad_reduce}")
+    if getattr(args, "solver_time_limit_s", 0.0):
+        out.append(f"--solver-time-limit-s {args.solver_time_limit_s!r}")
     return " ".join(out)

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-levels", default=",".join(FINER_LEVELS), metavar="LEVELS",
                    help="levels inside a decoder layer adaptive checkpointing may use beside whole "
                         f"layers: comma-separated among {', '.join(FINER_LEVELS)}, or 'none' (whole layers only)")
+    p.add_argument("--solver-time-limit-s", type=float, default=0.0, metavar="S",
+                   help="seconds adaptive checkpointing may spend in HiGHS' branch and bound per plan (default 0: "
+                        "none, so the plan does not depend on this machine's speed or load)")
     p.add_argument("--emit-plan", default=None, metavar="PLAN.json", help="write the plan as JSON")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="Gantt chart + memory per stage")
     p.add_argument("--json", action="store_true", help="print machine-readable results")

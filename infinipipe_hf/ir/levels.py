@@ -39,6 +39,20 @@ from typing import Iterable, Mapping
 CHECKPOINTING = ("adaptive", "none", "full")
 """Step-level checkpointing choices: solved per (stage, unit), none, or every layer."""
 
+
+def check_solver_time_limit(seconds, name: str = "solver_time_limit_s") -> float:
+    """``seconds`` (the adaptive checkpointing's branch-and-bound limit) as a float when finite and
+    >= 0, else ``ValueError``: 0 means no branch and bound."""
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if isinstance(seconds, bool) or not 0.0 <= value < float("inf"):
+        raise ValueError(f"{name}={seconds!r} must be a finite number of seconds >= 0 (0: no branch and bound, the "
+                         f"default, so plans do not depend on the machine's speed; e.g. 1.0 lets HiGHS search "
+                         f"for a second per plan)")
+    return value
+
 OFFLOAD_ATTN, OFFLOAD_PAIR, OFFLOAD = "offload_attn", "offload_pair", "offload"
 FULL, KEEP_ATTN, MLP, MLP_ACT = "full", "keep_attn", "mlp", "mlp_act"
 LEVELS = (OFFLOAD_ATTN, OFFLOAD_PAIR, OFFLOAD, FULL, KEEP_ATTN, MLP, MLP_ACT)

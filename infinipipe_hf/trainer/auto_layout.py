@@ -110,7 +110,7 @@ def choose(batches, spec, args, world_size: int, gpus_per_node: int | None, memo
     options = {"max_tokens_per_unit": args.max_tokens_per_unit, "num_slices": args.num_slices,
                "checkpointing": args.checkpointing, "checkpoint_levels": tuple(args.checkpoint_levels),
                "loss_chunk_tokens": args.loss_chunk_tokens, "sp_rounds": args.sp_rounds,
-               "grad_reduce": args.grad_reduce}
+               "grad_reduce": args.grad_reduce, "solver_time_limit_s": args.solver_time_limit_s}
     searches, rates, no_fit = [], [], None
     for dp in dps:
         dp_batches = batches_for(dp)

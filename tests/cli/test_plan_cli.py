@@ -134,3 +134,34 @@ def test_checkpoint_levels_flag(lengths_file, tmp_path, capsys):
         assert ("checkpoint_levels" in plan) == want_levels
     assert main(args + ["--checkpoint-levels", "mlp,attn"]) == 2
     assert "unknown checkpoint level 'attn'" in capsys.readouterr().err
+
+
+def test_solver_time_limit_flag_reaches_every_plan_and_the_recipe(lengths_file, monkeypatch, capsys):
+    """``--solver-time-limit-s`` (default 0: no branch and bound) goes to the single plan and to every
+    layout the search plans, and the search's commands repeat it; a negative value is an input error."""
+    import infinipipe_hf.cli.plan as cli_plan
+    import infinipipe_hf.planner.layout_search.search as search
+
+    seen = []
+
+    def recording(real):
+        def plan_step(*args, **kwargs):
+            options = args[3] if len(args) > 3 else kwargs.get("options")
+            seen.append(options.solver_time_limit_s)
+            return real(*args, **kwargs)
+        return plan_step
+
+    monkeypatch.setattr(cli_plan, "plan_step", recording(cli_plan.plan_step))
+    monkeypatch.setattr(search, "plan_step", recording(search.plan_step))
+    args = ["--model", str(config_path("llama2-7b")), "--lengths", str(lengths_file), "--json"]
+    assert main(args + ["--pp", "2"]) == 0 and seen == [0.0]
+    assert main(args + ["--pp", "2", "--solver-time-limit-s", "0.5"]) == 0 and seen[-1] == 0.5
+    capsys.readouterr()
+    seen.clear()
+    assert main(args + ["--world-size", "4", "--search-layout", "--search-workers", "1", "--solver-time-limit-s",
+                        "0.5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert seen and set(seen) == {0.5}
+    assert "--solver-time-limit-s 0.5" in out["plan_command"]
+    assert main(args + ["--pp", "2", "--solver-time-limit-s", "-1"]) == 2
+    assert "--solver-time-limit-s=-1.0 must be a finite number of seconds >= 0" in capsys.readouterr().err

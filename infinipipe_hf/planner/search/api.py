@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from infinipipe_hf.ir.grad_reduce import check_grad_reduce
-from infinipipe_hf.ir.levels import CHECKPOINTING, FINER_LEVELS, check_levels
+from infinipipe_hf.ir.levels import CHECKPOINTING, FINER_LEVELS, check_levels, check_solver_time_limit
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
@@ -84,6 +84,7 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         check_grad_reduce(self.grad_reduce)
+        check_solver_time_limit(self.solver_time_limit_s)
         host = self.host_memory_budget_bytes
         if host is not None and not host >= 0:
             raise ValueError(f"host_memory_budget_bytes={host!r} must be >= 0 bytes per GPU (0 or None: no host "

@@ -109,7 +109,8 @@ class DefaultPlanner:
                               max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
                               checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
                               sp_rounds=c.sp_rounds, checkpoint_levels=runnable_checkpoint_levels(engine),
-                              host_memory_budget_bytes=host_budget_bytes(c, engine.device), grad_reduce=c.grad_reduce)
+                              host_memory_budget_bytes=host_budget_bytes(c, engine.device), grad_reduce=c.grad_reduce,
+                              solver_time_limit_s=c.solver_time_limit_s)
         return dict(spec=engine.spec, dims=engine.layout.dims, options=options)
 
     def __call__(self, lengths: list[int], engine):

@@ -39,7 +39,8 @@ def plan_options(config: InfiniPipeConfig) -> PlanOptions:
     return PlanOptions(schedule=config.schedule, max_tokens_per_unit=config.max_tokens_per_unit,
                        num_slices=config.num_slices, checkpointing=config.checkpointing,
                        checkpoint_levels=tuple(config.checkpoint_levels), loss_chunk_tokens=config.loss_chunk_tokens,
-                       sp_rounds=config.sp_rounds if config.sp_rounds is None or config.sp_degree > 1 else None)
+                       sp_rounds=config.sp_rounds if config.sp_rounds is None or config.sp_degree > 1 else None,
+                       solver_time_limit_s=config.solver_time_limit_s)
 
 
 class FitCheck:

@@ -71,3 +71,17 @@ def test_an_engine_on_sdpa_plans_with_the_masked_rectangle_it_runs():
     profile = planning.DefaultPlanner()._load_profile(engine)
     assert default_profile().context_pairs == "band"
     assert profile.context_pairs == "rectangle" and profile.attention_mask_bytes_per_element == 4.0
+
+
+def test_the_engines_request_carries_the_solver_time_limit(monkeypatch):
+    """``InfiniPipeConfig.solver_time_limit_s`` reaches the options every rank plans with (0 by default)."""
+    from infinipipe_hf.ir.model_spec import ModelSpec
+
+    monkeypatch.setattr(planning, "runnable_checkpoint_levels", lambda engine: ())
+    spec = ModelSpec.from_json_file(config_path("llama2-7b"))
+    for config, want in ((InfiniPipeConfig(), 0.0), (InfiniPipeConfig(solver_time_limit_s=0.5), 0.5)):
+        engine = types.SimpleNamespace(config=config, device=torch.device("cpu"), spec=spec, layers_per_stage=[32],
+                                       layout=types.SimpleNamespace(dims=ParallelDims(pp_degree=1)),
+                                       runner=None, dtype=torch.float32)
+        monkeypatch.setattr(planning.DefaultPlanner, "_load_profile", lambda self, engine: None)
+        assert planning.DefaultPlanner().request(engine)["options"].solver_time_limit_s == want
