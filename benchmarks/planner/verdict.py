@@ -45,11 +45,13 @@ from pathlib import Path
 
 from benchmarks.lib.paths import REPO, RESULTS
 from benchmarks.planner.planner_tables.setups import real_batch
+from infinipipe_hf.cli.inputs import read_profile
 from infinipipe_hf.data import synthetic
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+from infinipipe_hf.planner.layout_search.bound import step_time_bound
 from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step
 
 OUT = RESULTS / "planner_verdict.json"
@@ -93,6 +95,32 @@ def per_unit_reduce_what_if(lengths: list[int], budget_bytes: float) -> dict:
     return out
 
 
+def step_anatomy(got: dict, lengths: list[int], host_gib: float, profile: str | None) -> dict:
+    """Where the pick's step and the closest alternative's go, against the proven compute bound of
+    the pick's layout (``layout_search/bound.py``: no recompute, bubbles, collectives or per-unit
+    fixed terms): the rounds each plan runs and the recompute it pays."""
+    rec = got["recommended"]
+    dims = ParallelDims(rec["pp_degree"], rec["sp_degree"], rec["dp_degree"], rec["shard"], 8,
+                        state_offload=rec.get("state_offload") or "none")
+    cost = CostModel(ModelSpec.from_json_file(MODEL), read_profile(profile) if profile else default_profile(), dims,
+                     memory_budget_bytes=got["memory_budget_bytes"], host_budget_bytes=host_gib * GIB,
+                     grad_reduce=rec["plan"].get("grad_reduce") or "step")
+    bound = step_time_bound(lengths, cost, rec.get("sp_rounds"))
+    over = rec["over_alternatives"]
+    alt = next(a for a in got["alternatives"] if a["schedule"] == min(over, key=over.get))
+    info = rec["plan"].get("info", {})
+    c = cost.for_group(1).compute if dims.sp_degree > 1 else cost.compute
+    return {"compute_bound_s": bound,
+            "per_unit_fixed_s_one_gpu": sum(cost.layers_per_stage) * (c.layer_fwd.fixed_s + c.layer_bwd.fixed_s),
+            "pick": {"step_time_s": rec["step_time_s"], "over_bound": rec["step_time_s"] / bound,
+                     "recompute_time_s": rec["plan"]["recompute_time_s"], "units": rec["num_units"],
+                     "rounds": (info.get("sp_rounds") or {}).get("rounds"),
+                     "units_per_group_size": (info.get("sp_rounds") or {}).get("units_per_group_size")},
+            "closest_alternative": {"schedule": alt["schedule"], "step_time_s": alt["step_time_s"],
+                                    "over_bound": alt["step_time_s"] / bound, "recompute_time_s": alt["recompute_time_s"],
+                                    "rounds": alt["info"].get("num_rounds", alt["info"].get("rounds"))}}
+
+
 def flexsp_solvers(lengths: list[int], budget_bytes: float) -> dict:
     """FlexSP's step time and planning time with its greedy and its MILP group solver."""
     spec = ModelSpec.from_json_file(MODEL)
@@ -105,7 +133,8 @@ def flexsp_solvers(lengths: list[int], budget_bytes: float) -> dict:
     return out
 
 
-def row(name: str, lengths: list[int], tmp: Path, extra: list[str], flexsp_milp: bool = False) -> dict:
+def row(name: str, lengths: list[int], tmp: Path, extra: list[str], flexsp_milp: bool = False,
+        host_gib: float = 0.0, profile: str | None = None) -> dict:
     got, wall, cmd = search(lengths, tmp, name, extra)
     rec = got["recommended"]
     over = rec["over_alternatives"]
@@ -119,7 +148,7 @@ def row(name: str, lengths: list[int], tmp: Path, extra: list[str], flexsp_milp:
          "over_alternatives": over, "min_over_alternatives": min(over.values()),
          "min_alternative": min(over, key=over.get), "best_alternative": best_alt["schedule"],
          "pricing": got.get("pricing"), "search_wall_s": wall, "search_time_s": got["search_time_s"],
-         "pp1_sp8_shard_sp": what_if,
+         "pp1_sp8_shard_sp": what_if, "step_anatomy": step_anatomy(got, lengths, host_gib, profile),
          **({"flexsp_solvers": flexsp_solvers(lengths, got["memory_budget_bytes"])} if flexsp_milp else {}),
          "command": " ".join(cmd[1:]).replace(str(tmp), "TMP")}
     print(f"{name:16s} recommended {rec['label']} shard {rec['shard']} grad_reduce {r['recommended']['grad_reduce']}: "
@@ -172,7 +201,7 @@ def main() -> None:
             ["--profile", profile] if profile else [])
         out = Path(args.out) if args.out else (HOST_OUT if extra else OUT)
         for name, lengths in held_out_batches(args.n).items():
-            rows.append(row(name, lengths, Path(tmp), extra, args.flexsp_milp))
+            rows.append(row(name, lengths, Path(tmp), extra, args.flexsp_milp, args.host_memory_gib, profile))
     mins = [r["min_over_alternatives"] for r in rows]
     result = {"model": "llama2-13b", "world_size": 8, "gpus_per_node": 8, "gpu_memory_gib": 80, "seed": SEED,
               "host_memory_gib": args.host_memory_gib, "profile": described,

@@ -31,3 +31,16 @@ def test_flexsp_solvers_plans_both_and_the_milp_is_no_slower_here():
     assert set(got) == {"greedy", "milp"}
     assert all(v["step_time_s"] > 0 and v["planning_time_s"] >= 0 for v in got.values())
     assert got["milp"]["step_time_s"] <= got["greedy"]["step_time_s"] * (1 + 1e-9)
+
+
+def test_step_anatomy_puts_both_steps_above_the_picks_compute_bound(tmp_path):
+    """The proven bound of the pick's layout is below the pick's step and the closest alternative's
+    (whose plan lies in EPP's space at pp 1 x sp 8), and the closest one is the minimum's."""
+    lengths = verdict.held_out_batches(n=32)["short-only"]
+    got, _, _ = verdict.search(lengths, tmp_path, "short", [])
+    anatomy = verdict.step_anatomy(got, lengths, 0.0, None)
+    over = got["recommended"]["over_alternatives"]
+    assert anatomy["closest_alternative"]["schedule"] == min(over, key=over.get)
+    assert 0 < anatomy["compute_bound_s"] <= anatomy["pick"]["step_time_s"]
+    assert anatomy["pick"]["over_bound"] >= 1.0 and anatomy["closest_alternative"]["over_bound"] >= 1.0
+    assert anatomy["per_unit_fixed_s_one_gpu"] > 0
