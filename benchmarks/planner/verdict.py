@@ -98,7 +98,8 @@ def per_unit_reduce_what_if(lengths: list[int], budget_bytes: float) -> dict:
 def step_anatomy(got: dict, lengths: list[int], host_gib: float, profile: str | None) -> dict:
     """Where the pick's step and the closest alternative's go, against the proven compute bound of
     the pick's layout (``layout_search/bound.py``: no recompute, bubbles, collectives or per-unit
-    fixed terms): the rounds each plan runs and the recompute it pays."""
+    fixed terms): the rounds each plan runs and the recompute it pays (the alternative's summed over
+    its groups, as its plans report it)."""
     rec = got["recommended"]
     dims = ParallelDims(rec["pp_degree"], rec["sp_degree"], rec["dp_degree"], rec["shard"], 8,
                         state_offload=rec.get("state_offload") or "none")
@@ -117,7 +118,8 @@ def step_anatomy(got: dict, lengths: list[int], host_gib: float, profile: str | 
                      "rounds": (info.get("sp_rounds") or {}).get("rounds"),
                      "units_per_group_size": (info.get("sp_rounds") or {}).get("units_per_group_size")},
             "closest_alternative": {"schedule": alt["schedule"], "step_time_s": alt["step_time_s"],
-                                    "over_bound": alt["step_time_s"] / bound, "recompute_time_s": alt["recompute_time_s"],
+                                    "over_bound": alt["step_time_s"] / bound,
+                                    "recompute_time_s_summed_over_groups": alt["recompute_time_s"],
                                     "rounds": alt["info"].get("num_rounds", alt["info"].get("rounds"))}}
 
 
