@@ -53,6 +53,7 @@ def check_solver_time_limit(seconds, name: str = "solver_time_limit_s") -> float
                          f"for a second per plan)")
     return value
 
+
 OFFLOAD_ATTN, OFFLOAD_PAIR, OFFLOAD = "offload_attn", "offload_pair", "offload"
 FULL, KEEP_ATTN, MLP, MLP_ACT = "full", "keep_attn", "mlp", "mlp_act"
 LEVELS = (OFFLOAD_ATTN, OFFLOAD_PAIR, OFFLOAD, FULL, KEEP_ATTN, MLP, MLP_ACT)
