@@ -109,14 +109,13 @@ def step_anatomy(got: dict, lengths: list[int], host_gib: float, profile: str | 
     bound = step_time_bound(lengths, cost, rec.get("sp_rounds"))
     over = rec["over_alternatives"]
     alt = next(a for a in got["alternatives"] if a["schedule"] == min(over, key=over.get))
-    info = rec["plan"].get("info", {})
+    rounds = rec["plan"].get("info", {}).get("sp_rounds") or {}
     c = cost.for_group(1).compute if dims.sp_degree > 1 else cost.compute
     return {"compute_bound_s": bound,
             "per_unit_fixed_s_one_gpu": sum(cost.layers_per_stage) * (c.layer_fwd.fixed_s + c.layer_bwd.fixed_s),
             "pick": {"step_time_s": rec["step_time_s"], "over_bound": rec["step_time_s"] / bound,
                      "recompute_time_s": rec["plan"]["recompute_time_s"], "units": rec["num_units"],
-                     "rounds": (info.get("sp_rounds") or {}).get("rounds"),
-                     "units_per_group_size": (info.get("sp_rounds") or {}).get("units_per_group_size")},
+                     "rounds": rounds.get("rounds"), "units_per_group_size": rounds.get("units_per_group_size")},
             "closest_alternative": {"schedule": alt["schedule"], "step_time_s": alt["step_time_s"],
                                     "over_bound": alt["step_time_s"] / bound,
                                     "recompute_time_s_summed_over_groups": alt["recompute_time_s"],

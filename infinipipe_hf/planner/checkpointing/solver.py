@@ -13,8 +13,7 @@ recompute seconds, per independent block (a stage, with per-cell counts):
    Within ``mip_rel_gap`` of the LP bound it is returned (``milp``: proven near-optimal);
 3. otherwise, when ``time_limit_s > 0``, ``scipy.optimize.milp`` (HiGHS) runs for the rest of it;
    its answer is used when better, else the candidate (its name as method, the message says why).
-   ``time_limit_s=0`` stops at step 2: no wall-clock limit decides anything, so the machine's
-   speed and load cannot change the plan (the planner's default, ``PlanOptions.solver_time_limit_s``).
+   ``time_limit_s=0`` (``PlanOptions``' default) stops at step 2, so no clock changes the plan.
    The greedy is feasible whenever full checkpointing is, since every row only involves its own cells.
 
 ``greedy`` is step 1 plus the greedy only (no LP, no MILP): for the many trial plans of pipeline
@@ -39,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from infinipipe_hf.ir.levels import FULL, HOST_LEVELS, CheckpointMix, check_levels
+from infinipipe_hf.ir.levels import FULL, HOST_LEVELS, CheckpointMix, check_levels, check_solver_time_limit
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import has_sub_groups
 from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
@@ -160,12 +159,12 @@ def _adaptive_blocks(prob: ReplicaProblem, time_limit_s: float, gap: float) -> t
     blocks = prob.stage_blocks()
     if len(blocks) == 1:
         return _adaptive(prob, time_limit_s, gap)
-    deadline = time.perf_counter() + time_limit_s
+    deadline = _deadline(time_limit_s)
     x = np.zeros(prob.num_vars, dtype=np.int64)
     methods, notes, failed = [], [], []
     sizes = np.array([max(b.num_vars, 1) for b, _ in blocks], dtype=float)
     for i, (block, index) in enumerate(blocks):
-        left = max(deadline - time.perf_counter(), 1e-3) * sizes[i] / sizes[i:].sum() if time_limit_s > 0 else 0.0
+        left = _time_share(deadline, sizes[i] / sizes[i:].sum())
         xb, ok, method, note = _adaptive(block, left, gap)
         x[index] = xb
         methods.append(method)
@@ -177,6 +176,16 @@ def _adaptive_blocks(prob: ReplicaProblem, time_limit_s: float, gap: float) -> t
         return prob.var_ub.copy(), False, "infeasible", "; ".join(failed)
     method = next((m for m in ("greedy", "lp-rounding", "milp") if m in methods), "none-needed")
     return x, True, method, "; ".join(notes)
+
+
+def _deadline(time_limit_s: float) -> float:
+    """When the branch and bound must stop (``time.perf_counter``); 0.0: no branch and bound."""
+    return time.perf_counter() + time_limit_s if time_limit_s > 0 else 0.0
+
+
+def _time_share(deadline: float, share: float) -> float:
+    """``share`` of the time left before ``deadline`` (of a millisecond at least); 0.0 without one."""
+    return max(deadline - time.perf_counter(), 1e-3) * share if deadline else 0.0
 
 
 def _greedy_only(prob: ReplicaProblem) -> tuple[np.ndarray, bool, str, str]:
@@ -212,7 +221,7 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
     memory (the solution's ``offload_kv``; the plan is left as it was when that does not fit either).
     """
     levels = _check_arguments(plan, cost, policy, levels, sharing, time_limit_s, mip_rel_gap)
-    deadline = time.perf_counter() + time_limit_s if time_limit_s > 0 else 0.0  # 0.0: no branch and bound
+    deadline = _deadline(time_limit_s)
     adaptive = policy in ("adaptive", "greedy")
     levels = levels if adaptive else ()  # static settings are whole layers (Megatron / Seq1F1B style)
     offload = adaptive and getattr(cost, "host_budget_bytes", 0.0) > 0
@@ -267,9 +276,9 @@ def _check_arguments(plan: Plan, cost: CostModel, policy: str, levels, sharing: 
     if plan.layers_per_stage and list(plan.layers_per_stage) != list(cost.layers_per_stage):
         raise ValueError(f"plan has layers_per_stage={plan.layers_per_stage} but the cost model "
                          f"{cost.layers_per_stage}; build the CostModel with the plan's layer split")
-    if time_limit_s < 0 or not 0 <= mip_rel_gap < 1:
-        raise ValueError(f"need time_limit_s >= 0 (0: no branch and bound) and 0 <= mip_rel_gap < 1, got "
-                         f"{time_limit_s}, {mip_rel_gap}")
+    check_solver_time_limit(time_limit_s, "time_limit_s")
+    if not 0 <= mip_rel_gap < 1:
+        raise ValueError(f"need 0 <= mip_rel_gap < 1, got {mip_rel_gap}")
     return levels
 
 
@@ -279,7 +288,7 @@ def _solved_cells(problems: list[ReplicaProblem], policy: str, deadline: float, 
     cells: list[np.ndarray] = []  # per replica: column values
     feasible, methods, messages = True, [], []
     for i, prob in enumerate(problems):
-        left = max(deadline - time.perf_counter(), 1e-3) / (len(problems) - i) if deadline else 0.0
+        left = _time_share(deadline, 1.0 / (len(problems) - i))
         if policy == "greedy":
             x, ok, method, note = _greedy_only(prob)
         else:
