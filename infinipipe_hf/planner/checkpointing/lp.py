@@ -9,6 +9,8 @@ variables; the greedy then prunes what the rounding over-bought.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
@@ -42,6 +44,16 @@ def close_chains(prob: ReplicaProblem, x: np.ndarray) -> np.ndarray:
     for _ in range(len(prob.levels) - 1):
         np.maximum.at(x, prob.var_parent[has], x[has])
     return x
+
+
+def milp_deadline(time_limit_s: float) -> float:
+    """When the branch and bound must stop (``time.perf_counter``); 0.0: no branch and bound."""
+    return time.perf_counter() + time_limit_s if time_limit_s > 0 else 0.0
+
+
+def share_until(deadline: float, share: float) -> float:
+    """``share`` of the time left before ``deadline`` (of a millisecond at least); 0.0 without one."""
+    return max(deadline - time.perf_counter(), 1e-3) * share if deadline else 0.0
 
 
 def run_milp(prob: ReplicaProblem, time_limit_s: float, gap: float):

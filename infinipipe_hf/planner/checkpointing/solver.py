@@ -44,7 +44,7 @@ from infinipipe_hf.ir.rank_views import has_sub_groups
 from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
 from infinipipe_hf.planner.checkpointing.host_peak import stage_host_peak_bytes
 from infinipipe_hf.planner.checkpointing.host_rows import HOST_SLACK_BYTES, even_pairs, fit_host, kv_offload_stages
-from infinipipe_hf.planner.checkpointing.lp import LP_TIME_LIMIT_S, lp_rounding, milp_counts
+from infinipipe_hf.planner.checkpointing.lp import LP_TIME_LIMIT_S, lp_rounding, milp_counts, milp_deadline, share_until
 from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
 from infinipipe_hf.planner.checkpointing.problem import SHARING, ReplicaProblem, build_problem
 from infinipipe_hf.planner.checkpointing.sp_round_cells import round_recompute_seconds
@@ -159,12 +159,12 @@ def _adaptive_blocks(prob: ReplicaProblem, time_limit_s: float, gap: float) -> t
     blocks = prob.stage_blocks()
     if len(blocks) == 1:
         return _adaptive(prob, time_limit_s, gap)
-    deadline = _deadline(time_limit_s)
+    deadline = milp_deadline(time_limit_s)
     x = np.zeros(prob.num_vars, dtype=np.int64)
     methods, notes, failed = [], [], []
     sizes = np.array([max(b.num_vars, 1) for b, _ in blocks], dtype=float)
     for i, (block, index) in enumerate(blocks):
-        left = _time_share(deadline, sizes[i] / sizes[i:].sum())
+        left = share_until(deadline, sizes[i] / sizes[i:].sum())
         xb, ok, method, note = _adaptive(block, left, gap)
         x[index] = xb
         methods.append(method)
@@ -176,16 +176,6 @@ def _adaptive_blocks(prob: ReplicaProblem, time_limit_s: float, gap: float) -> t
         return prob.var_ub.copy(), False, "infeasible", "; ".join(failed)
     method = next((m for m in ("greedy", "lp-rounding", "milp") if m in methods), "none-needed")
     return x, True, method, "; ".join(notes)
-
-
-def _deadline(time_limit_s: float) -> float:
-    """When the branch and bound must stop (``time.perf_counter``); 0.0: no branch and bound."""
-    return time.perf_counter() + time_limit_s if time_limit_s > 0 else 0.0
-
-
-def _time_share(deadline: float, share: float) -> float:
-    """``share`` of the time left before ``deadline`` (of a millisecond at least); 0.0 without one."""
-    return max(deadline - time.perf_counter(), 1e-3) * share if deadline else 0.0
 
 
 def _greedy_only(prob: ReplicaProblem) -> tuple[np.ndarray, bool, str, str]:
@@ -221,7 +211,7 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
     memory (the solution's ``offload_kv``; the plan is left as it was when that does not fit either).
     """
     levels = _check_arguments(plan, cost, policy, levels, sharing, time_limit_s, mip_rel_gap)
-    deadline = _deadline(time_limit_s)
+    deadline = milp_deadline(time_limit_s)
     adaptive = policy in ("adaptive", "greedy")
     levels = levels if adaptive else ()  # static settings are whole layers (Megatron / Seq1F1B style)
     offload = adaptive and getattr(cost, "host_budget_bytes", 0.0) > 0
@@ -288,7 +278,7 @@ def _solved_cells(problems: list[ReplicaProblem], policy: str, deadline: float, 
     cells: list[np.ndarray] = []  # per replica: column values
     feasible, methods, messages = True, [], []
     for i, prob in enumerate(problems):
-        left = _time_share(deadline, 1.0 / (len(problems) - i))
+        left = share_until(deadline, 1.0 / (len(problems) - i))
         if policy == "greedy":
             x, ok, method, note = _greedy_only(prob)
         else:
