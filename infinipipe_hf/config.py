@@ -21,6 +21,10 @@ CHECKPOINT_LEVELS = ("keep_attn", "mlp", "mlp_act")
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash", "flex")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 GIB = 2**30
+PLAN_SETTINGS = ("schedule", "max_tokens_per_unit", "num_slices", "checkpointing", "checkpoint_levels",
+                 "loss_chunk_tokens", "sp_rounds", "grad_reduce", "solver_time_limit_s")
+"""Config fields ``plan_step`` takes as the ``PlanOptions`` fields of the same name: every place that
+plans for a job (the engine, the trainer's layout search and fit check) reads them here."""
 
 
 @dataclass
@@ -220,6 +224,10 @@ class InfiniPipeConfig:
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
         return host_memory_bytes() / ranks * (1.0 - self.memory_margin)
 
+    def plan_settings(self) -> dict:
+        """The :data:`PLAN_SETTINGS` of this config (:func:`plan_settings_of`)."""
+        return plan_settings_of(vars(self))
+
     def memory_budget(self, device_memory_bytes: float | None) -> MemoryBudget:
         """The budget plans stay under on a device of ``device_memory_bytes`` (:func:`planning_budget`)."""
         return planning_budget(device_memory_bytes, self.memory_margin, self.memory_reserve_gib,
@@ -280,6 +288,15 @@ class MemoryBudget:
                    and self.reserve_bytes == InfiniPipeConfig.memory_reserve_gib * GIB)
         return (f"{head} ({self.device_memory_bytes / GIB:.4g} GiB device - {100 * self.margin:.4g}% margin - "
                 f"{self.reserve_bytes / GIB:.4g} GiB reserve" + ("; the trainer's default)" if default else ")"))
+
+
+def plan_settings_of(values: dict) -> dict:
+    """``PlanOptions`` keyword arguments from config ``values`` (field name -> value, such as
+    ``vars(config)`` or the trainer arguments' config keywords): the :data:`PLAN_SETTINGS`, levels
+    as a tuple.  Budgets, profile and layer split come from the device and engine, not from here."""
+    out = {name: values[name] for name in PLAN_SETTINGS}
+    out["checkpoint_levels"] = tuple(out["checkpoint_levels"])
+    return out
 
 
 def planning_budget(device_memory_bytes: float | None, memory_margin: float, memory_reserve_gib: float,

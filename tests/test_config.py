@@ -83,3 +83,20 @@ def test_solver_time_limit_must_be_finite_seconds(value):
         InfiniPipeConfig(solver_time_limit_s=value)
     assert InfiniPipeConfig().solver_time_limit_s == 0.0
     assert InfiniPipeConfig(solver_time_limit_s=2).solver_time_limit_s == 2.0
+
+
+def test_plan_settings_are_every_planning_knob_the_config_and_plan_options_share():
+    """``PLAN_SETTINGS`` is what the engine, the trainer's layout search and its fit check pass to
+    the planner: every field ``InfiniPipeConfig`` and ``PlanOptions`` share by name (``profile`` is a
+    path here, a loaded profile there)."""
+    import dataclasses
+
+    from infinipipe_hf.config import PLAN_SETTINGS
+    from infinipipe_hf.planner.search.api import PlanOptions
+
+    shared = {f.name for f in dataclasses.fields(InfiniPipeConfig)} & {f.name for f in dataclasses.fields(PlanOptions)}
+    assert set(PLAN_SETTINGS) == shared - {"profile"}
+    config = InfiniPipeConfig(sp_degree=2, checkpoint_levels=["mlp"], grad_reduce="step", solver_time_limit_s=1)
+    settings = config.plan_settings()
+    assert set(settings) == set(PLAN_SETTINGS) and settings["checkpoint_levels"] == ("mlp",)
+    assert PlanOptions(**settings).grad_reduce == "step" and settings["solver_time_limit_s"] == 1.0

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 
-from infinipipe_hf.config import InfiniPipeConfig
+from infinipipe_hf.config import InfiniPipeConfig, plan_settings_of
 from infinipipe_hf.layout import NO_SHARDING
 
 AUTO = "auto"
@@ -99,6 +99,7 @@ def choose(batches, spec, args, world_size: int, gpus_per_node: int | None, memo
     from infinipipe_hf.planner.layout_search.result import NoLayoutFits
     from infinipipe_hf.planner.layout_search.search import enumerate_layouts, rank_key, search_layouts
     from infinipipe_hf.planner.layout_search.table import format_search
+    from infinipipe_hf.trainer.pipeline_arguments import config_kwargs
 
     batches_for = batches if callable(batches) else (lambda dp: batches)
     profile = HardwareProfile.load(args.profile) if args.profile is not None else default_profile()
@@ -107,10 +108,8 @@ def choose(batches, spec, args, world_size: int, gpus_per_node: int | None, memo
     host, offloads = host_tier(args)
     dps = sorted({lay.dp_degree for lay in enumerate_layouts(spec, world_size, gpn, sp_degrees=sp_degrees,
                                                              shards=shards)})
-    options = {"max_tokens_per_unit": args.max_tokens_per_unit, "num_slices": args.num_slices,
-               "checkpointing": args.checkpointing, "checkpoint_levels": tuple(args.checkpoint_levels),
-               "loss_chunk_tokens": args.loss_chunk_tokens, "sp_rounds": args.sp_rounds,
-               "grad_reduce": args.grad_reduce, "solver_time_limit_s": args.solver_time_limit_s}
+    options = plan_settings_of(config_kwargs(args))
+    del options["schedule"]  # the search plans the reference schedule on every layout
     searches, rates, no_fit = [], [], None
     for dp in dps:
         dp_batches = batches_for(dp)

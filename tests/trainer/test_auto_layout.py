@@ -109,3 +109,15 @@ def test_each_dp_degree_is_searched_on_its_own_batches_and_unfed_layouts_are_dro
     # fed, the dp 2 layout is planned on its own batches and can win
     layout, table = choose(lambda dp: [[90, 40]], SPEC, _args(tmp_path, pp_degree="auto"), 2, 2, 2**30)
     assert "would idle" not in table
+
+
+def test_choose_plans_with_every_planning_setting(tmp_path, monkeypatch):
+    """The trainer's search gets the job's ``PLAN_SETTINGS`` (the schedule apart: it plans EPP)."""
+    from infinipipe_hf.planner.layout_search import search as search_module
+
+    seen, real = {}, search_module.search_layouts
+    monkeypatch.setattr(search_module, "search_layouts", lambda *a, **kw: seen.update(kw["plan_options"]) or real(*a, **kw))
+    knobs = dict(max_tokens_per_unit=4096, num_slices=[1, 2], checkpointing="full", checkpoint_levels=("mlp",),
+                 loss_chunk_tokens=1024, sp_rounds=False, grad_reduce="step", solver_time_limit_s=0.5)
+    choose([[37, 11, 8, 5]], SPEC, _args(tmp_path, pp_degree="auto", **knobs), 1, 1, 2**30)
+    assert seen == knobs

@@ -104,13 +104,10 @@ class DefaultPlanner:
         c = engine.config
         if self.profile is None:
             self.profile = self._load_profile(engine)
-        options = PlanOptions(schedule=c.schedule, memory_budget_bytes=memory_budget_bytes(c, engine.device),
+        settings = {**c.plan_settings(), "checkpoint_levels": runnable_checkpoint_levels(engine)}
+        options = PlanOptions(**settings, memory_budget_bytes=memory_budget_bytes(c, engine.device),
                               profile=self.profile, layers_per_stage=list(engine.layers_per_stage),
-                              max_tokens_per_unit=c.max_tokens_per_unit, num_slices=c.num_slices,
-                              checkpointing=c.checkpointing, loss_chunk_tokens=c.loss_chunk_tokens,
-                              sp_rounds=c.sp_rounds, checkpoint_levels=runnable_checkpoint_levels(engine),
-                              host_memory_budget_bytes=host_budget_bytes(c, engine.device), grad_reduce=c.grad_reduce,
-                              solver_time_limit_s=c.solver_time_limit_s)
+                              host_memory_budget_bytes=host_budget_bytes(c, engine.device))
         return dict(spec=engine.spec, dims=engine.layout.dims, options=options)
 
     def __call__(self, lengths: list[int], engine):

@@ -36,11 +36,10 @@ def longest_possible(args, spec: ModelSpec) -> int | None:
 
 def plan_options(config: InfiniPipeConfig) -> PlanOptions:
     """The options the engine plans with (``runtime.engine.planning``), budgets apart."""
-    return PlanOptions(schedule=config.schedule, max_tokens_per_unit=config.max_tokens_per_unit,
-                       num_slices=config.num_slices, checkpointing=config.checkpointing,
-                       checkpoint_levels=tuple(config.checkpoint_levels), loss_chunk_tokens=config.loss_chunk_tokens,
-                       sp_rounds=config.sp_rounds if config.sp_rounds is None or config.sp_degree > 1 else None,
-                       solver_time_limit_s=config.solver_time_limit_s)
+    settings = config.plan_settings()
+    if config.sp_degree == 1:
+        settings["sp_rounds"] = None  # one rank per stage: a larger SP group a remedy tries gets the default
+    return PlanOptions(**settings)
 
 
 class FitCheck:

@@ -73,15 +73,25 @@ def test_an_engine_on_sdpa_plans_with_the_masked_rectangle_it_runs():
     assert profile.context_pairs == "rectangle" and profile.attention_mask_bytes_per_element == 4.0
 
 
-def test_the_engines_request_carries_the_solver_time_limit(monkeypatch):
-    """``InfiniPipeConfig.solver_time_limit_s`` reaches the options every rank plans with (0 by default)."""
-    from infinipipe_hf.ir.model_spec import ModelSpec
+PLANNING_KNOBS = dict(schedule="seq1f1b", max_tokens_per_unit=4096, num_slices=[2, 4], checkpointing="full",
+                      loss_chunk_tokens=1024, sp_rounds=False, grad_reduce="step", solver_time_limit_s=0.5)
+"""A non-default value of every ``PLAN_SETTINGS`` field but the levels (the engine keeps the runnable ones)."""
 
-    monkeypatch.setattr(planning, "runnable_checkpoint_levels", lambda engine: ())
+
+def test_the_engines_request_carries_every_planning_setting(monkeypatch):
+    """Each ``InfiniPipeConfig.plan_settings()`` value reaches the options every rank plans with."""
+    from infinipipe_hf.config import PLAN_SETTINGS
+    from infinipipe_hf.ir.model_spec import ModelSpec
+    from infinipipe_hf.planner.search.api import PlanOptions
+
+    assert set(PLANNING_KNOBS) == set(PLAN_SETTINGS) - {"checkpoint_levels"}
+    assert all(getattr(PlanOptions(), k) != v for k, v in PLANNING_KNOBS.items())  # each one can fail
+    monkeypatch.setattr(planning, "runnable_checkpoint_levels", lambda engine: ("mlp",))
+    monkeypatch.setattr(planning.DefaultPlanner, "_load_profile", lambda self, engine: None)
     spec = ModelSpec.from_json_file(config_path("llama2-7b"))
-    for config, want in ((InfiniPipeConfig(), 0.0), (InfiniPipeConfig(solver_time_limit_s=0.5), 0.5)):
-        engine = types.SimpleNamespace(config=config, device=torch.device("cpu"), spec=spec, layers_per_stage=[32],
-                                       layout=types.SimpleNamespace(dims=ParallelDims(pp_degree=1)),
-                                       runner=None, dtype=torch.float32)
-        monkeypatch.setattr(planning.DefaultPlanner, "_load_profile", lambda self, engine: None)
-        assert planning.DefaultPlanner().request(engine)["options"].solver_time_limit_s == want
+    engine = types.SimpleNamespace(config=InfiniPipeConfig(**PLANNING_KNOBS), device=torch.device("cpu"), spec=spec,
+                                   layers_per_stage=[32], layout=types.SimpleNamespace(dims=ParallelDims(pp_degree=1)),
+                                   runner=None, dtype=torch.float32)
+    options = planning.DefaultPlanner().request(engine)["options"]
+    assert {k: getattr(options, k) for k in PLANNING_KNOBS} == {**PLANNING_KNOBS, "num_slices": [2, 4]}
+    assert options.checkpoint_levels == ("mlp",)

@@ -57,3 +57,13 @@ def test_no_device_budget_no_check():
                                  to_infinipipe_config=lambda: InfiniPipeConfig(pp_degree=2, host_memory_gib=0))
     assert check_longest_fits(args, TINY, DIMS, None) is None
     assert "does not fit" in check_longest_fits(args, TINY, DIMS, BUDGET)
+
+
+def test_the_fit_check_plans_with_the_jobs_gradient_reduction():
+    """Reduced once per step, a sharded stage keeps every unsharded fp32 gradient: the fit check
+    plans as the engine will, so it trains a shorter sequence than where the planner may choose."""
+    dims = ParallelDims(1, 2, 1, "sp", gpus_per_node=2)
+    auto, step = (FitCheck(TINY, InfiniPipeConfig(sp_degree=2, shard="sp", grad_reduce=mode), BUDGET, 0.0)
+                  for mode in ("auto", "step"))
+    n = auto.largest(dims)
+    assert auto.fits(dims, n) and not step.fits(dims, n)
