@@ -1,20 +1,25 @@
-"""Planning the layouts of a search most promising first, skipping those a proven bound rules out.
+"""Planning the layouts of a search most promising first, skipping those proven bounds rule out.
 
 Each distinct layout gets a lower bound of the step time ``plan_step`` would return for it
-(:func:`~.bound.step_time_bound`, milliseconds), so an upper bound of its tokens/s.  Layouts are
-planned by that bound, best first; once a planned layout fits at ``x`` tokens/s, a layout whose
+(:func:`~.bound.step_time_bound`: its compute alone), so an upper bound of its tokens/s.  Layouts
+are planned by that bound, best first; once a planned layout fits at ``x`` tokens/s, a layout whose
 upper bound is below ``x`` cannot be the pick (nor tie with it: ``PRUNE_MARGIN`` is wider than the
-pick's tie tolerance) and is reported as pruned instead of planned.  The pick therefore equals
-the exhaustive search's; only the pruned layouts' own figures are missing (their bound is shown).
+pick's tie tolerance) and is reported as pruned instead of planned.  A layout that is planned gets
+the best step so far (``plan_step``'s ``beat_step_s``): its search stops before solving any
+checkpointing when every candidate it may plan, replayed with nothing recomputed (bubbles and
+communication included), is no faster, and it is reported as pruned with that bound (``basis``
+``candidates``).  The pick therefore equals the exhaustive search's; only the pruned layouts' own
+figures are missing (their bound is shown).
 
 With ``workers > 1`` the layouts go to a spawned process pool in the same order, at most
 ``workers`` in flight; a layout is pruned against the best outcome finished when its turn comes,
 so which layouts are pruned can vary with timing, the pick cannot.
 
 Layouts the search rules out before planning (a replica without sequences, model states over the
-budget, the longest sequence not fitting alone) are never pruned: their own reason says more.  Trade-off: the bound ignores recompute, bubbles and
-communication, so it prunes layouts whose pure compute is slower (deep pipelines with an LM-head
-stage, replicas holding the longest documents) and leaves close ones to be planned.
+budget, the longest sequence not fitting alone) are never pruned: their own reason says more.
+Trade-off: the compute bound ignores recompute, bubbles and communication, so it prunes layouts
+whose pure compute is slower (deep pipelines with an LM-head stage, replicas holding the longest
+documents); the candidates' bound costs a replay per candidate, a fraction of planning them.
 """
 from __future__ import annotations
 
@@ -48,17 +53,23 @@ class PrunedOutcome(LayoutOutcome):
     beaten_by: str = ""
     """The planned layout whose tokens/s the bound is below."""
     beaten_tokens_per_s: float = 0.0
+    basis: str = "compute"
+    """What the bound counts: ``compute`` (its compute alone, before planning) or ``candidates``
+    (every candidate's units simulated without recompute, the planning's last step skipped)."""
 
     @property
     def error(self) -> str | None:
-        return (f"not planned: at most {self.bound_tokens_per_s:,.0f} tokens/s (a step of at least "
-                f"{self.bound_step_time_s:.4g} s: its compute alone, no bubbles, recompute or communication) "
-                f"< {self.beaten_tokens_per_s:,.0f} tokens/s planned on {self.beaten_by}")
+        what = ("its compute alone, no bubbles, recompute or communication" if self.basis == "compute" else
+                "its best candidate's units with bubbles and communication, without recompute")
+        return (f"not planned in full: at most {self.bound_tokens_per_s:,.0f} tokens/s (a step of at least "
+                f"{self.bound_step_time_s:.4g} s: {what}) < {self.beaten_tokens_per_s:,.0f} tokens/s planned on "
+                f"{self.beaten_by}")
 
     def pruned_dict(self) -> dict:
         """The ``pruned`` entry of this layout in the search's JSON."""
         return {"bound_step_time_s": self.bound_step_time_s, "bound_tokens_per_s": self.bound_tokens_per_s,
-                "beaten_by": self.beaten_by, "beaten_tokens_per_s": self.beaten_tokens_per_s, "reason": self.error}
+                "beaten_by": self.beaten_by, "beaten_tokens_per_s": self.beaten_tokens_per_s, "basis": self.basis,
+                "reason": self.error}
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "pruned": self.pruned_dict()}
@@ -91,6 +102,26 @@ def _pruned(inputs, layout: ParallelDims, bound: float, best: LayoutOutcome, too
                          beaten_tokens_per_s=best.tokens_per_s)
 
 
+def beat_step_s(inputs, best: LayoutOutcome | None) -> float | None:
+    """The step a layout planned now must run under to be pruned by nothing (:data:`PRUNE_MARGIN`
+    of the best planned tokens/s), for ``plan_step``'s ``beat_step_s``; None before any fits."""
+    if best is None:
+        return None
+    return sum(inputs.lengths) / (best.tokens_per_s * (1 - PRUNE_MARGIN))
+
+
+def stopped(inputs, outcome: LayoutOutcome, best: LayoutOutcome | None) -> LayoutOutcome:
+    """``outcome``, or its :class:`PrunedOutcome` when its planning stopped short of ``best``'s step
+    (``PlanResult.beaten_bound_s``: the candidates' bound)."""
+    bound = getattr(outcome.result, "beaten_bound_s", None)
+    if bound is None or best is None:
+        return outcome
+    return PrunedOutcome(outcome.layout, None, None, outcome.search_time_s, bound_step_time_s=bound,
+                         bound_tokens_per_s=sum(inputs.lengths) / bound, basis="candidates",
+                         beaten_by=f"{best.layout.label} shard {best.layout.shard}",
+                         beaten_tokens_per_s=best.tokens_per_s)
+
+
 def _better(best: LayoutOutcome | None, outcome: LayoutOutcome) -> LayoutOutcome | None:
     if outcome.feasible and (best is None or outcome.tokens_per_s > best.tokens_per_s):
         return outcome
@@ -108,22 +139,23 @@ def plan_pruned(inputs, todo: Sequence[ParallelDims], plan_one: Callable, worker
         took.append(time.perf_counter() - t0)
     order = sorted(range(len(todo)), key=lambda i: (-sum(inputs.lengths) / bounds[i] if bounds[i] else 0.0, i))
     if workers > 1 and len(todo) > 1:
-        out = _in_pool(inputs, todo, bounds, took, order, plan_one, workers)
+        out = _in_pool(inputs, todo, bounds, took, order, plan_one, workers, prune)
         if out is not None:
             return out
     out: list[LayoutOutcome | None] = [None] * len(todo)
     best = None
     for i in order:
-        out[i] = _pruned(inputs, todo[i], bounds[i], best, took[i]) or plan_one(inputs, todo[i])
+        out[i] = _pruned(inputs, todo[i], bounds[i], best, took[i]) or stopped(
+            inputs, plan_one(inputs, todo[i], beat_step_s(inputs, best) if prune else None), best)
         best = _better(best, out[i])
     return out
 
 
-def _in_pool(inputs, todo, bounds, took, order, plan_one, workers) -> list[LayoutOutcome] | None:
+def _in_pool(inputs, todo, bounds, took, order, plan_one, workers, prune) -> list[LayoutOutcome] | None:
     """:func:`plan_pruned`'s loop in a spawned pool; None (with a warning) when the pool breaks."""
     out: list[LayoutOutcome | None] = [None] * len(todo)
     best, queue = None, list(order)
-    running: dict[Future, int] = {}
+    running: dict[Future, tuple[int, LayoutOutcome | None]] = {}
     try:
         with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=multiprocessing.get_context("spawn")) \
                 as pool:
@@ -132,11 +164,12 @@ def _in_pool(inputs, todo, bounds, took, order, plan_one, workers) -> list[Layou
                     i = queue.pop(0)
                     out[i] = _pruned(inputs, todo[i], bounds[i], best, took[i])
                     if out[i] is None:
-                        running[pool.submit(plan_one, inputs, todo[i])] = i
+                        beat = beat_step_s(inputs, best) if prune else None
+                        running[pool.submit(plan_one, inputs, todo[i], beat)] = (i, best)
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
-                    i = running.pop(future)
-                    out[i] = future.result()
+                    i, beaten_by = running.pop(future)
+                    out[i] = stopped(inputs, future.result(), beaten_by)
                     best = _better(best, out[i])
     except BrokenProcessPool as exc:
         warnings.warn(f"the layout search's process pool failed ({exc}); a script that starts processes needs "

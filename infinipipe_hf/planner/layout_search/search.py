@@ -16,8 +16,9 @@ exceed the budget, or when the batch's longest sequence does not fit even alone 
 checkpointed at any slice count EPP would try (:func:`fits_alone`).  Shard
 modes that shard and replicate over the same mesh dims (``sp`` and ``hybrid``: they differ only
 in who reduces over DP) are priced identically and planned once.  Layouts are planned best proven
-bound first, and one whose bound (its compute alone) is slower than a layout already planned is
-pruned, not planned (:mod:`.prune`), so the pick equals a brute force over every layout.
+bound first, and one whose bound (its compute alone, or its candidates replayed without
+recompute) is slower than a layout already planned is pruned, not planned in full (:mod:`.prune`),
+so the pick equals a brute force over every layout.
 
 Host memory (``host_budget_bytes`` per GPU, 0: none): every layout may keep layer inputs and K/V
 in host memory, and is also planned with its model states there, per state-offload mode
@@ -209,21 +210,22 @@ class SearchInputs:
         return PlanOptions(schedule=REFERENCE, **options)
 
 
-def plan_layout(inputs: SearchInputs, layout: ParallelDims) -> LayoutOutcome:
-    """One layout's outcome: ruled out before planning (states, longest sequence) or planned; with
+def plan_layout(inputs: SearchInputs, layout: ParallelDims, beat_step_s: float | None = None) -> LayoutOutcome:
+    """One layout's outcome: ruled out before planning (states, longest sequence) or planned (its
+    planning stopped when it proves no plan runs under ``beat_step_s``, ``plan_step``); with
     ``inputs.longest`` also its largest one-sequence lengths."""
     t0 = time.perf_counter()
     if len(inputs.lengths) < layout.dp_degree:
         return LayoutOutcome(layout, None, unfed_replicas_reason(len(inputs.lengths), layout), 0.0,
                              unfed_replicas=True)
-    outcome = _plan_fed_layout(inputs, layout, t0)
+    outcome = _plan_fed_layout(inputs, layout, t0, beat_step_s)
     if inputs.longest:
         add_largest_lengths(inputs, outcome, pricing_key)
         outcome.search_time_s = time.perf_counter() - t0
     return outcome
 
 
-def _plan_fed_layout(inputs: SearchInputs, layout: ParallelDims, t0: float) -> LayoutOutcome:
+def _plan_fed_layout(inputs: SearchInputs, layout: ParallelDims, t0: float, beat_step_s: float | None) -> LayoutOutcome:
     cost = inputs.cost(layout)
     options = inputs.options(layout)
     lean = with_reduce(cost, reduce_modes(options.grad_reduce, cost)[-1])  # "unit" when planned: the leaner
@@ -238,7 +240,7 @@ def _plan_fed_layout(inputs: SearchInputs, layout: ParallelDims, t0: float) -> L
         return LayoutOutcome(layout, None, f"the longest sequence ({longest} tokens) does not fit even alone, "
                                            f"fully checkpointed, in any of 1 to {max(DEFAULT_SLICE_COUNTS)} slices",
                              time.perf_counter() - t0)
-    result = plan_step(inputs.lengths, inputs.spec, layout, options, cost=cost)
+    result = plan_step(inputs.lengths, inputs.spec, layout, options, cost=cost, beat_step_s=beat_step_s)
     return LayoutOutcome(layout, result, None, time.perf_counter() - t0,
                          sp_rounds=resolve_sp_rounds(options.sp_rounds, layout.sp_degree))
 

@@ -31,6 +31,8 @@ from infinipipe_hf.planner.pipeline.grids import MIN_SLICE_TOKENS, slice_count_c
 from infinipipe_hf.planner.schedules.base import Candidate, Knobs, SearchState
 from infinipipe_hf.planner.schedules.epp_units import epp_units
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext, PipelineSchedule
+from infinipipe_hf.planner.search.whole_units import wanted as whole_units_wanted
+from infinipipe_hf.planner.simulate.simulator import simulate
 
 EXACT_CANDIDATES = 3
 """Knob settings planned and simulated exactly, best estimates first."""
@@ -104,8 +106,42 @@ class EPPSchedule(PipelineSchedule):
         staged = epp_units([n], [[0]], cost, k, None, None)
         return self.plan([n], [[0]], cost, k, None, staged, "full", 1.0)
 
+    def candidates_bound(self, ctx: PipelineContext, below_s: float) -> float | None:
+        """A lower bound of the step any plan this search may return simulates: the least over
+        every candidate it may plan of the candidate's units simulated with no recompute (the
+        finishing solve changes only checkpointing, and less recompute never lengthens a replay).
+        Stops at the first candidate under ``below_s``; None where the search has a candidate of
+        other units (whole sequences in tiles)."""
+        if whole_units_wanted(ctx):
+            return None
+        ranked = _ranked(ctx)[0]
+        families = [ranked, _ranked_with_rounds(ctx, ranked)[0]] if ctx.sp_rounds else [ranked]
+        least = math.inf
+        for family in families:
+            for _, k, floor, staged in family[:MAX_EXACT_CANDIDATES]:
+                plan = self.units_plan(ctx.lengths, ctx.replicas, ctx.cost, k, floor, staged)
+                least = min(least, simulate(plan, ctx.cost, memory=False).step_time_s)
+                if least < below_s:
+                    return least
+        return least
+
     def plan(self, lengths, replicas, cost, k, floor, staged, policy, time_limit) -> Plan:
         """The plan of the staged units (``epp_units``), checkpointed under ``policy``."""
+        plan = self.units_plan(lengths, replicas, cost, k, floor, staged)
+        # Candidates are compared with the greedy on whole layers and diagonal-shared counts: the
+        # cheapest solve, and a fair ranking since every candidate gets the same.
+        sol = solve_checkpointing(plan, cost, policy="greedy" if policy == "adaptive" else policy,
+                                  time_limit_s=time_limit, sharing="diagonal")
+        if not sol.feasible:
+            raise ValueError(sol.message or "no checkpointing fits the memory budget")
+        plan.checkpoint_layers = sol.checkpoint_layers
+        plan.checkpoint_levels = sol.checkpoint_levels
+        plan.info["checkpoint_method"] = sol.method
+        plan.info["recompute_time_s"] = sol.recompute_time_s
+        return plan
+
+    def units_plan(self, lengths, replicas, cost, k, floor, staged) -> Plan:
+        """The plan of the staged units (``epp_units``) with nothing checkpointed yet."""
         units: list[Unit] = []
         actions = {}
         info = {"num_slices": k, "token_budget": [], "balance": []}
@@ -131,22 +167,18 @@ class EPPSchedule(PipelineSchedule):
                     list(cost.layers_per_stage), info, cost.dims.sp_degree, cost.dims.shard)
         if sp_groups:
             _add_rounds(plan, sp_groups, rounds)
-        # Candidates are compared with the greedy on whole layers and diagonal-shared counts: the
-        # cheapest solve, and a fair ranking since every candidate gets the same.
-        sol = solve_checkpointing(plan, cost, policy="greedy" if policy == "adaptive" else policy,
-                                  time_limit_s=time_limit, sharing="diagonal")
-        if not sol.feasible:
-            raise ValueError(sol.message or "no checkpointing fits the memory budget")
-        plan.checkpoint_layers = sol.checkpoint_layers
-        plan.checkpoint_levels = sol.checkpoint_levels
-        plan.info["checkpoint_method"] = sol.method
-        plan.info["recompute_time_s"] = sol.recompute_time_s
         return plan
 
 
 def _ranked(ctx: PipelineContext) -> tuple[list, bool]:
     """Every knob setting as ``(estimate, K, floor, staged)``, best estimate first, and whether
-    the unsliced candidate was moved up to be planned."""
+    the unsliced candidate was moved up to be planned (once per context)."""
+    if "ranked" not in ctx.memo:
+        ctx.memo["ranked"] = _rank(ctx)
+    return ctx.memo["ranked"]
+
+
+def _rank(ctx: PipelineContext) -> tuple[list, bool]:
     lengths, cost = ctx.lengths, ctx.cost
     ranked = []
     floors = token_floor_candidates(lengths, cost.dims) if ctx.max_tokens_per_unit is None else [None]
@@ -163,7 +195,13 @@ def _ranked(ctx: PipelineContext) -> tuple[list, bool]:
 def _ranked_with_rounds(ctx: PipelineContext, whole: list) -> tuple[list, bool]:
     """:func:`_ranked` with SP rounds: the best ``ROUND_CANDIDATES`` whole-group settings, the
     unsliced one and the ``ROUND_TOKEN_FLOORS``, staged with rounds (settings where no replica
-    forms a round are dropped: their whole-group candidate covers them)."""
+    forms a round are dropped: their whole-group candidate covers them); once per context."""
+    if "rounds" not in ctx.memo:
+        ctx.memo["rounds"] = _rank_with_rounds(ctx, whole)
+    return ctx.memo["rounds"]
+
+
+def _rank_with_rounds(ctx: PipelineContext, whole: list) -> tuple[list, bool]:
     lengths, cost = ctx.lengths, ctx.cost
     settings = [(k, floor, staged) for est, k, floor, staged in whole if not math.isinf(est)][:ROUND_CANDIDATES]
     settings += [(k, f, st) for _, k, f, st in whole if (k, f) == (1, None) and (k, f, st) not in settings]

@@ -8,7 +8,7 @@ baselines, one static setting as Megatron and Seq1F1B run; the greedy adaptive s
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
 from infinipipe_hf.ir.plan import Plan
@@ -36,6 +36,8 @@ class PipelineContext:
     time_limit_s: float = 0.25
     sp_rounds: bool = False
     """Also plan short sequences on SP sub-groups in rounds (EPP at ``sp_degree > 1``)."""
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    """What a schedule works out once per context (EPP's ranked knob settings)."""
 
 
 class PipelineSchedule(Schedule):
@@ -60,6 +62,11 @@ class PipelineSchedule(Schedule):
     def leanest_plan(self, cost: CostModel, n: int, max_slices: int) -> Plan:
         """The least memory-hungry plan of one sequence of ``n`` tokens: every layer checkpointed,
         cut into as many slices (at most ``max_slices``) as the schedule can."""
+
+    def candidates_bound(self, ctx: PipelineContext, below_s: float) -> float | None:
+        """A proven lower bound of the step this schedule's search on ``ctx`` may return (it may stop
+        at the first value under ``below_s``), or None where it has none (the default)."""
+        return None
 
     def reject(self, plan: Plan, knobs: Knobs, ctx: PipelineContext) -> str | None:
         cap = ctx.max_tokens_per_unit

@@ -99,11 +99,15 @@ class PlanOptions:
 
 
 def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None = None,
-              options: PlanOptions | None = None, *, cost: CostModel | None = None) -> PlanResult:
+              options: PlanOptions | None = None, *, cost: CostModel | None = None,
+              beat_step_s: float | None = None) -> PlanResult:
     """Plan one training step of ``lengths`` (one global batch) on the layout ``dims`` with
     ``options`` (:class:`PlanOptions`); a ``cost`` passed in is used instead of building one (its
     own ``dims`` when ``dims`` is not given).  A batch of fewer sequences than ``dp_degree`` leaves
-    replicas idle (``plan.info["idle_replicas"]``).
+    replicas idle (``plan.info["idle_replicas"]``).  ``beat_step_s``: a step the caller already
+    has (a layout search's best); when the schedule proves no plan here reaches below it, the
+    search stops there and the result is infeasible with ``beaten_bound_s`` set; otherwise the
+    result is exactly the one without it.
     """
     t0 = time.perf_counter()
     o = PlanOptions() if options is None else options
@@ -122,8 +126,8 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None
     dims = cost.dims
     modes = reduce_modes(o.grad_reduce, cost)
     if len(modes) > 1 or modes[0] != cost.ctx.grad_reduce:
-        return plan_each_reduce(lambda mode, c: plan_step(lengths, spec, options=replace(o, grad_reduce=mode), cost=c),
-                                cost, modes, t0)
+        return plan_each_reduce(lambda mode, c: plan_step(lengths, spec, options=replace(o, grad_reduce=mode), cost=c,
+                                                          beat_step_s=beat_step_s), cost, modes, t0)
     stop = host_states_message(cost, o.schedule)
     if stop is not None:
         return PlanResult(o.schedule, None, None, False, stop, time.perf_counter() - t0, [], dims.sp_degree,
@@ -133,6 +137,11 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None
     rounds = resolve_sp_rounds(o.sp_rounds, dims.sp_degree, o.schedule)
     ctx = PipelineContext(lengths, replicas, cost, sched.checkpoint_policy(o.checkpointing), o.max_tokens_per_unit,
                           o.num_slices, o.solver_time_limit_s, rounds)
+    bound = None if beat_step_s is None else sched.candidates_bound(ctx, beat_step_s)
+    if bound is not None and bound >= beat_step_s:
+        return PlanResult(o.schedule, None, None, False, f"no {o.schedule} plan on {dims.label} can run a step under "
+                          f"{beat_step_s:.4g} s: every candidate takes at least {bound:.4g} s even without recompute",
+                          time.perf_counter() - t0, [], dims.sp_degree, dims.shard, beaten_bound_s=bound)
     state = run_search(sched, ctx)
     if o.schedule == "epp":  # EPP's plan space also holds whole sequences with tiled MLPs
         try_whole_sequences(ctx, state, sched.name)

@@ -55,13 +55,22 @@ def plan_each_reduce(plan_one: Callable[[str, CostModel], PlanResult], cost: Cos
                      modes: tuple[str, ...], t0: float) -> PlanResult:
     """Plan with each of ``modes`` (``plan_one(mode, cost)``) and keep the faster; the result's
     planning time covers all of them and its plan's ``info["grad_reduce_tried"]`` lists each
-    mode's simulated step time (``None``: no plan fit)."""
+    mode's simulated step time (``None``: no plan fit).  A mode ``plan_one`` stops short of a
+    caller's step (``PlanResult.beaten_bound_s``) is left out; when no other mode's plan runs
+    under its bound the result is that stopped one, bounded by the least step of them all."""
     results = {mode: plan_one(mode, with_reduce(cost, mode)) for mode in modes}
-    best = results[modes[0]]
-    for r in list(results.values())[1:]:
+    planned = [r for r in results.values() if r.beaten_bound_s is None]
+    best = planned[0] if planned else None
+    for r in planned[1:]:
         best = faster(best, r)
+    floor = min((r.beaten_bound_s for r in results.values() if r.beaten_bound_s is not None), default=None)
+    if floor is not None and not (best is not None and best.feasible and best.simulation.step_time_s < floor):
+        # A mode stopped by the caller's step, and no other mode's plan beats its bound: the step
+        # the full search would return is at least the least of them all.
+        best = next(r for r in results.values() if r.beaten_bound_s is not None)
+        best.beaten_bound_s = min([floor] + [r.simulation.step_time_s for r in planned if r.feasible])
     best.planning_time_s = time.perf_counter() - t0
-    if best.plan is not None and len(modes) > 1:
+    if best.plan is not None and len(planned) > 1:
         best.plan.info["grad_reduce_tried"] = {
             m: (r.simulation.step_time_s if r.feasible else None) for m, r in results.items()}
     return best
@@ -71,8 +80,10 @@ def plans_otherwise(asked: str, planned, layout) -> bool:
     """Whether ``layout`` may plan otherwise than the outcome ``planned`` of a layout priced alike
     (the layout search's pricing key) because only one of them can reduce gradients per unit
     (``sp`` but not ``hybrid`` across DP replicas)."""
-    if asked == "step" or planned.result is None:
+    if asked == "step":
         return False
     here, there = unit_reduce_problem(layout) is None, unit_reduce_problem(planned.layout) is None
+    if planned.result is None:  # ruled out (alike for both), or pruned by a bound of its own modes only
+        return here and not there and getattr(planned, "bound_step_time_s", None) is not None
     shared = getattr(planned.result.plan, "grad_reduce", "step")
     return here != there and not (shared == "step" and not here)

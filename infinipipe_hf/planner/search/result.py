@@ -31,6 +31,9 @@ class PlanResult:
     """GPUs an alternative was planned for."""
     label: str | None = None
     """How tables name this result when the schedule appears twice (``epp (whole-group SP)``)."""
+    beaten_bound_s: float | None = None
+    """Set when planning stopped because no plan could beat the caller's step (``plan_step``'s
+    ``beat_step_s``): a lower bound of the step the full search would have returned."""
 
     @property
     def name(self) -> str:

@@ -64,17 +64,20 @@ class _Totals:
     recompute: float = 0.0
     sync: float = 0.0
     tail: float = 0.0
+    memory: bool = True
+    """Whether memory is walked (``simulate``'s ``memory``)."""
 
 
-def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
+def simulate(plan: Plan, cost: CostModel, memory: bool = True) -> SimulationResult:
     """Replay ``plan`` under ``cost`` (as the plan was priced: :meth:`CostModel.for_plan`); raises
-    :class:`PlanDeadlockError` if it cannot complete."""
+    :class:`PlanDeadlockError` if it cannot complete.  ``memory=False`` times the plan alone (a
+    bound's replay): no memory walk, peaks 0 and ``feasible`` False."""
     cost = cost.for_plan(plan) if hasattr(cost, "for_plan") else cost  # test doubles lack it
     _check_cost(plan, cost)
     steps = RoundSteps(plan) if has_sub_groups(plan) else None
     costs = ActionCosts(plan, cost, steps)
     p = plan.pp_degree
-    totals = _Totals([0.0] * p, CopyLane(plan, cost, costs))
+    totals = _Totals([0.0] * p, CopyLane(plan, cost, costs), memory=memory)
     replicas = sorted(plan.actions)
     lists = {r: plan.actions[r] if steps is None else steps.lists[r] for r in replicas}
     joint = _replica_replays(plan, cost, costs, lists)
@@ -102,7 +105,7 @@ def simulate(plan: Plan, cost: CostModel) -> SimulationResult:
         recompute_time_s=totals.recompute,
         events=totals.events,
         memory_timeline=totals.timeline,
-        feasible=all(x <= budget for x in totals.peaks),
+        feasible=memory and all(x <= budget for x in totals.peaks),
         info={"num_pipelines": plan.num_pipelines, "num_units": len(plan.units),
               **({"gradient_sync_s": totals.sync} if totals.sync else {}),
               **({"state_step_tail_s": totals.tail} if totals.tail else {})},
@@ -147,8 +150,8 @@ def _add_replica(plan: Plan, cost: CostModel, costs: ActionCosts, r: int, rep: R
             totals.events.append(ActionEvent(r, s, str(a), rep.start[s][i], rep.end[s][i], rec))
             _add_copy(totals, totals.lane.action_event(r, s, a, rep.start[s][i]))
         _stage_end(cost, r, rep, s, acts, totals)
-        values = stage_point_values(plan, cost, r, s)
-        _add_memory(cost, r, s, rep, values, totals)
+        if totals.memory:
+            _add_memory(cost, r, s, rep, stage_point_values(plan, cost, r, s), totals)
 
 
 def _add_round_replica(plan: Plan, cost: CostModel, costs: ActionCosts, steps: RoundSteps, r: int,
@@ -167,6 +170,8 @@ def _add_round_replica(plan: Plan, cost: CostModel, costs: ActionCosts, steps: R
                 _add_copy(totals, totals.lane.action_event(r, s, a, start))
             totals.recompute += worst
         _stage_end(cost, r, rep, s, acts, totals)
+        if not totals.memory:
+            continue
         cache: dict = {}
         per_rank = [stage_point_values(view, cost, r, s, cache) for view in steps.views]
         _add_memory(cost, r, s, rep, [max(vs) for vs in zip(*per_rank)], totals)

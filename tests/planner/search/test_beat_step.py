@@ -1,0 +1,62 @@
+"""``plan_step(beat_step_s=...)``: the search stops only where no plan could run under the caller's
+step (its bound is at most the full search's step), and is exactly the full search otherwise.
+
+The bound replays every candidate the search may plan with nothing recomputed; the layouts cover
+pipelines, SP groups with rounds and both gradient reductions, sharding and a host tier, where
+the finishing solve changes the checkpointing (and K/V stores) of the same units."""
+import pytest
+
+from infinipipe_hf.ir.model_spec import ModelSpec
+from infinipipe_hf.layout import ParallelDims
+from infinipipe_hf.planner.cost.model import GIB
+from infinipipe_hf.planner.search.api import PlanOptions, plan_step
+
+SPEC = ModelSpec.from_config_dict({
+    "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 65536})
+LONG_TAIL = [9000, 3000, 1200, 800, 500, 300, 200, 100, 64, 32]
+SHORT = [512, 480, 400, 350, 300, 256, 200, 128, 100, 64, 50, 32]
+CASES = {
+    "pp1": (ParallelDims(1, 1, 1, gpus_per_node=8), 0.0, LONG_TAIL),
+    "pp4": (ParallelDims(4, 1, 1, gpus_per_node=8), 0.0, LONG_TAIL),
+    "pp2-dp2-shard-dp": (ParallelDims(2, 1, 2, "dp", gpus_per_node=8), 0.0, LONG_TAIL),
+    "pp2-sp2-rounds": (ParallelDims(2, 2, 1, "sp", gpus_per_node=8), 0.0, LONG_TAIL + SHORT),
+    "pp1-sp4-rounds": (ParallelDims(1, 4, 1, "sp", gpus_per_node=8), 0.0, LONG_TAIL + SHORT),
+    "pp2-host": (ParallelDims(2, 1, 1, gpus_per_node=8, state_offload="optimizer"), 1.0, LONG_TAIL),
+}
+
+
+BUDGET = 0.3 * GIB
+
+
+def _same(a, b) -> bool:
+    """The same plan; ``grad_reduce_tried`` lists only the modes planned in full."""
+    da, db = a.plan.to_dict(), b.plan.to_dict()
+    for d in (da, db):
+        d["info"].pop("grad_reduce_tried", None)
+    return da == db and a.simulation.step_time_s == b.simulation.step_time_s
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_stopped_only_where_no_plan_runs_under_the_step_and_exact_otherwise(name):
+    dims, host_gib, lengths = CASES[name]
+    options = PlanOptions(memory_budget_bytes=BUDGET, host_memory_budget_bytes=host_gib * GIB)
+    full = plan_step(lengths, SPEC, dims, options)
+    assert full.feasible and full.simulation.recompute_time_s > 0, full.error  # the finishing solve has work
+    step = full.simulation.step_time_s
+    stopped = plan_step(lengths, SPEC, dims, options, beat_step_s=1e-9)
+    assert not stopped.feasible and stopped.plan is None and "even without recompute" in stopped.error
+    assert 0 < stopped.beaten_bound_s <= step  # the bound holds against the full search
+    between = plan_step(lengths, SPEC, dims, options, beat_step_s=(stopped.beaten_bound_s + step) / 2)
+    assert (between.beaten_bound_s is not None and between.beaten_bound_s <= step) or _same(between, full)
+    for beat in (step * 1.000001, step * 1.5):  # a plan runs under it: planned in full
+        got = plan_step(lengths, SPEC, dims, options, beat_step_s=beat)
+        assert got.beaten_bound_s is None and _same(got, full)
+
+
+def test_a_search_with_whole_sequence_candidates_is_never_stopped():
+    """One stage with a host tier also tries whole sequences with tiled MLPs (other units): no bound."""
+    options = PlanOptions(memory_budget_bytes=BUDGET, host_memory_budget_bytes=1.0 * GIB)
+    full = plan_step(LONG_TAIL, SPEC, ParallelDims(1, 1, 1, gpus_per_node=8), options)
+    got = plan_step(LONG_TAIL, SPEC, ParallelDims(1, 1, 1, gpus_per_node=8), options, beat_step_s=1e-9)
+    assert full.feasible and got.beaten_bound_s is None and _same(got, full)
