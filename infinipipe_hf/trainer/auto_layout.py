@@ -93,7 +93,8 @@ def choose(batches, spec, args, world_size: int, gpus_per_node: int | None, memo
 
     ``batches``: the batches' sequence lengths, or ``dp_degree -> batches`` (the sampler's batches
     depend on how many replicas they feed, so each DP degree is searched on its own).  A layout
-    must fit every batch of its DP degree; the pick has the most tokens per second over them.
+    must fit every batch of its DP degree; the pick has the most tokens per second over them (so
+    with several batches every layout is planned in full: one pruned on a batch may win the sum).
     ``ValueError`` (the search's message) when no layout can run or none fits."""
     from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
     from infinipipe_hf.planner.layout_search.result import NoLayoutFits
@@ -120,7 +121,7 @@ def choose(batches, spec, args, world_size: int, gpus_per_node: int | None, memo
                                         memory_budget_bytes=memory_budget_bytes, profile=profile,
                                         sp_degrees=sp_degrees, shards=shards, alternatives=False,
                                         plan_options=options, dp_degrees=(dp,), host_budget_bytes=host,
-                                        state_offloads=offloads, longest=False)
+                                        state_offloads=offloads, longest=False, prune=len(dp_batches) == 1)
             except NoLayoutFits as exc:
                 search, no_fit = exc.search, no_fit or exc
             search.settings["tokens_per_step"] = args.tokens_per_step  # the run's, not this batch's count

@@ -121,3 +121,16 @@ def test_choose_plans_with_every_planning_setting(tmp_path, monkeypatch):
                  loss_chunk_tokens=1024, sp_rounds=False, grad_reduce="step", solver_time_limit_s=0.5)
     choose([[37, 11, 8, 5]], SPEC, _args(tmp_path, pp_degree="auto", **knobs), 1, 1, 2**30)
     assert seen == knobs
+
+
+def test_choose_plans_every_layout_in_full_when_it_sums_several_batches(tmp_path, monkeypatch):
+    """A layout pruned on one batch (slower than that batch's best) may still have the most tokens/s
+    over all of them, so only a single batch is searched with pruning."""
+    from infinipipe_hf.planner.layout_search import search as search_module
+
+    pruned, real = [], search_module.search_layouts
+    monkeypatch.setattr(search_module, "search_layouts", lambda *a, **kw: pruned.append(kw["prune"]) or real(*a, **kw))
+    args = _args(tmp_path, pp_degree="auto")
+    choose([[37, 11, 8, 5]], SPEC, args, 1, 1, 2**30)
+    choose([[37, 11, 8, 5], [90, 3]], SPEC, args, 1, 1, 2**30)
+    assert pruned == [True, False, False]

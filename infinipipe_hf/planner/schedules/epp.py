@@ -119,7 +119,10 @@ class EPPSchedule(PipelineSchedule):
         least = math.inf
         for family in families:
             for _, k, floor, staged in family[:MAX_EXACT_CANDIDATES]:
-                plan = self.units_plan(ctx.lengths, ctx.replicas, ctx.cost, k, floor, staged)
+                try:
+                    plan = self.units_plan(ctx.lengths, ctx.replicas, ctx.cost, k, floor, staged)
+                except ValueError:  # a knob value the search would record as infeasible
+                    continue
                 least = min(least, simulate(plan, ctx.cost, memory=False).step_time_s)
                 if least < below_s:
                     return least
