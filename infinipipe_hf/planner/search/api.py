@@ -126,8 +126,8 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None
     dims = cost.dims
     modes = reduce_modes(o.grad_reduce, cost)
     if len(modes) > 1 or modes[0] != cost.ctx.grad_reduce:
-        return plan_each_reduce(lambda mode, c: plan_step(lengths, spec, options=replace(o, grad_reduce=mode), cost=c,
-                                                          beat_step_s=beat_step_s), cost, modes, t0)
+        return plan_each_reduce(lambda mode, c, beat: plan_step(lengths, spec, options=replace(o, grad_reduce=mode),
+                                                                cost=c, beat_step_s=beat), cost, modes, t0, beat_step_s)
     stop = host_states_message(cost, o.schedule)
     if stop is not None:
         return PlanResult(o.schedule, None, None, False, stop, time.perf_counter() - t0, [], dims.sp_degree,

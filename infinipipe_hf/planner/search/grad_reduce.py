@@ -6,12 +6,14 @@ simulated: ``step`` holds every unsharded fp32 gradient through the step (more r
 fit, where memory is tight) but pays one reduce-scatter per layer per step; ``unit`` frees them
 after each backward for a reduce-scatter per unit and layer (slower on many small units).  Both
 are priced by the same cost model (``CostModel(grad_reduce=...)``), so the pick is the
-simulator's, not a rule of thumb.  The plan records it (``Plan.grad_reduce``); the runtime
+simulator's, not a rule of thumb.  ``unit`` is planned first and ``step`` runs under its step
+(``plan_step``'s ``beat_step_s``): a ``step`` search that provably cannot be faster stops early.  The plan records it (``Plan.grad_reduce``); the runtime
 follows the plan.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Callable
 
@@ -51,14 +53,22 @@ def faster(a: PlanResult, b: PlanResult) -> PlanResult:
     return b if b.simulation.step_time_s < a.simulation.step_time_s else a
 
 
-def plan_each_reduce(plan_one: Callable[[str, CostModel], PlanResult], cost: CostModel,
-                     modes: tuple[str, ...], t0: float) -> PlanResult:
+def plan_each_reduce(plan_one: Callable[[str, CostModel, float | None], PlanResult], cost: CostModel,
+                     modes: tuple[str, ...], t0: float, beat_step_s: float | None = None) -> PlanResult:
     """Plan with each of ``modes`` (``plan_one(mode, cost)``) and keep the faster; the result's
     planning time covers all of them and its plan's ``info["grad_reduce_tried"]`` lists each
-    mode's simulated step time (``None``: no plan fit).  A mode ``plan_one`` stops short of a
-    caller's step (``PlanResult.beaten_bound_s``) is left out; when no other mode's plan runs
+    mode's simulated step time (``None``: no plan fit).  Modes are planned last first, each under
+    the least of the caller's ``beat_step_s`` and the steps already planned (a later plan is kept
+    only when strictly faster, so ties still go to the first mode).  A mode ``plan_one`` stops
+    short of that step (``PlanResult.beaten_bound_s``) is left out; when no other mode's plan runs
     under its bound the result is that stopped one, bounded by the least step of them all."""
-    results = {mode: plan_one(mode, with_reduce(cost, mode)) for mode in modes}
+    results: dict[str, PlanResult] = {}
+    for mode in reversed(modes):  # per unit first: its step may stop the per-step search early
+        beats = [] if beat_step_s is None else [beat_step_s]
+        beats += [math.nextafter(r.simulation.step_time_s, math.inf) for r in results.values()
+                  if r.beaten_bound_s is None and r.feasible]  # kept only when strictly faster
+        results[mode] = plan_one(mode, with_reduce(cost, mode), min(beats, default=None))
+    results = {mode: results[mode] for mode in modes}  # ties go to the first mode, as always
     planned = [r for r in results.values() if r.beaten_bound_s is None]
     best = planned[0] if planned else None
     for r in planned[1:]:

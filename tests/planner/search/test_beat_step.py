@@ -4,12 +4,17 @@ step (its bound is at most the full search's step), and is exactly the full sear
 The bound replays every candidate the search may plan with nothing recomputed; the layouts cover
 pipelines, SP groups with rounds and both gradient reductions, sharding and a host tier, where
 the finishing solve changes the checkpointing (and K/V stores) of the same units."""
+import math
+import types
+
 import pytest
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.cost.model import GIB
 from infinipipe_hf.planner.search.api import PlanOptions, plan_step
+from infinipipe_hf.planner.search.grad_reduce import plan_each_reduce
+from infinipipe_hf.planner.search.result import PlanResult
 
 SPEC = ModelSpec.from_config_dict({
     "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 8,
@@ -31,9 +36,8 @@ BUDGET = 0.3 * GIB
 
 def _same(a, b) -> bool:
     """The same plan; ``grad_reduce_tried`` lists only the modes planned in full."""
-    da, db = a.plan.to_dict(), b.plan.to_dict()
-    for d in (da, db):
-        d["info"].pop("grad_reduce_tried", None)
+    da, db = ({**d, "info": {k: v for k, v in d["info"].items() if k != "grad_reduce_tried"}}
+              for d in (a.plan.to_dict(), b.plan.to_dict()))
     return da == db and a.simulation.step_time_s == b.simulation.step_time_s
 
 
@@ -60,3 +64,48 @@ def test_a_search_with_whole_sequence_candidates_is_never_stopped():
     full = plan_step(LONG_TAIL, SPEC, ParallelDims(1, 1, 1, gpus_per_node=8), options)
     got = plan_step(LONG_TAIL, SPEC, ParallelDims(1, 1, 1, gpus_per_node=8), options, beat_step_s=1e-9)
     assert full.feasible and got.beaten_bound_s is None and _same(got, full)
+
+
+@pytest.mark.parametrize("name", ["pp2-sp2-rounds", "pp1-sp4-rounds"])
+def test_auto_reduction_is_the_faster_of_the_two_planned_alone(name):
+    """Sharded over SP, ``auto`` plans the per-unit reduction first and gives the per-step search
+    that step: the pick is the faster of the two planned alone (the per-step one on a tie)."""
+    dims, host_gib, lengths = CASES[name]
+    alone = {mode: plan_step(lengths, SPEC, dims, PlanOptions(memory_budget_bytes=BUDGET, grad_reduce=mode))
+             for mode in ("step", "unit")}
+    auto = plan_step(lengths, SPEC, dims, PlanOptions(memory_budget_bytes=BUDGET))
+    step, unit = (alone[m].simulation.step_time_s for m in ("step", "unit"))
+    assert _same(auto, alone["unit"] if unit < step else alone["step"])
+
+
+def _result(step_s: float | None = None, bound_s: float | None = None) -> PlanResult:
+    sim = None if step_s is None else types.SimpleNamespace(step_time_s=step_s)
+    plan = None if step_s is None else types.SimpleNamespace(info={})
+    return PlanResult("epp", plan, sim, step_s is not None, None, 0.0, beaten_bound_s=bound_s)
+
+
+@pytest.mark.parametrize("got, caller, want_beat, want", [
+    ({"unit": (1.0, None), "step": (None, 1.2)}, None, math.nextafter(1.0, math.inf), ("unit", None)),
+    ({"unit": (1.0, None), "step": (0.9, None)}, None, math.nextafter(1.0, math.inf), ("step", None)),
+    ({"unit": (1.0, None), "step": (1.0, None)}, None, math.nextafter(1.0, math.inf), ("step", None)),
+    ({"unit": (1.0, None), "step": (None, 0.6)}, 0.5, 0.5, ("step", 0.6)),
+    ({"unit": (None, 0.7), "step": (None, 0.6)}, 0.5, 0.5, ("step", 0.6)),
+])
+def test_each_reduction_gets_the_step_to_beat_and_the_combination_is_the_full_searchs(got, caller, want_beat, want):
+    """Per unit first; per step then runs under the per-unit step (kept only when strictly faster,
+    the per-step plan on a tie as before) or the caller's, whichever is less.  A stopped mode only
+    wins when nothing planned beats its bound, and then says the least bound of all."""
+    beats = {}
+
+    def plan_one(mode, cost, beat):
+        beats[mode] = beat
+        return _result(*got[mode])
+
+    cost = PlanOptions(memory_budget_bytes=BUDGET).cost(SPEC, ParallelDims(1, 2, 1, "sp", gpus_per_node=8))
+    best = plan_each_reduce(plan_one, cost, ("step", "unit"), 0.0, caller)
+    assert list(beats) == ["unit", "step"] and beats["unit"] == caller and beats["step"] == want_beat
+    mode, bound = want
+    assert best is not None and best.beaten_bound_s == bound
+    if bound is None:
+        assert best.simulation.step_time_s == got[mode][0] and best.plan.info.get("grad_reduce_tried", {}) == (
+            {m: got[m][0] for m in ("step", "unit")} if got["step"][0] is not None else {})
