@@ -97,8 +97,15 @@ def _pruned(inputs, layout: ParallelDims, bound: float, best: LayoutOutcome, too
     if not inputs.host_budget_bytes and not fits_alone(inputs.cost(layout), max(inputs.lengths),
                                                        inputs.plan_options.get("num_slices")):
         return None  # ruled out when planned, which says why (the check costs a plan of one sequence)
-    return PrunedOutcome(layout, None, None, took_s, bound_step_time_s=bound,
-                         bound_tokens_per_s=ceiling, beaten_by=f"{best.layout.label} shard {best.layout.shard}",
+    return pruned_by(inputs, layout, bound, best, took_s, "compute")
+
+
+def pruned_by(inputs, layout: ParallelDims, bound: float, best: LayoutOutcome, took_s: float,
+              basis: str) -> PrunedOutcome:
+    """``layout`` pruned: its step is at least ``bound`` seconds (by ``basis``), slower than ``best``."""
+    return PrunedOutcome(layout, None, None, took_s, bound_step_time_s=bound, basis=basis,
+                         bound_tokens_per_s=sum(inputs.lengths) / bound,
+                         beaten_by=f"{best.layout.label} shard {best.layout.shard}",
                          beaten_tokens_per_s=best.tokens_per_s)
 
 
@@ -116,10 +123,7 @@ def stopped(inputs, outcome: LayoutOutcome, best: LayoutOutcome | None) -> Layou
     bound = getattr(outcome.result, "beaten_bound_s", None)
     if bound is None or best is None:
         return outcome
-    return PrunedOutcome(outcome.layout, None, None, outcome.search_time_s, bound_step_time_s=bound,
-                         bound_tokens_per_s=sum(inputs.lengths) / bound, basis="candidates",
-                         beaten_by=f"{best.layout.label} shard {best.layout.shard}",
-                         beaten_tokens_per_s=best.tokens_per_s)
+    return pruned_by(inputs, outcome.layout, bound, best, outcome.search_time_s, "candidates")
 
 
 def _better(best: LayoutOutcome | None, outcome: LayoutOutcome) -> LayoutOutcome | None:

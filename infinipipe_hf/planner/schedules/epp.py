@@ -85,10 +85,8 @@ class EPPSchedule(PipelineSchedule):
         return epp_warmup(dims, sum(1 for u in units if first_seq in u.seqs))
 
     def candidates(self, ctx: PipelineContext, state: SearchState) -> Iterator[Candidate]:
-        ranked, moved = _ranked(ctx)
-        yield from self._planned(ctx, state, ranked, moved, False)
-        if ctx.sp_rounds:
-            yield from self._planned(ctx, state, *_ranked_with_rounds(ctx, ranked), True)
+        for ranked, moved, rounds in _families(ctx):
+            yield from self._planned(ctx, state, ranked, moved, rounds)
 
     def _planned(self, ctx: PipelineContext, state: SearchState, ranked: list, moved: bool,
                  rounds: bool) -> Iterator[Candidate]:
@@ -114,11 +112,9 @@ class EPPSchedule(PipelineSchedule):
         other units (whole sequences in tiles)."""
         if whole_units_wanted(ctx):
             return None
-        ranked = _ranked(ctx)[0]
-        families = [ranked, _ranked_with_rounds(ctx, ranked)[0]] if ctx.sp_rounds else [ranked]
         least = math.inf
-        for family in families:
-            for _, k, floor, staged in family[:MAX_EXACT_CANDIDATES]:
+        for ranked, _, _ in _families(ctx):
+            for _, k, floor, staged in ranked[:MAX_EXACT_CANDIDATES]:  # what ``_planned`` may plan
                 try:
                     plan = self.units_plan(ctx.lengths, ctx.replicas, ctx.cost, k, floor, staged)
                 except ValueError:  # a knob value the search would record as infeasible
@@ -173,6 +169,14 @@ class EPPSchedule(PipelineSchedule):
         return plan
 
 
+def _families(ctx: PipelineContext) -> Iterator[tuple[list, bool, bool]]:
+    """The search's families of knob settings in the order it plans them, as ``(ranked, moved,
+    sp_rounds)``: on whole SP groups (:func:`_ranked`), then with SP rounds when the context has them."""
+    yield (*_ranked(ctx), False)
+    if ctx.sp_rounds:
+        yield (*_ranked_with_rounds(ctx), True)
+
+
 def _ranked(ctx: PipelineContext) -> tuple[list, bool]:
     """Every knob setting as ``(estimate, K, floor, staged)``, best estimate first, and whether
     the unsliced candidate was moved up to be planned (once per context)."""
@@ -195,12 +199,12 @@ def _rank(ctx: PipelineContext) -> tuple[list, bool]:
     return _ordered(ranked)
 
 
-def _ranked_with_rounds(ctx: PipelineContext, whole: list) -> tuple[list, bool]:
+def _ranked_with_rounds(ctx: PipelineContext) -> tuple[list, bool]:
     """:func:`_ranked` with SP rounds: the best ``ROUND_CANDIDATES`` whole-group settings, the
     unsliced one and the ``ROUND_TOKEN_FLOORS``, staged with rounds (settings where no replica
     forms a round are dropped: their whole-group candidate covers them); once per context."""
     if "rounds" not in ctx.memo:
-        ctx.memo["rounds"] = _rank_with_rounds(ctx, whole)
+        ctx.memo["rounds"] = _rank_with_rounds(ctx, _ranked(ctx)[0])
     return ctx.memo["rounds"]
 
 

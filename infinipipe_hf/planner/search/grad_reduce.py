@@ -7,8 +7,8 @@ fit, where memory is tight) but pays one reduce-scatter per layer per step; ``un
 after each backward for a reduce-scatter per unit and layer (slower on many small units).  Both
 are priced by the same cost model (``CostModel(grad_reduce=...)``), so the pick is the
 simulator's, not a rule of thumb.  ``unit`` is planned first and ``step`` runs under its step
-(``plan_step``'s ``beat_step_s``): a ``step`` search that provably cannot be faster stops early.  The plan records it (``Plan.grad_reduce``); the runtime
-follows the plan.
+(``plan_step``'s ``beat_step_s``): a ``step`` search that provably cannot be faster stops early.
+The plan records the pick (``Plan.grad_reduce``); the runtime follows the plan.
 """
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def faster(a: PlanResult, b: PlanResult) -> PlanResult:
 
 def plan_each_reduce(plan_one: Callable[[str, CostModel, float | None], PlanResult], cost: CostModel,
                      modes: tuple[str, ...], t0: float, beat_step_s: float | None = None) -> PlanResult:
-    """Plan with each of ``modes`` (``plan_one(mode, cost)``) and keep the faster; the result's
-    planning time covers all of them and its plan's ``info["grad_reduce_tried"]`` lists each
-    mode's simulated step time (``None``: no plan fit).  Modes are planned last first, each under
+    """Plan with each of ``modes`` (``plan_one(mode, cost, beat_step_s)``) and keep the faster; the
+    result's planning time covers all of them and its plan's ``info["grad_reduce_tried"]`` lists
+    each mode's simulated step time (``None``: no plan fit).  Modes are planned last first, each under
     the least of the caller's ``beat_step_s`` and the steps already planned (a later plan is kept
     only when strictly faster, so ties still go to the first mode).  A mode ``plan_one`` stops
     short of that step (``PlanResult.beaten_bound_s``) is left out; when no other mode's plan runs
