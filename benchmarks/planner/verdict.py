@@ -26,6 +26,19 @@ and 1 G parameters/s per GPU).  Such runs go to ``planner_verdict_host.json`` (o
     python -m benchmarks.planner.verdict --host-memory-gib 256   # a DGX H100's 2 TiB over 8 GPUs
     python -m benchmarks.planner.verdict --host-memory-gib 256 --host-link-gbps 25 --host-adamw-gparams 0.5
 
+``--activation-scale S`` prices every system's decoder layer as keeping ``S`` times the profile's
+measured activation bytes per token (a what-if for leaner layers, e.g. 0.8246: the share of a 13B
+layer's bytes beyond what HF's two RMSNorms need, their input; EPP and every alternative alike).
+
+    python -m benchmarks.planner.verdict --activation-scale 0.8246 --out benchmarks/results/planner_verdict_activation_scale.json
+
+``--gpu-memory-gib G`` runs the same searches on GPUs of G GiB (the budget the CLI derives from it):
+where FlexSP's few rounds of single-GPU units sit near the budget, the pick must still not trail
+it.  Such runs go to ``planner_verdict_memory.json``, one entry of its ``runs`` per size.
+
+    python -m benchmarks.planner.verdict --gpu-memory-gib 48
+    python -m benchmarks.planner.verdict --gpu-memory-gib 40
+
 ``--flexsp-milp`` also plans FlexSP per batch with its bucketed MILP group solver (1 s per round
 problem) beside the greedy one the search uses, so a row shows whether the verdict's FlexSP is
 the best FlexSP the repository can plan (minutes per batch).
@@ -56,7 +69,10 @@ from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan
 
 OUT = RESULTS / "planner_verdict.json"
 HOST_OUT = RESULTS / "planner_verdict_host.json"
+MEMORY_OUT = RESULTS / "planner_verdict_memory.json"
 MODEL = REPO / "infinipipe_hf" / "models" / "configs" / "llama2-13b.json"
+DEFAULT_DEVICE = ["--gpu-memory-gib", "80"]
+"""The CLI arguments of the verdict's own setting (80 GiB GPUs, no host tier, the shipped profile)."""
 SEED = 1
 """Held out: the planner tables' batches use seed 0."""
 
@@ -74,10 +90,13 @@ def search(lengths: list[int], tmp: Path, name: str, extra: list[str]) -> tuple[
     path = tmp / f"{name.replace(' ', '_')}.txt"
     path.write_text("\n".join(map(str, lengths)))
     cmd = [sys.executable, "-m", "infinipipe_hf.plan", "--model", str(MODEL), "--lengths", str(path),
-           "--world-size", "8", "--gpus-per-node", "8", "--gpu-memory-gib", "80", *extra, "--search-layout", "--json"]
+           "--world-size", "8", "--gpus-per-node", "8", *extra, "--search-layout", "--json"]
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return json.loads(out), time.perf_counter() - t0, cmd
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 and "no layout of" not in done.stderr:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    got = json.loads(done.stdout) if done.returncode == 0 else {"no_layout_fits": done.stderr.strip().splitlines()[-1]}
+    return got, time.perf_counter() - t0, cmd
 
 
 def per_unit_reduce_what_if(lengths: list[int], budget_bytes: float) -> dict:
@@ -137,10 +156,15 @@ def flexsp_solvers(lengths: list[int], budget_bytes: float) -> dict:
 def row(name: str, lengths: list[int], tmp: Path, extra: list[str], flexsp_milp: bool = False,
         host_gib: float = 0.0, profile: str | None = None) -> dict:
     got, wall, cmd = search(lengths, tmp, name, extra)
+    if "no_layout_fits" in got:  # no EPP layout fits (the CLI's error says why)
+        print(f"{name:16s} no layout fits; search {wall:.1f} s", flush=True)
+        return {"batch": name, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
+                "no_layout_fits": got["no_layout_fits"], "search_wall_s": wall,
+                "command": " ".join(cmd[1:]).replace(str(tmp), "TMP")}
     rec = got["recommended"]
     over = rec["over_alternatives"]
     best_alt = max(got["alternatives"], key=lambda a: a.get("tokens_per_s") or 0.0)
-    what_if = None if extra else per_unit_reduce_what_if(lengths, got["memory_budget_bytes"])
+    what_if = None if extra != DEFAULT_DEVICE else per_unit_reduce_what_if(lengths, got["memory_budget_bytes"])
     r = {"batch": name, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
          "recommended": {**{k: rec[k] for k in ("label", "shard", "tokens_per_s", "peak_memory_bytes")},
                          "grad_reduce": rec["plan"].get("grad_reduce"), "state_offload": rec.get("state_offload"),
@@ -161,7 +185,7 @@ def row(name: str, lengths: list[int], tmp: Path, extra: list[str], flexsp_milp:
 
 def pricing_profile(args, tmp: Path) -> tuple[str | None, str]:
     """The profile file the searches get (None: the CLI's default) and its description."""
-    if args.host_link_gbps is None and args.host_adamw_gparams is None:
+    if args.host_link_gbps is None and args.host_adamw_gparams is None and args.activation_scale is None:
         return args.profile, args.profile or "shipped default"
     base = HardwareProfile.load(args.profile) if args.profile else default_profile()
     changed = {}
@@ -169,18 +193,21 @@ def pricing_profile(args, tmp: Path) -> tuple[str | None, str]:
         changed["host_bandwidth_bytes_per_s"] = args.host_link_gbps * 1e9
     if args.host_adamw_gparams is not None:
         changed["host_optimizer_params_per_s"] = args.host_adamw_gparams * 1e9
+    if args.activation_scale is not None:
+        changed["activation_bytes_per_token_per_layer"] = base.activation_bytes_per_token_per_layer * args.activation_scale
     path = tmp / "profile.json"
     dataclasses.replace(base, **changed).save(path)
     return str(path), (f"{args.profile or 'shipped default'} with " + ", ".join(f"{k}={v:g}" for k, v in changed.items()))
 
 
 def save(out: Path, result: dict, keyed: bool) -> None:
-    """Write ``result``; ``keyed`` (a host tier or another profile): as one of the file's ``runs``,
-    replacing the run of the same host memory and profile, so the settings sit side by side."""
+    """Write ``result``; ``keyed`` (another GPU size, a host tier or another profile): as one of the
+    file's ``runs``, replacing the run of the same settings, so the settings sit side by side."""
     if keyed:
         runs = json.loads(out.read_text()).get("runs", []) if out.exists() else []
-        key = (result["host_memory_gib"], result["profile"])
-        result = {"runs": [r for r in runs if (r["host_memory_gib"], r["profile"]) != key] + [result]}
+        names = ("gpu_memory_gib", "host_memory_gib", "profile")
+        key = tuple(result[k] for k in names)
+        result = {"runs": [r for r in runs if tuple(r.get(k, 80) for k in names) != key] + [result]}
     out.write_text(json.dumps(result, indent=1))
 
 
@@ -188,23 +215,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help=f"default {OUT.name}, or {HOST_OUT.name} with a host tier or a profile")
     ap.add_argument("--n", type=int, default=512, help="sequences per batch")
+    ap.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory (default 80: an H100)")
     ap.add_argument("--host-memory-gib", type=float, default=0.0, help="host memory per GPU (default 0: no host tier)")
     ap.add_argument("--profile", default=None, help="a profile JSON to price with (default: the shipped default)")
     ap.add_argument("--host-link-gbps", type=float, default=None, help="host link GB/s per direction per GPU")
     ap.add_argument("--host-adamw-gparams", type=float, default=None, help="CPU AdamW, 1e9 parameters/s per GPU")
+    ap.add_argument("--activation-scale", type=float, default=None,
+                    help="what-if: every layer keeps this times the profile's activation bytes per token")
     ap.add_argument("--flexsp-milp", action="store_true", help="also plan FlexSP with its MILP group solver (slow)")
     args = ap.parse_args()
     load = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         profile, described = pricing_profile(args, Path(tmp))
-        extra = (["--host-memory-gib", f"{args.host_memory_gib:g}"] if args.host_memory_gib else []) + (
+        extra = ["--gpu-memory-gib", f"{args.gpu_memory_gib:g}"] + (
+            ["--host-memory-gib", f"{args.host_memory_gib:g}"] if args.host_memory_gib else []) + (
             ["--profile", profile] if profile else [])
-        out = Path(args.out) if args.out else (HOST_OUT if extra else OUT)
+        out = Path(args.out) if args.out else (OUT if extra == DEFAULT_DEVICE else
+                                               HOST_OUT if extra[2:] else MEMORY_OUT)
         for name, lengths in held_out_batches(args.n).items():
             rows.append(row(name, lengths, Path(tmp), extra, args.flexsp_milp, args.host_memory_gib, profile))
-    mins = [r["min_over_alternatives"] for r in rows]
-    result = {"model": "llama2-13b", "world_size": 8, "gpus_per_node": 8, "gpu_memory_gib": 80, "seed": SEED,
+    mins = [r["min_over_alternatives"] for r in rows if "min_over_alternatives" in r]
+    result = {"model": "llama2-13b", "world_size": 8, "gpus_per_node": 8, "gpu_memory_gib": args.gpu_memory_gib,
+              "seed": SEED,
               "host_memory_gib": args.host_memory_gib, "profile": described,
               "rows": rows, "every_alternative_at_least_1": all(m >= 1.0 for m in mins),
               "geo_mean_of_min": math.exp(sum(math.log(m) for m in mins) / len(mins)),
@@ -212,7 +245,7 @@ def main() -> None:
               "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
               "note": "simulated tokens/s (cost model, shipped default profile); search times measured on the "
                       "machine running this, under the load recorded"}
-    save(out, result, keyed=bool(extra))
+    save(out, result, keyed=extra != DEFAULT_DEVICE)
     print(json.dumps({k: result[k] for k in ("every_alternative_at_least_1", "geo_mean_of_min", "max_search_wall_s",
                                              "load_average_at_start")}))
 

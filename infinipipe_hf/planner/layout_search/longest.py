@@ -26,6 +26,7 @@ import functools
 import time
 from typing import Callable, Sequence
 
+from infinipipe_hf.ir.grad_reduce import unit_reduce_problem
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.layout.state_offload import NO_OFFLOAD
 from infinipipe_hf.planner.batch.dp_assign import assign_sequences
@@ -175,6 +176,14 @@ def _without_host(layout: ParallelDims) -> ParallelDims:
     return dataclasses.replace(layout, state_offload=NO_OFFLOAD)
 
 
+def leanest_cost(inputs, layout: ParallelDims, host_budget_bytes: float | None = None) -> CostModel:
+    """The search's cost model of ``layout`` with the gradient reduction of the least model states
+    ``plan_step`` would plan there (per unit where ``grad_reduce="auto"`` can run it): what bounds
+    and largest lengths are judged on."""
+    cost = inputs.cost(layout, host_budget_bytes)
+    return with_reduce(cost, reduce_modes(inputs.options(layout).grad_reduce, cost)[-1])
+
+
 def add_largest_lengths(inputs, outcome, key: Callable[[ParallelDims], tuple]) -> None:
     """Set ``outcome``'s largest one-sequence lengths: with the search's host tier (its layout's
     state offload, the host budget), and without (no state offload, no host memory) when its
@@ -186,14 +195,14 @@ def add_largest_lengths(inputs, outcome, key: Callable[[ParallelDims], tuple]) -
     planned = inputs.lengths[0] if outcome.feasible and len(inputs.lengths) == 1 else 0
     without = None
     if not lay.state_offload.offloaded:
-        base = inputs.cost(lay, 0.0)
+        base = leanest_cost(inputs, lay, 0.0)
         fits = states_per_gpu(base) < inputs.memory_budget_bytes
         without = searched(inputs, lay, 0.0, largest_alone(base), key) if fits else 0
         without = max(without, planned if host == 0 else 0)
     with_host = without
     if host > 0:
         seed = max(without or 0, max(inputs.lengths) if outcome.feasible else 0, SMALLEST)
-        fits = states_per_gpu(inputs.cost(lay)) < inputs.memory_budget_bytes
+        fits = states_per_gpu(leanest_cost(inputs, lay)) < inputs.memory_budget_bytes
         with_host = max(searched(inputs, lay, host, seed, key) if fits else 0, planned)
     outcome.largest_length, outcome.largest_length_without_offload = with_host, without
 
@@ -201,17 +210,23 @@ def add_largest_lengths(inputs, outcome, key: Callable[[ParallelDims], tuple]) -
 def fill_without_offload(inputs, outcomes, key: Callable[[ParallelDims], tuple]) -> None:
     """The largest length without the host tier of layouts that offload states: their sibling's
     without state offload (searched here when the search did not plan it)."""
-    known = {key(o.layout): o.largest_length_without_offload for o in outcomes
+    known = {_lean_key(key, o.layout): o.largest_length_without_offload for o in outcomes
              if not o.layout.state_offload.offloaded and o.largest_length_without_offload is not None}
     for o in outcomes:
         if o.largest_length_without_offload is not None or o.unfed_replicas:
             continue
         base = _without_host(o.layout)
-        if key(base) not in known:
-            cost = inputs.cost(base, 0.0)
+        if _lean_key(key, base) not in known:
+            cost = leanest_cost(inputs, base, 0.0)
             fits = states_per_gpu(cost) < inputs.memory_budget_bytes
-            known[key(base)] = searched(inputs, base, 0.0, largest_alone(cost), key) if fits else 0
-        o.largest_length_without_offload = known[key(base)]
+            known[_lean_key(key, base)] = searched(inputs, base, 0.0, largest_alone(cost), key) if fits else 0
+        o.largest_length_without_offload = known[_lean_key(key, base)]
+
+
+def _lean_key(key: Callable[[ParallelDims], tuple], layout: ParallelDims) -> tuple:
+    """``key`` (the search's pricing key) and whether ``layout`` can reduce gradients per unit:
+    layouts priced alike but for that (``sp`` and ``hybrid``) train different largest lengths."""
+    return key(layout), unit_reduce_problem(layout) is None
 
 
 HOST_ADVICE = ("or give the plan host memory (--host-memory-gib / host_memory_gib per GPU): it keeps optimizer "
@@ -224,9 +239,9 @@ def no_fit_error(inputs, search, t0: float, key: Callable[[ParallelDims], tuple]
     host tier among them when the search had none)."""
     limits: dict[tuple, tuple[int, float]] = {}
     for o in search.layouts:
-        k = key(o.layout)
+        k = _lean_key(key, o.layout)
         if k not in limits:
-            cost = inputs.cost(o.layout)
+            cost = leanest_cost(inputs, o.layout)
             planned = o.largest_length  # the one-sequence search's answer, when it ran
             limits[k] = (largest_alone(cost) if planned is None else planned, states_per_gpu(cost))
         o.largest_trainable, o.states_bytes = limits[k]

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.layout_search.bound import step_time_bound
-from infinipipe_hf.planner.layout_search.longest import fits_alone
+from infinipipe_hf.planner.layout_search.longest import fits_alone, leanest_cost
 from infinipipe_hf.planner.layout_search.result import LayoutOutcome
 from infinipipe_hf.planner.search.limits import states_per_gpu
 
@@ -94,7 +94,7 @@ def _pruned(inputs, layout: ParallelDims, bound: float, best: LayoutOutcome, too
     ceiling = sum(inputs.lengths) / bound
     if ceiling >= best.tokens_per_s * (1 - PRUNE_MARGIN):
         return None
-    if not inputs.host_budget_bytes and not fits_alone(inputs.cost(layout), max(inputs.lengths),
+    if not inputs.host_budget_bytes and not fits_alone(leanest_cost(inputs, layout), max(inputs.lengths),
                                                        inputs.plan_options.get("num_slices")):
         return None  # ruled out when planned, which says why (the check costs a plan of one sequence)
     return pruned_by(inputs, layout, bound, best, took_s, "compute")

@@ -26,15 +26,17 @@ import numpy as np
 from infinipipe_hf.ir.units import Unit
 from infinipipe_hf.planner.cost.model import CostModel
 
-# The estimate ignores some transient terms the exact memory model counts; aim a little lower.
 SAFETY = 0.95
+"""Share of the memory budget the estimate plans into: it ignores some transient terms the exact
+memory model counts, so it aims a little lower (a ranking built with ``safety=1`` sees the
+candidates this margin alone rules out, :func:`~infinipipe_hf.planner.schedules.epp_units.margin_estimate`)."""
 
 
 class PipelineEstimator:
     """Prices contiguous runs ``units[a:b]`` of one replica's units in forward order."""
 
     def __init__(self, units: Sequence[Unit], cost: CostModel, lengths: Sequence[int],
-                 members: dict[int, list[tuple[Unit, CostModel]]] | None = None):
+                 members: dict[int, list[tuple[Unit, CostModel]]] | None = None, safety: float = SAFETY):
         self.cost = cost
         self.units = list(units)
         self.position = {u.id: i for i, u in enumerate(self.units)}
@@ -61,7 +63,7 @@ class PipelineEstimator:
             self.per_stage[st] = (
                 np.concatenate([[0.0], np.cumsum(act)]), np.concatenate([[0.0], np.cumsum(kv)]),
                 np.concatenate([[0.0], np.cumsum(save)]), np.concatenate([[0.0], np.cumsum(redo)]),
-                np.asarray(work), cost.acts.static_bytes(st) - SAFETY * cost.memory_budget_bytes)
+                np.asarray(work), cost.acts.static_bytes(st) - safety * cost.memory_budget_bytes)
             self._per_stage_lists[st] = tuple(x.tolist() for x in self.per_stage[st][:5])
         self._chain_start_arr = np.asarray(self.chain_start)
 

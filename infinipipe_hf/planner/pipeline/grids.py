@@ -42,6 +42,25 @@ def token_floor_candidates(lengths: Sequence[int], dims: ParallelDims) -> list[i
     return [None] + [p * sp_degree for p in (4096, 8192, 16384) if longest < p * sp_degree < sum(lengths)]
 
 
+ROUND_COUNTS = tuple(range(1, 9))
+"""Rounds per replica whose unit token floors EPP also tries with SP rounds: a few rounds of
+equal single-GPU units, each rank's share of the batch split evenly, is how FlexSP runs a batch
+of short sequences, and the best round count moves with the memory budget."""
+
+
+def round_count_floors(lengths: Sequence[int], replicas: Sequence[Sequence[int]], dims: ParallelDims) -> list[int]:
+    """Unit token floors (whole-group tokens) for about ``R`` rounds of the fullest replica's tokens
+    over the stage's ``sp_degree`` ranks, for each ``R`` of :data:`ROUND_COUNTS`: the even split,
+    and the even split plus the longest sequence per rank, with which any packing of the sequences
+    fits in ``R`` rounds (a unit that cannot take the next sequence already holds more than the
+    even split).  Kept where a unit of the floor holds more than the longest sequence."""
+    most = max(sum(int(lengths[s]) for s in seqs) for seqs in replicas)
+    sp_degree, longest, total = dims.sp_degree, max(lengths), sum(lengths)
+    even = [-(-most // (sp_degree * r)) for r in ROUND_COUNTS]
+    floors = [per_rank * sp_degree for e in even for per_rank in (e, e + longest)]
+    return [f for f in dict.fromkeys(floors) if longest < f and f - sp_degree < total + longest * sp_degree]
+
+
 def packing_candidates(lengths: Sequence[int], group_size: int = 1) -> list[int]:
     """Packing lengths searched for the packing baselines: ``max(longest, 2^k)``, increasing.
 

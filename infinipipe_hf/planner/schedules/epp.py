@@ -27,9 +27,14 @@ from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.pipeline.actions import epp_warmup, replica_actions
-from infinipipe_hf.planner.pipeline.grids import MIN_SLICE_TOKENS, slice_count_candidates, token_floor_candidates
+from infinipipe_hf.planner.pipeline.grids import (
+    MIN_SLICE_TOKENS,
+    round_count_floors,
+    slice_count_candidates,
+    token_floor_candidates,
+)
 from infinipipe_hf.planner.schedules.base import Candidate, Knobs, SearchState
-from infinipipe_hf.planner.schedules.epp_units import epp_units
+from infinipipe_hf.planner.schedules.epp_units import epp_units, margin_estimate
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext, PipelineSchedule
 from infinipipe_hf.planner.search.whole_units import wanted as whole_units_wanted
 from infinipipe_hf.planner.simulate.simulator import simulate
@@ -85,15 +90,15 @@ class EPPSchedule(PipelineSchedule):
         return epp_warmup(dims, sum(1 for u in units if first_seq in u.seqs))
 
     def candidates(self, ctx: PipelineContext, state: SearchState) -> Iterator[Candidate]:
-        for ranked, moved, rounds in _families(ctx):
-            yield from self._planned(ctx, state, ranked, moved, rounds)
+        for ranked, always, rounds in _families(ctx):
+            yield from self._planned(ctx, state, ranked, always, rounds)
 
-    def _planned(self, ctx: PipelineContext, state: SearchState, ranked: list, moved: bool,
+    def _planned(self, ctx: PipelineContext, state: SearchState, ranked: list, always: tuple[int, ...],
                  rounds: bool) -> Iterator[Candidate]:
-        """The best few of ``ranked`` (``_ranked``), and the moved unsliced one."""
+        """The best few of ``ranked`` (``_ranked``), and those at the positions ``always``."""
         before = len(state.tried)
         for i, (est, k, floor, staged) in enumerate(ranked[:MAX_EXACT_CANDIDATES]):
-            knobs = EPPKnobs(k, est, moved and i == EXACT_CANDIDATES, floor, rounds)
+            knobs = EPPKnobs(k, est, i in always, floor, rounds)
             if state.best is not None and len(state.tried) - before >= EXACT_CANDIDATES and not knobs.always_planned:
                 return  # ranked by the estimate: later candidates rarely win and each costs a full plan
             yield Candidate(knobs, partial(self.plan, ctx.lengths, ctx.replicas, ctx.cost, k, floor, staged,
@@ -169,23 +174,23 @@ class EPPSchedule(PipelineSchedule):
         return plan
 
 
-def _families(ctx: PipelineContext) -> Iterator[tuple[list, bool, bool]]:
-    """The search's families of knob settings in the order it plans them, as ``(ranked, moved,
-    sp_rounds)``: on whole SP groups (:func:`_ranked`), then with SP rounds when the context has them."""
+def _families(ctx: PipelineContext) -> Iterator[tuple[list, tuple[int, ...], bool]]:
+    """The search's families of knob settings in the order it plans them, as ``(ranked, always,
+    sp_rounds)`` (``always``: positions planned whatever the search has found): on whole SP groups (:func:`_ranked`), then with SP rounds when the context has them."""
     yield (*_ranked(ctx), False)
     if ctx.sp_rounds:
         yield (*_ranked_with_rounds(ctx), True)
 
 
-def _ranked(ctx: PipelineContext) -> tuple[list, bool]:
-    """Every knob setting as ``(estimate, K, floor, staged)``, best estimate first, and whether
-    the unsliced candidate was moved up to be planned (once per context)."""
+def _ranked(ctx: PipelineContext) -> tuple[list, tuple[int, ...]]:
+    """Every knob setting as ``(estimate, K, floor, staged)``, best estimate first, and the
+    positions planned whatever the search has found (:func:`_ordered`; once per context)."""
     if "ranked" not in ctx.memo:
         ctx.memo["ranked"] = _rank(ctx)
     return ctx.memo["ranked"]
 
 
-def _rank(ctx: PipelineContext) -> tuple[list, bool]:
+def _rank(ctx: PipelineContext) -> tuple[list, tuple[int, ...]]:
     lengths, cost = ctx.lengths, ctx.cost
     ranked = []
     floors = token_floor_candidates(lengths, cost.dims) if ctx.max_tokens_per_unit is None else [None]
@@ -196,48 +201,78 @@ def _rank(ctx: PipelineContext) -> tuple[list, bool]:
             except ValueError:
                 continue
             ranked.append((max(st.estimate for st in staged), k, floor, staged))
-    return _ordered(ranked)
+    return _ordered(ranked, ctx)
 
 
-def _ranked_with_rounds(ctx: PipelineContext) -> tuple[list, bool]:
+def _ranked_with_rounds(ctx: PipelineContext) -> tuple[list, tuple[int, ...]]:
     """:func:`_ranked` with SP rounds: the best ``ROUND_CANDIDATES`` whole-group settings, the
-    unsliced one and the ``ROUND_TOKEN_FLOORS``, staged with rounds (settings where no replica
-    forms a round are dropped: their whole-group candidate covers them); once per context."""
+    unsliced one, the ``ROUND_TOKEN_FLOORS`` and the floors of a few round counts
+    (:func:`~infinipipe_hf.planner.pipeline.grids.round_count_floors`), staged with rounds
+    (settings where no replica forms a round are dropped: their whole-group candidate covers
+    them); once per context."""
     if "rounds" not in ctx.memo:
         ctx.memo["rounds"] = _rank_with_rounds(ctx, _ranked(ctx)[0])
     return ctx.memo["rounds"]
 
 
-def _rank_with_rounds(ctx: PipelineContext, whole: list) -> tuple[list, bool]:
+def _rank_with_rounds(ctx: PipelineContext, whole: list) -> tuple[list, tuple[int, ...]]:
     lengths, cost = ctx.lengths, ctx.cost
     settings = [(k, floor, staged) for est, k, floor, staged in whole if not math.isinf(est)][:ROUND_CANDIDATES]
     settings += [(k, f, st) for _, k, f, st in whole if (k, f) == (1, None) and (k, f, st) not in settings]
     seen = {(k, f) for _, k, f, _ in whole}
+    near = []
     if ctx.max_tokens_per_unit is None and 1 in slice_count_candidates(lengths, ctx.num_slices, cost.dims):
-        settings += [(1, p * cost.dims.sp_degree, None) for p in ROUND_TOKEN_FLOORS
-                     if max(lengths) < p * cost.dims.sp_degree < sum(lengths) and (1, p * cost.dims.sp_degree) not in seen]
+        floors = [p * cost.dims.sp_degree for p in ROUND_TOKEN_FLOORS]
+        settings += [(1, f, None) for f in floors if max(lengths) < f < sum(lengths) and (1, f) not in seen]
+        seen |= {(k, f) for k, f, _ in settings}
+        near = [(1, f, None) for f in round_count_floors(lengths, ctx.replicas, cost.dims) if (1, f) not in seen]
+    ranked, near_budget = _staged_with_rounds(ctx, settings), _staged_with_rounds(ctx, near)
+    return _ordered(ranked, ctx, near_budget)
+
+
+def _staged_with_rounds(ctx: PipelineContext, settings: list) -> list:
+    """``(estimate, K, floor, staged)`` of each setting staged with SP rounds where some replica
+    forms a round."""
     ranked = []
     for k, floor, staged in settings:
         try:
-            rounds = epp_units(lengths, ctx.replicas, cost, k, ctx.max_tokens_per_unit, floor, True, staged)
+            rounds = epp_units(ctx.lengths, ctx.replicas, ctx.cost, k, ctx.max_tokens_per_unit, floor, True, staged)
         except ValueError:
             continue
         if any(st.items is not None for st in rounds):
             ranked.append((max(st.estimate for st in rounds), k, floor, rounds))
-    return _ordered(ranked)
+    return ranked
 
 
-def _ordered(ranked: list) -> tuple[list, bool]:
-    """``ranked`` best estimate first, and whether the unsliced candidate was moved up."""
+def _ordered(ranked: list, ctx: PipelineContext, near_budget: Sequence = ()) -> tuple[list, tuple[int, ...]]:
+    """``ranked`` best estimate first, and the positions planned whatever the search has found:
+    two candidates the estimate may misrank are moved up to them.
+
+    - The unsliced candidate (whole sequences, as the packing baselines run), when the estimate
+      puts it a few percent behind.
+    - The candidate the estimate's safety margin alone rules out, or one of ``near_budget``, that
+      ranks first when every candidate is estimated up to the whole budget
+      (:func:`.margin_estimate`): a plan near the budget may still fit exactly.  ``near_budget``
+      candidates (a few rounds of equal single-GPU units, as FlexSP runs short sequences) are
+      planned only this way, so they never push the best estimates out of the search.
+    """
     # Among candidates the estimate calls infeasible, more slices (less memory) go first.
     ranked.sort(key=lambda r: (r[0], -r[1] if math.isinf(r[0]) else r[1]))
-    # The unsliced candidate (whole sequences, as the packing baselines run) is always planned:
-    # the estimate can misrank it by a few percent.
+    moved = []
     at = next((i for i, r in enumerate(ranked) if r[1] == 1 and r[2] is None), -1)
-    moved = at >= EXACT_CANDIDATES and not math.isinf(ranked[at][0])
-    if moved:
-        ranked.insert(EXACT_CANDIDATES, ranked.pop(at))
-    return ranked, moved
+    if at >= EXACT_CANDIDATES and not math.isinf(ranked[at][0]):
+        moved.append(ranked.pop(at))
+    best = margin_estimate(ranked[0][3], ctx.cost, ctx.lengths) if ranked else math.inf
+    pool = [r for r in ranked[EXACT_CANDIDATES:] if math.isinf(r[0])] + list(near_budget)
+    scored = [(margin_estimate(r[3], ctx.cost, ctx.lengths), i) for i, r in enumerate(pool)]
+    scored = [(m, i) for m, i in scored if m < best]
+    if scored:
+        chosen = pool[min(scored)[1]]
+        ranked = [r for r in ranked if r is not chosen]
+        moved.insert(0, chosen)
+    start = min(EXACT_CANDIDATES, len(ranked))
+    ranked[start:start] = moved
+    return ranked, tuple(range(start, start + len(moved)))
 
 
 def _add_rounds(plan: Plan, sp_groups: dict, rounds: list[list[int]]) -> None:

@@ -13,6 +13,7 @@ from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.layout_search.result import NoLayoutFits, recipe_settings
 from infinipipe_hf.planner.layout_search.search import search_layouts
 from infinipipe_hf.planner.search.api import PlanOptions, plan_step
+from infinipipe_hf.planner.search.finish import infeasible_message
 from infinipipe_hf.planner.search.limits import largest_trainable_length, states_fit_options, states_per_gpu
 
 LLAMA31_8B = ModelSpec.from_json_file(config_path("llama3.1-8b"))
@@ -58,12 +59,20 @@ def test_one_sequence_too_long_names_the_largest_length_that_fits():
 
 def test_a_batch_whose_activations_do_not_fit_says_so():
     batch = [30000, 8000, 2000, 1500, 900, 600, 300, 200, 100, 50] * 2
-    res = plan_step(batch, LLAMA2_7B, ParallelDims(pp_degree=2), PlanOptions(memory_budget_bytes=H100))
-    assert not res.feasible
-    assert "the batch's activations are what does not fit" in res.error
-    assert "checkpointing is already adaptive" in res.error and "tokens_per_step" in res.error
-    assert plan_step([30000], LLAMA2_7B, ParallelDims(pp_degree=2), PlanOptions(memory_budget_bytes=H100)).feasible  # the longest fits alone
-    res = plan_step(batch, LLAMA2_7B, ParallelDims(pp_degree=2), PlanOptions(memory_budget_bytes=H100, checkpointing="none"))
+    pp2 = ParallelDims(pp_degree=2)
+    # EPP plans it unsliced, within 0.2% of the budget: a candidate its estimate's safety margin
+    # alone ruled out, planned because without the margin it ranks first.
+    res = plan_step(batch, LLAMA2_7B, pp2, PlanOptions(memory_budget_bytes=H100))
+    assert res.feasible and 0.95 * H100 < max(res.simulation.peak_memory_bytes) <= H100
+    # GPipe keeps every micro-batch's activations until its backwards: the batch does not fit.
+    res = plan_step(batch, LLAMA2_7B, pp2, PlanOptions(schedule="gpipe", memory_budget_bytes=H100))
+    assert not res.feasible and "the batch's activations are what does not fit" in res.error
+    assert "one static count of layers" in res.error and "tokens_per_step" in res.error
+    assert plan_step([30000], LLAMA2_7B, pp2, PlanOptions(memory_budget_bytes=H100)).feasible  # the longest fits alone
+    # EPP's message when none of its candidates fits names its checkpointing as already adaptive.
+    message = infeasible_message(batch, CostModel(LLAMA2_7B, dims=pp2, memory_budget_bytes=H100), "epp", None)
+    assert "the batch's activations are what does not fit" in message and "checkpointing is already adaptive" in message
+    res = plan_step(batch, LLAMA2_7B, pp2, PlanOptions(memory_budget_bytes=H100, checkpointing="none"))
     assert "checkpointing='none'; 'adaptive' recomputes layers" in res.error
 
 

@@ -14,6 +14,7 @@ from infinipipe_hf.planner.layout_search.search import enumerate_layouts, fits_a
 from infinipipe_hf.planner.registry import get_schedule
 from infinipipe_hf.planner.schedules.base import PIPELINE
 from infinipipe_hf.planner.search.api import PlanOptions, plan_step
+from infinipipe_hf.planner.search.grad_reduce import reduce_modes, with_reduce
 from infinipipe_hf.planner.search.limits import largest_trainable_length
 from infinipipe_hf.planner.simulate.simulator import simulate
 
@@ -158,12 +159,14 @@ def test_no_layout_fits_names_the_largest_trainable_sequence_per_layout():
     search, message = exc.value.search, str(exc.value)
     assert search.recommended is None and len(search.layouts) == 14
     assert "no layout of 4 GPUs fits 0.046 GiB per GPU" in message
-    for o in search.layouts:
+    for o in search.layouts:  # judged with the leaner gradient reduction where the layout can run it
         cost = CostModel(SPEC, dims=o.layout, memory_budget_bytes=0.046 * GIB)
+        cost = with_reduce(cost, reduce_modes("auto", cost)[-1])
         assert o.largest_trainable == max(largest_trainable_length(cost, k) for k in (1, 64))
         assert f"{o.layout.label} shard {o.layout.shard}: {o.largest_trainable}" in message
-    # pp 4 trains the longest sequence alone but not the whole batch: the message says so.
-    assert "fits alone on 1 of them but the whole batch" in message
+    # pp 4, and pp 1 x sp 4 sharded over SP reducing gradients per unit, train the longest sequence
+    # alone but not the whole batch: the message says so.
+    assert "fits alone on 2 of them but the whole batch" in message
     assert search.to_dict()["recommended"] is None
 
 

@@ -116,3 +116,20 @@ def test_few_windows_in_plain_floats_equal_the_numpy_windows(batch, budget_gib, 
     assert values[0] == values[1]
     # Windows that fit with recompute and windows that cannot fit both occur.
     assert any(0 < v < math.inf for v in values[0]) and any(math.isinf(v) for v in values[0])
+
+
+def test_the_safety_margin_only_removes_room():
+    """``safety`` is the share of the budget the estimate plans into: with the whole budget
+    (``safety=1``) no run is slower, some fit that the default margin rules out, and a budget
+    below the states is infinite either way."""
+    lengths = BATCHES["short_only"]
+    pairs = []
+    for budget in range(40, 81):  # 20 to 40 GiB in halves
+        cost = CostModel(SPEC, dims=ParallelDims(pp_degree=4), memory_budget_bytes=budget / 2 * GIB)
+        units = make_elastic_units(lengths, cost, 1, min_token_budget=16384).units
+        pairs += [(PipelineEstimator(units, cost, lengths).time(a, b),
+                   PipelineEstimator(units, cost, lengths, safety=1.0).time(a, b))
+                  for a in range(0, len(units), 5) for b in range(a + 1, len(units) + 1, 7)]
+    assert all(whole <= margin for margin, whole in pairs)
+    assert any(math.isinf(margin) and not math.isinf(whole) for margin, whole in pairs)
+    assert any(math.isinf(whole) for _, whole in pairs) and any(margin == whole for margin, whole in pairs)
