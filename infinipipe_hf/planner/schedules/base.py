@@ -43,7 +43,7 @@ class Candidate:
     """Builds the plan; raises ``ValueError`` when the setting cannot hold the batch."""
 
 
-FINALISTS = 3
+FINALISTS = 2
 """Candidates a search keeps for the final checkpoint solve (:mod:`infinipipe_hf.planner.search.finish`)."""
 
 

@@ -60,10 +60,13 @@ class EPPKnobs(Knobs):
     unit_token_floor: int | None = None
     sp_rounds: bool = False
     """Short sequences on SP sub-groups in rounds (:mod:`infinipipe_hf.planner.batch.sub_groups`)."""
+    near_budget: bool = False
+    """Planned because it ranks first when estimated up to the whole budget (``_ordered``): its own
+    family, so its plan is solved finely beside the best estimates' finalists, not instead of one."""
 
     @property
     def family(self) -> str:
-        return "sp_rounds" if self.sp_rounds else "whole_groups"
+        return "near_budget" if self.near_budget else "sp_rounds" if self.sp_rounds else "whole_groups"
 
     def record(self) -> dict:
         d = {"num_slices": self.num_slices, "estimate_s": self.estimate_s}
@@ -73,6 +76,8 @@ class EPPKnobs(Knobs):
             d["unit_token_floor"] = self.unit_token_floor
         if self.sp_rounds:
             d["sp_rounds"] = True
+        if self.near_budget:
+            d["near_budget"] = True
         return d
 
 
@@ -93,12 +98,13 @@ class EPPSchedule(PipelineSchedule):
         for ranked, always, rounds in _families(ctx):
             yield from self._planned(ctx, state, ranked, always, rounds)
 
-    def _planned(self, ctx: PipelineContext, state: SearchState, ranked: list, always: tuple[int, ...],
+    def _planned(self, ctx: PipelineContext, state: SearchState, ranked: list, always: dict[int, bool],
                  rounds: bool) -> Iterator[Candidate]:
-        """The best few of ``ranked`` (``_ranked``), and those at the positions ``always``."""
+        """The best few of ``ranked`` (``_ranked``), and those at the positions ``always`` (position ->
+        whether it is the near-budget candidate)."""
         before = len(state.tried)
         for i, (est, k, floor, staged) in enumerate(ranked[:MAX_EXACT_CANDIDATES]):
-            knobs = EPPKnobs(k, est, i in always, floor, rounds)
+            knobs = EPPKnobs(k, est, i in always, floor, rounds, always.get(i, False))
             if state.best is not None and len(state.tried) - before >= EXACT_CANDIDATES and not knobs.always_planned:
                 return  # ranked by the estimate: later candidates rarely win and each costs a full plan
             yield Candidate(knobs, partial(self.plan, ctx.lengths, ctx.replicas, ctx.cost, k, floor, staged,
@@ -174,15 +180,17 @@ class EPPSchedule(PipelineSchedule):
         return plan
 
 
-def _families(ctx: PipelineContext) -> Iterator[tuple[list, tuple[int, ...], bool]]:
+def _families(ctx: PipelineContext) -> Iterator[tuple[list, dict[int, bool], bool]]:
     """The search's families of knob settings in the order it plans them, as ``(ranked, always,
-    sp_rounds)`` (``always``: positions planned whatever the search has found): on whole SP groups (:func:`_ranked`), then with SP rounds when the context has them."""
+    sp_rounds)`` (``always``: positions planned whatever the search has found, and whether each is
+    the near-budget candidate): on whole SP groups (:func:`_ranked`), then with SP rounds when the
+    context has them."""
     yield (*_ranked(ctx), False)
     if ctx.sp_rounds:
         yield (*_ranked_with_rounds(ctx), True)
 
 
-def _ranked(ctx: PipelineContext) -> tuple[list, tuple[int, ...]]:
+def _ranked(ctx: PipelineContext) -> tuple[list, dict[int, bool]]:
     """Every knob setting as ``(estimate, K, floor, staged)``, best estimate first, and the
     positions planned whatever the search has found (:func:`_ordered`; once per context)."""
     if "ranked" not in ctx.memo:
@@ -190,7 +198,7 @@ def _ranked(ctx: PipelineContext) -> tuple[list, tuple[int, ...]]:
     return ctx.memo["ranked"]
 
 
-def _rank(ctx: PipelineContext) -> tuple[list, tuple[int, ...]]:
+def _rank(ctx: PipelineContext) -> tuple[list, dict[int, bool]]:
     lengths, cost = ctx.lengths, ctx.cost
     ranked = []
     floors = token_floor_candidates(lengths, cost.dims) if ctx.max_tokens_per_unit is None else [None]
@@ -204,7 +212,7 @@ def _rank(ctx: PipelineContext) -> tuple[list, tuple[int, ...]]:
     return _ordered(ranked, ctx)
 
 
-def _ranked_with_rounds(ctx: PipelineContext) -> tuple[list, tuple[int, ...]]:
+def _ranked_with_rounds(ctx: PipelineContext) -> tuple[list, dict[int, bool]]:
     """:func:`_ranked` with SP rounds: the best ``ROUND_CANDIDATES`` whole-group settings, the
     unsliced one, the ``ROUND_TOKEN_FLOORS`` and the floors of a few round counts
     (:func:`~infinipipe_hf.planner.pipeline.grids.round_count_floors`), staged with rounds
@@ -215,7 +223,7 @@ def _ranked_with_rounds(ctx: PipelineContext) -> tuple[list, tuple[int, ...]]:
     return ctx.memo["rounds"]
 
 
-def _rank_with_rounds(ctx: PipelineContext, whole: list) -> tuple[list, tuple[int, ...]]:
+def _rank_with_rounds(ctx: PipelineContext, whole: list) -> tuple[list, dict[int, bool]]:
     lengths, cost = ctx.lengths, ctx.cost
     settings = [(k, floor, staged) for est, k, floor, staged in whole if not math.isinf(est)][:ROUND_CANDIDATES]
     settings += [(k, f, st) for _, k, f, st in whole if (k, f) == (1, None) and (k, f, st) not in settings]
@@ -244,7 +252,7 @@ def _staged_with_rounds(ctx: PipelineContext, settings: list) -> list:
     return ranked
 
 
-def _ordered(ranked: list, ctx: PipelineContext, near_budget: Sequence = ()) -> tuple[list, tuple[int, ...]]:
+def _ordered(ranked: list, ctx: PipelineContext, near_budget: Sequence = ()) -> tuple[list, dict[int, bool]]:
     """``ranked`` best estimate first, and the positions planned whatever the search has found:
     two candidates the estimate may misrank are moved up to them.
 
@@ -272,7 +280,7 @@ def _ordered(ranked: list, ctx: PipelineContext, near_budget: Sequence = ()) -> 
         moved.insert(0, chosen)
     start = min(EXACT_CANDIDATES, len(ranked))
     ranked[start:start] = moved
-    return ranked, tuple(range(start, start + len(moved)))
+    return ranked, {start + i: bool(scored) and i == 0 for i in range(len(moved))}
 
 
 def _add_rounds(plan: Plan, sp_groups: dict, rounds: list[list[int]]) -> None:

@@ -24,6 +24,7 @@ from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import default_profile, fit_profile, shipped_calibration, uncalibrated_profile
 from infinipipe_hf.planner.schedules import base
+from infinipipe_hf.planner.schedules import epp as epp_schedule
 from infinipipe_hf.planner.search import finish
 from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step
 
@@ -135,7 +136,7 @@ def test_the_search_with_sp_rounds_ends_at_least_as_fast_as_on_whole_groups(monk
 
 
 @pytest.mark.parametrize("device_gib", [40, 48, 80])
-def test_epp_plans_flexsps_rounds_of_short_sequences_at_any_memory_budget(device_gib):
+def test_epp_plans_flexsps_rounds_of_short_sequences_at_any_memory_budget(device_gib, monkeypatch):
     """FlexSP runs a batch of short documents as the fewest rounds of equal single-GPU units that
     fit, every layer checkpointed: near the budget, where EPP's estimate keeps a safety margin.
     EPP also plans the round counts' floors and a candidate only that margin rules out, so at pp 1
@@ -150,3 +151,8 @@ def test_epp_plans_flexsps_rounds_of_short_sequences_at_any_memory_budget(device
     flexsp = plan_alternative(lengths, spec, "flexsp", world_size=8, gpus_per_node=8, memory_budget_bytes=budget)
     assert epp.feasible and flexsp.feasible
     assert epp.simulation.step_time_s <= flexsp.simulation.step_time_s
+    # The near-budget candidate is solved beside the best estimates' finalists, never instead of
+    # one: without the round counts' floors the search is never faster.
+    monkeypatch.setattr(epp_schedule, "round_count_floors", lambda *args: [])
+    without = plan_step(lengths, spec, options=PlanOptions(grad_reduce="unit"), cost=cost)
+    assert epp.simulation.step_time_s <= without.simulation.step_time_s
