@@ -49,16 +49,15 @@ of short sequences, and the best round count moves with the memory budget."""
 
 
 def round_count_floors(lengths: Sequence[int], replicas: Sequence[Sequence[int]], dims: ParallelDims) -> list[int]:
-    """Unit token floors (whole-group tokens) for about ``R`` rounds of the fullest replica's tokens
-    over the stage's ``sp_degree`` ranks, for each ``R`` of :data:`ROUND_COUNTS`: the even split,
-    and the even split plus the longest sequence per rank, with which any packing of the sequences
-    fits in ``R`` rounds (a unit that cannot take the next sequence already holds more than the
-    even split).  Kept where a unit of the floor holds more than the longest sequence."""
+    """Unit token floors (whole-group tokens) for about ``R`` rounds of single-GPU units of the
+    fullest replica's tokens, for each ``R`` of :data:`ROUND_COUNTS` whose even split of the
+    replica over the stage's ``sp_degree`` ranks holds the longest sequence: that split, and the
+    split plus the longest sequence per rank, with which any packing of the sequences fits in
+    ``R`` rounds (a unit that cannot take the next sequence already holds more than the split)."""
     most = max(sum(int(lengths[s]) for s in seqs) for seqs in replicas)
-    sp_degree, longest, total = dims.sp_degree, max(lengths), sum(lengths)
+    sp_degree, longest = dims.sp_degree, max(lengths)
     even = [-(-most // (sp_degree * r)) for r in ROUND_COUNTS]
-    floors = [per_rank * sp_degree for e in even for per_rank in (e, e + longest)]
-    return [f for f in dict.fromkeys(floors) if longest < f and f - sp_degree < total + longest * sp_degree]
+    return list(dict.fromkeys(per_rank * sp_degree for e in even if e >= longest for per_rank in (e, e + longest)))
 
 
 def packing_candidates(lengths: Sequence[int], group_size: int = 1) -> list[int]:

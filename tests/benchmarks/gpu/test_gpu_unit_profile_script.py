@@ -41,7 +41,7 @@ def test_dry_run_fits_a_profile_on_every_unit_kind_that_the_simulator_accepts(tm
     from infinipipe_hf.planner.cost.profile import HardwareProfile
 
     prof_path, out = tmp_path / "units.profile.json", tmp_path / "gpu_unit_profile.json"
-    p = _run("-m", "benchmarks.gpu.gpu_unit_profile", "--tiny", "--device", "cpu", "--dtype", "fp32", "--repeat", "3",
+    p = _run("-m", "benchmarks.gpu.gpu_unit_profile", "--tiny", "--device", "cpu", "--dtype", "fp32", "--repeat", "5",
              "--profile-out", str(prof_path), "--out", str(out))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads(out.read_text())
