@@ -13,6 +13,11 @@ are ranked again with short sequences regrouped onto SP sub-groups in rounds
 (:mod:`infinipipe_hf.planner.batch.sub_groups`, :mod:`.round_pipeline`), and the best few of those
 are planned after the whole-group candidates, so the search with rounds contains the search
 without them and keeps whichever plan simulates faster.
+
+Near the budget: the estimate plans into 95% of the memory budget, so in each family the setting
+that ranks first when estimated up to the whole budget (among those the margin alone rules out,
+and, with rounds, the floors of 1-8 rounds as FlexSP runs short sequences) is planned too, as a
+family of its own (``_ordered``).
 """
 from __future__ import annotations
 
