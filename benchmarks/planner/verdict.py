@@ -71,8 +71,6 @@ OUT = RESULTS / "planner_verdict.json"
 HOST_OUT = RESULTS / "planner_verdict_host.json"
 MEMORY_OUT = RESULTS / "planner_verdict_memory.json"
 MODEL = REPO / "infinipipe_hf" / "models" / "configs" / "llama2-13b.json"
-DEFAULT_DEVICE = ["--gpu-memory-gib", "80"]
-"""The CLI arguments of the verdict's own setting (80 GiB GPUs, no host tier, the shipped profile)."""
 SEED = 1
 """Held out: the planner tables' batches use seed 0."""
 
@@ -154,7 +152,7 @@ def flexsp_solvers(lengths: list[int], budget_bytes: float) -> dict:
 
 
 def row(name: str, lengths: list[int], tmp: Path, extra: list[str], flexsp_milp: bool = False,
-        host_gib: float = 0.0, profile: str | None = None) -> dict:
+        host_gib: float = 0.0, profile: str | None = None, with_what_if: bool = True) -> dict:
     got, wall, cmd = search(lengths, tmp, name, extra)
     if "no_layout_fits" in got:  # no EPP layout fits (the CLI's error says why)
         print(f"{name:16s} no layout fits; search {wall:.1f} s", flush=True)
@@ -164,7 +162,7 @@ def row(name: str, lengths: list[int], tmp: Path, extra: list[str], flexsp_milp:
     rec = got["recommended"]
     over = rec["over_alternatives"]
     best_alt = max(got["alternatives"], key=lambda a: a.get("tokens_per_s") or 0.0)
-    what_if = None if extra != DEFAULT_DEVICE else per_unit_reduce_what_if(lengths, got["memory_budget_bytes"])
+    what_if = per_unit_reduce_what_if(lengths, got["memory_budget_bytes"]) if with_what_if else None
     r = {"batch": name, "sequences": len(lengths), "tokens": sum(lengths), "longest": max(lengths),
          "recommended": {**{k: rec[k] for k in ("label", "shard", "tokens_per_s", "peak_memory_bytes")},
                          "grad_reduce": rec["plan"].get("grad_reduce"), "state_offload": rec.get("state_offload"),
@@ -231,10 +229,12 @@ def main() -> None:
         extra = ["--gpu-memory-gib", f"{args.gpu_memory_gib:g}"] + (
             ["--host-memory-gib", f"{args.host_memory_gib:g}"] if args.host_memory_gib else []) + (
             ["--profile", profile] if profile else [])
-        out = Path(args.out) if args.out else (OUT if extra == DEFAULT_DEVICE else
-                                               HOST_OUT if extra[2:] else MEMORY_OUT)
+        other_pricing = bool(args.host_memory_gib or profile)
+        own_setting = args.gpu_memory_gib == 80 and not other_pricing  # the verdict's own: 80 GiB, no host tier
+        out = Path(args.out) if args.out else (OUT if own_setting else HOST_OUT if other_pricing else MEMORY_OUT)
         for name, lengths in held_out_batches(args.n).items():
-            rows.append(row(name, lengths, Path(tmp), extra, args.flexsp_milp, args.host_memory_gib, profile))
+            rows.append(row(name, lengths, Path(tmp), extra, args.flexsp_milp, args.host_memory_gib, profile,
+                            with_what_if=own_setting))
     mins = [r["min_over_alternatives"] for r in rows if "min_over_alternatives" in r]
     result = {"model": "llama2-13b", "world_size": 8, "gpus_per_node": 8, "gpu_memory_gib": args.gpu_memory_gib,
               "seed": SEED,
@@ -245,7 +245,7 @@ def main() -> None:
               "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
               "note": "simulated tokens/s (cost model, shipped default profile); search times measured on the "
                       "machine running this, under the load recorded"}
-    save(out, result, keyed=extra != DEFAULT_DEVICE)
+    save(out, result, keyed=not own_setting)
     print(json.dumps({k: result[k] for k in ("every_alternative_at_least_1", "geo_mean_of_min", "max_search_wall_s",
                                              "load_average_at_start")}))
 

@@ -181,7 +181,7 @@ class UlyssesGroup(_Group):
         # The cost model splits the micro-batch over the SP group itself (ceil(T / sp) tokens per
         # GPU, head-sharded bytes for uneven heads, the all-to-all buffers in the working set).
         t, c = int(padded_tokens), int(checkpointed_layers)
-        return self.cost.acts.activation_bytes(0, t, c) + self.cost.acts.working_bytes(0, t, c, backward=True)
+        return self.cost.acts.unit_peak_bytes(0, t, c)
 
 
 class RingGroup(_Group):
@@ -251,7 +251,7 @@ class RingGroup(_Group):
     def activation_peak_bytes(self, padded_tokens: int, checkpointed_layers: int) -> float:
         n, c = self.gpu_tokens(padded_tokens), int(checkpointed_layers)
         ring = 4 * n * self.kv_bytes_per_token if self.size > 1 else 0.0
-        return self.cost.acts.activation_bytes(0, n, c) + self.cost.acts.working_bytes(0, n, c, backward=True) + ring
+        return self.cost.acts.unit_peak_bytes(0, n, c) + ring
 
 
 class PackedRingGroup(RingGroup):

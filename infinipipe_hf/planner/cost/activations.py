@@ -239,6 +239,12 @@ class StageActivations:
         rank's chunk when the ranks sharing a K/V head share its store)."""
         return 2 * continuing_tokens * self.layers_per_stage[stage_index] * self.kv_store_bytes_per_token_per_layer
 
+    def unit_peak_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int) -> float:
+        """A unit's own peak on the stage: what it keeps from forward to backward plus its backward's
+        working set (with the model states, the peak of a stage running that unit alone)."""
+        return (self.activation_bytes(stage_index, tokens, checkpointed_layers)
+                + self.working_bytes(stage_index, tokens, checkpointed_layers, backward=True))
+
     def working_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int, backward: bool,
                       mlp_tile_tokens: int | None = None, attention_tile_tokens: int | None = None) -> float:
         """Transient bytes while the unit's forward or backward runs on the stage (the linear

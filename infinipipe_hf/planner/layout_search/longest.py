@@ -38,7 +38,7 @@ from infinipipe_hf.planner.schedules.base import PIPELINE
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
 from infinipipe_hf.planner.search.api import PlanOptions, plan_step, resolve_sp_rounds
 from infinipipe_hf.planner.search.finish import host_states_message
-from infinipipe_hf.planner.search.grad_reduce import reduce_modes, with_reduce
+from infinipipe_hf.planner.search.grad_reduce import leanest_reduce, reduce_modes, with_reduce
 from infinipipe_hf.planner.search.limits import (
     SEARCH_CAP,
     largest_trainable_length,
@@ -180,8 +180,7 @@ def leanest_cost(inputs, layout: ParallelDims, host_budget_bytes: float | None =
     """The search's cost model of ``layout`` with the gradient reduction of the least model states
     ``plan_step`` would plan there (per unit where ``grad_reduce="auto"`` can run it): what bounds
     and largest lengths are judged on."""
-    cost = inputs.cost(layout, host_budget_bytes)
-    return with_reduce(cost, reduce_modes(inputs.options(layout).grad_reduce, cost)[-1])
+    return leanest_reduce(inputs.cost(layout, host_budget_bytes), inputs.options(layout).grad_reduce)
 
 
 def add_largest_lengths(inputs, outcome, key: Callable[[ParallelDims], tuple]) -> None:

@@ -53,7 +53,6 @@ from infinipipe_hf.planner.layout_search.longest import (
     add_largest_lengths,
     fill_without_offload,
     fits_alone,
-    leanest_cost,
     no_fit_error,
 )
 from infinipipe_hf.planner.layout_search.prune import PrunedOutcome, plan_pruned
@@ -66,7 +65,7 @@ from infinipipe_hf.planner.layout_search.result import (
 from infinipipe_hf.planner.pipeline.grids import DEFAULT_SLICE_COUNTS
 from infinipipe_hf.planner.registry import REFERENCE
 from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step, resolve_sp_rounds
-from infinipipe_hf.planner.search.grad_reduce import plans_otherwise
+from infinipipe_hf.planner.search.grad_reduce import leanest_reduce, plans_otherwise
 from infinipipe_hf.planner.search.limits import states_per_gpu
 from infinipipe_hf.planner.search.result import PlanResult
 
@@ -229,7 +228,7 @@ def plan_layout(inputs: SearchInputs, layout: ParallelDims, beat_step_s: float |
 def _plan_fed_layout(inputs: SearchInputs, layout: ParallelDims, t0: float, beat_step_s: float | None) -> LayoutOutcome:
     cost = inputs.cost(layout)
     options = inputs.options(layout)
-    lean = leanest_cost(inputs, layout)
+    lean = leanest_reduce(cost, options.grad_reduce)
     states = states_per_gpu(lean)
     budget = inputs.memory_budget_bytes
     if states > budget:

@@ -252,8 +252,8 @@ def _half_fits_one_rank(cost: CostModel, floor: int) -> bool:
     if cost.host_budget_bytes > 0:
         return True
     one, tokens = cost.for_group(1).acts, floor // (2 * cost.dims.sp_degree)
-    return all(one.static_bytes(s) + one.activation_bytes(s, tokens, n) + one.working_bytes(s, tokens, n, True)
-               <= cost.memory_budget_bytes for s, n in enumerate(cost.layers_per_stage))
+    return all(one.static_bytes(s) + one.unit_peak_bytes(s, tokens, n) <= cost.memory_budget_bytes
+               for s, n in enumerate(cost.layers_per_stage))
 
 
 def _staged_with_rounds(ctx: PipelineContext, settings: list) -> list:
@@ -288,10 +288,10 @@ def _ordered(ranked: list, ctx: PipelineContext, near_budget: Sequence = ()) -> 
     at = next((i for i, r in enumerate(ranked) if r[1] == 1 and r[2] is None), -1)
     if at >= EXACT_CANDIDATES and not math.isinf(ranked[at][0]):
         moved.append(ranked.pop(at))
-    best = margin_estimate(ranked[0][3], ctx.cost, ctx.lengths) if ranked else math.inf
     pool = [r for r in ranked[EXACT_CANDIDATES:] if math.isinf(r[0])] + list(near_budget)
-    scored = [(margin_estimate(r[3], ctx.cost, ctx.lengths), i) for i, r in enumerate(pool)]
-    scored = [(m, i) for m, i in scored if m < best]
+    best = margin_estimate(ranked[0][3], ctx.cost, ctx.lengths) if ranked and pool else math.inf
+    margins = (margin_estimate(r[3], ctx.cost, ctx.lengths) for r in pool)
+    scored = [(m, i) for i, m in enumerate(margins) if m < best]
     if scored:
         chosen = pool[min(scored)[1]]
         ranked = [r for r in ranked if r is not chosen]

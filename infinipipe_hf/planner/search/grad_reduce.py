@@ -44,6 +44,12 @@ def with_reduce(cost: CostModel, mode: str) -> CostModel:
     return CostModel.of_context(dataclasses.replace(cost.ctx, grad_reduce=mode))  # also unsharded (bounds)
 
 
+def leanest_reduce(cost: CostModel, asked: str) -> CostModel:
+    """``cost`` with the gradient reduction of the fewest model states of those :func:`reduce_modes`
+    plans for ``asked`` (per unit where ``auto`` can run it)."""
+    return with_reduce(cost, reduce_modes(asked, cost)[-1])
+
+
 def faster(a: PlanResult, b: PlanResult) -> PlanResult:
     """The feasible result with the shorter simulated step (``a`` on ties or when neither fits)."""
     if a.feasible != b.feasible:
