@@ -309,6 +309,10 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is visible; use --tiny --device cpu")
+    if device.type == "cpu":
+        # A CPU row's clock is the calling thread's CPU time: work on other intra-op threads would go
+        # uncounted, more or less of it as the machine's load moves it (as every CPU benchmark here).
+        torch.set_num_threads(1)
     t0 = time.perf_counter()
 
     def log(s):
