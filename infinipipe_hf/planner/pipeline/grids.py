@@ -48,16 +48,28 @@ equal single-GPU units, each rank's share of the batch split evenly, is how Flex
 of short sequences, and the best round count moves with the memory budget."""
 
 
-def round_count_floors(lengths: Sequence[int], replicas: Sequence[Sequence[int]], dims: ParallelDims) -> list[int]:
+def round_count_floors(lengths: Sequence[int], replicas: Sequence[Sequence[int]], dims: ParallelDims,
+                       rank_cap: int | None = None) -> list[int]:
     """Unit token floors (whole-group tokens) for about ``R`` rounds of single-GPU units of the
     fullest replica's tokens, for each ``R`` of :data:`ROUND_COUNTS` whose even split of the
     replica over the stage's ``sp_degree`` ranks holds the longest sequence: that split, and the
     split plus the longest sequence per rank, with which any packing of the sequences fits in
-    ``R`` rounds (a unit that cannot take the next sequence already holds more than the split)."""
+    ``R`` rounds (a unit that cannot take the next sequence already holds more than the split).
+
+    ``rank_cap``: the most tokens a single-GPU unit holds in memory.  Where it falls between a split
+    and the split plus the longest sequence, the cap is a floor too: units as full as memory allows
+    spill into fewer extra rounds than the split's, as FlexSP's solver balances its rounds under a
+    memory cap."""
     most = max(sum(int(lengths[s]) for s in seqs) for seqs in replicas)
     sp_degree, longest = dims.sp_degree, max(lengths)
     even = [-(-most // (sp_degree * r)) for r in ROUND_COUNTS]
-    return list(dict.fromkeys(per_rank * sp_degree for e in even if e >= longest for per_rank in (e, e + longest)))
+    per_rank = []
+    for e in even:
+        if e >= longest:
+            per_rank += [e, e + longest]
+            if rank_cap is not None and e < rank_cap < e + longest:
+                per_rank.append(rank_cap)
+    return list(dict.fromkeys(p * sp_degree for p in per_rank))
 
 
 def packing_candidates(lengths: Sequence[int], group_size: int = 1) -> list[int]:

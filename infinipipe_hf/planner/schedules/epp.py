@@ -238,22 +238,33 @@ def _rank_with_rounds(ctx: PipelineContext, whole: list) -> tuple[list, dict[int
         floors = [p * cost.dims.sp_degree for p in ROUND_TOKEN_FLOORS]
         settings += [(1, f, None) for f in floors if max(lengths) < f < sum(lengths) and (1, f) not in seen]
         seen |= {(k, f) for k, f, _ in settings}
-        near = [(1, f, None) for f in round_count_floors(lengths, ctx.replicas, cost.dims)
-                if (1, f) not in seen and _half_fits_one_rank(cost, f)]
+        cap = one_rank_token_cap(cost, sum(lengths))
+        near = [(1, f, None) for f in round_count_floors(lengths, ctx.replicas, cost.dims, cap)
+                if (1, f) not in seen and (cap is None or f // (2 * cost.dims.sp_degree) <= cap)]
     ranked, near_budget = _staged_with_rounds(ctx, settings), _staged_with_rounds(ctx, near)
     return _ordered(ranked, ctx, near_budget)
 
 
-def _half_fits_one_rank(cost: CostModel, floor: int) -> bool:
-    """Whether a single-GPU unit of half the floor's share of a rank fits every stage with every
-    layer checkpointed (always with a host tier, where layer inputs may leave the device): a round
-    count's floor worth staging.  Half, because a packing that spills into more rounds than asked
-    balances them into smaller units."""
+def one_rank_token_cap(cost: CostModel, most: int) -> int | None:
+    """The most tokens (up to ``most``) a single-GPU unit holds on every stage with every layer
+    checkpointed; None with a host tier, where layer inputs may leave the device.  A round count's
+    floor is worth staging where half its share of a rank fits (a packing that spills into more
+    rounds than asked balances them into smaller units)."""
     if cost.host_budget_bytes > 0:
-        return True
-    one, tokens = cost.for_group(1).acts, floor // (2 * cost.dims.sp_degree)
-    return all(one.static_bytes(s) + one.unit_peak_bytes(s, tokens, n) <= cost.memory_budget_bytes
-               for s, n in enumerate(cost.layers_per_stage))
+        return None
+    one = cost.for_group(1).acts
+
+    def fits(tokens: int) -> bool:
+        return all(one.static_bytes(s) + one.unit_peak_bytes(s, tokens, n) <= cost.memory_budget_bytes
+                   for s, n in enumerate(cost.layers_per_stage))
+
+    low, high = 0, int(most)
+    if fits(high):
+        return high
+    while high - low > 1:  # fits(low), not fits(high): the peak grows with the tokens
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def _staged_with_rounds(ctx: PipelineContext, settings: list) -> list:

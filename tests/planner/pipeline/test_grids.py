@@ -23,3 +23,16 @@ def test_round_count_floors_only_for_round_counts_whose_split_holds_the_longest_
     assert floors == [24000, 42000]
     # 797 tokens on 8 ranks: no round count gives a rank room for the 700-token sequence.
     assert round_count_floors([700, 97], [[0, 1]], ParallelDims(1, 8, 1, "sp", 8)) == []
+
+
+def test_a_memory_cap_between_a_split_and_the_split_plus_the_longest_is_a_floor_too():
+    lengths = [1000] * 60 + [2000] * 4  # 68,000 tokens, one replica on 4 ranks
+    dims = ParallelDims(1, 4, 1, "sp", 8)
+    plain = round_count_floors(lengths, [list(range(64))], dims)
+    # Two rounds split a rank's 17,000 tokens into 8,500; with room for 9,000 a single-GPU unit
+    # may be fuller than the split without the longest sequence's slack (10,500).
+    capped = round_count_floors(lengths, [list(range(64))], dims, rank_cap=9000)
+    assert set(capped) - set(plain) == {9000 * 4}
+    # A cap outside every (split, split + longest) interval adds nothing.
+    assert round_count_floors(lengths, [list(range(64))], dims, rank_cap=10 ** 6) == plain
+    assert round_count_floors(lengths, [list(range(64))], dims, rank_cap=8500) == plain
