@@ -278,11 +278,12 @@ def pruned_summary(outcomes: Sequence[LayoutOutcome]) -> dict:
 
 
 def rank_key(outcome: LayoutOutcome) -> tuple:
-    """Sort key of the tie-break (``TIE_BREAK``): feasible first, fastest first."""
+    """Sort key of the tie-break (``TIE_BREAK``): feasible first, fastest first; then those not planned
+    in full (they may fit), highest bound first; then those that do not fit."""
     lay = outcome.layout
     order = (lay.pp_degree, lay.sp_degree, SHARD_MODES.index(lay.shard.name), STATE_OFFLOADS.index(lay.state_offload.name))
     if not outcome.feasible:
-        return (1, 0.0, 0.0, *order)
+        return (1, -outcome.bound_tokens_per_s, 0.0, *order) if isinstance(outcome, PrunedOutcome) else (2, 0, 0, *order)
     return (0, -outcome.tokens_per_s, outcome.peak_memory_bytes, *order)
 
 

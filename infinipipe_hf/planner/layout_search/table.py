@@ -7,6 +7,7 @@ of one sequence each layout's largest trainable length with and without the host
 from __future__ import annotations
 
 from infinipipe_hf.planner.cost.calibration import pricing_text
+from infinipipe_hf.planner.layout_search.prune import PrunedOutcome
 from infinipipe_hf.planner.layout_search.result import (
     LayoutOutcome,
     LayoutSearch,
@@ -29,6 +30,9 @@ def _row(o: LayoutOutcome, longest: bool) -> tuple[str, ...]:
     head = (lay.label, lay.shard.name, lay.state_offload.name)
     tail = (_lengths(o),) if longest else ()
     note = f"priced as shard {o.priced_as}" if o.priced_as else ""
+    if isinstance(o, PrunedOutcome):  # not planned: whether it fits is unknown, its bounds are not
+        return (*head, "-", f"<={o.bound_tokens_per_s:,.0f}", f">={o.bound_step_time_s:.4g}", "-", "-", "-", "-",
+                f"{o.search_time_s:.2f}", *tail, o.error)
     if not o.feasible:
         return (*head, "NO", "0", "-", "-", "-", "-", "-", f"{o.search_time_s:.2f}", *tail, o.error or note)
     sim = o.result.simulation
@@ -67,7 +71,8 @@ def format_search(search: LayoutSearch) -> str:
             else ", no host memory")
     lines = [f"EPP on every layout of {search.world_size} GPUs ({search.gpus_per_node} per node), "
              f"{gib(search.memory_budget_bytes)} GiB per GPU{host}; alternatives on the same GPUs at their best "
-             f"knobs; bubble and recompute are shares of the step's GPU time; offload: model states in host memory"
+             f"knobs; bubble and recompute are shares of the step's GPU time; offload: model states in host memory; "
+             f"fits '-': not planned in full, the row shows its bounds"
              + ("; largest: the longest one sequence each layout trains, with the host tier (without)" if longest
                 else ""), *_columns(rows)]
     best = search.recommended

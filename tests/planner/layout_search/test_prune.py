@@ -62,4 +62,14 @@ def test_pruned_layouts_are_additive_keys_of_the_json_and_named_in_the_table():
     assert entry["bound_tokens_per_s"] < d["recommended"]["tokens_per_s"]
     rows = [lay for lay in d["layouts"] if "pruned" in lay]
     assert len(rows) >= d["num_pruned"] and all(not r["feasible"] and r["tokens_per_s"] == 0.0 for r in rows)
-    assert "not planned in full: at most" in format_search(search)
+    table = format_search(search)
+    assert "not planned in full: at most" in table
+    # A pruned layout's row shows its bounds, not "does not fit"; it ranks under every planned layout
+    # and above every layout that does not fit, highest bound first.
+    pruned = [o for o in search.layouts if isinstance(o, PrunedOutcome)]
+    line = next(ln for ln in table.splitlines() if f"<={pruned[0].bound_tokens_per_s:,.0f}" in ln)
+    assert line.split()[10:12] == ["-", f"<={pruned[0].bound_tokens_per_s:,.0f}"] and " NO " not in line
+    kinds = [0 if o.feasible else 1 if isinstance(o, PrunedOutcome) else 2 for o in search.layouts]
+    assert kinds == sorted(kinds) and 2 in kinds
+    bounds = [o.bound_tokens_per_s for o in pruned]
+    assert bounds == sorted(bounds, reverse=True)
