@@ -56,18 +56,21 @@ def round_count_floors(lengths: Sequence[int], replicas: Sequence[Sequence[int]]
     split plus the longest sequence per rank, with which any packing of the sequences fits in
     ``R`` rounds (a unit that cannot take the next sequence already holds more than the split).
 
-    ``rank_cap``: the most tokens a single-GPU unit holds in memory.  Where it falls between a split
-    and the split plus the longest sequence, the cap is a floor too: units as full as memory allows
-    spill into fewer extra rounds than the split's, as FlexSP's solver balances its rounds under a
-    memory cap."""
+    ``rank_cap``: the most tokens a single-GPU unit holds in memory.  The fewest rounds it allows
+    (and one more) are tried too, and where the cap falls between a split and the split plus the
+    longest sequence it is a floor too: units as full as memory allows, as FlexSP runs the fewest
+    rounds that fit, balanced under that cap."""
     most = max(sum(int(lengths[s]) for s in seqs) for seqs in replicas)
     sp_degree, longest = dims.sp_degree, max(lengths)
-    even = [-(-most // (sp_degree * r)) for r in ROUND_COUNTS]
+    counts = list(ROUND_COUNTS)
+    if rank_cap:
+        fewest = -(-most // (sp_degree * rank_cap))
+        counts += [r for r in (fewest, fewest + 1) if r not in counts]
     per_rank = []
-    for e in even:
+    for e in [-(-most // (sp_degree * r)) for r in counts]:
         if e >= longest:
             per_rank += [e, e + longest]
-            if rank_cap is not None and e < rank_cap < e + longest:
+            if rank_cap and e < rank_cap < e + longest:
                 per_rank.append(rank_cap)
     return list(dict.fromkeys(p * sp_degree for p in per_rank))
 

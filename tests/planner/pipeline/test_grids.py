@@ -36,3 +36,13 @@ def test_a_memory_cap_between_a_split_and_the_split_plus_the_longest_is_a_floor_
     # A cap outside every (split, split + longest) interval adds nothing.
     assert round_count_floors(lengths, [list(range(64))], dims, rank_cap=10 ** 6) == plain
     assert round_count_floors(lengths, [list(range(64))], dims, rank_cap=8500) == plain
+
+
+def test_the_fewest_rounds_a_memory_cap_allows_are_tried_beyond_eight():
+    lengths = [500] * 136  # 68,000 tokens, one replica on 4 ranks: 17,000 a rank
+    dims = ParallelDims(1, 4, 1, "sp", 8)
+    plain = round_count_floors(lengths, [list(range(136))], dims)
+    # 1,800 tokens a GPU need 10 rounds (1,700 tokens a rank each), past ROUND_COUNTS' 8 (2,125).
+    capped = round_count_floors(lengths, [list(range(136))], dims, rank_cap=1800)
+    assert min(plain) == 2125 * 4 and max(ROUND_COUNTS) == 8
+    assert {1700 * 4, 1800 * 4, 2200 * 4} <= set(capped) - set(plain)
