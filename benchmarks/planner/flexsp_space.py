@@ -102,45 +102,33 @@ def search_row(model: str, world: int, gpu_gib: float, name: str, lengths: list[
     return out
 
 
-def run_search(quick: bool) -> dict:
+def _said(r: dict) -> str:
+    """One row's line of the run's log."""
+    if "min_over_alternatives" in r:
+        return f"{r['pick']} shard {r['shard']}, {r['min_over_alternatives']:.4f}x {r['min_alternative']}"
+    if "epp_over_flexsp" in r:
+        return f"{r['epp_over_flexsp']:.4f}x FlexSP ({r['epp_rounds']} / {r['flexsp_rounds']} rounds)"
+    return r.get("error", "nothing to compare (no alternative fits, or EPP or FlexSP does not)")
+
+
+def sweep(quick: bool, search: bool) -> dict:
+    """Every (model, GPUs, GPU size, batch) row: FlexSP in EPP's space, or the layout search's pick."""
     load = os.getloadavg()
     settings = [(m, w, g) for m in MODELS for w in WORLDS for g in GPU_GIB][:1 if quick else None]
+    named = list((search_batches() if search else batches()).items())[:1 if quick else None]
+    make, key = (search_row, "min_over_alternatives") if search else (row, "epp_over_flexsp")
     rows = []
     for model, world, gib in settings:
-        for name, lengths in list(search_batches().items())[:1 if quick else None]:
-            rows.append(search_row(model, world, gib, name, lengths))
-            r = rows[-1]
-            print(f"{model:12s} {world} GPUs {gib:4.0f} GiB  {name}: "
-                  + (f"{r['pick']} shard {r['shard']}, {r['min_over_alternatives']:.4f}x {r['min_alternative']}"
-                     if "min_over_alternatives" in r else r.get("error", "no alternative fits")), flush=True)
-    mins = [r for r in rows if "min_over_alternatives" in r]
-    worst = min(mins, key=lambda r: r["min_over_alternatives"]) if mins else None
-    return {"rows": rows, "compared": len(mins), "below_1": sum(r["min_over_alternatives"] < 1 for r in mins),
-            "worst": worst, "max_search_time_s": max((r["search_time_s"] for r in rows if "search_time_s" in r),
-                                                    default=0.0),
+        for name, lengths in named:
+            rows.append(make(model, world, gib, name, lengths))
+            print(f"{model:12s} {world} GPUs {gib:4.0f} GiB  {name}: {_said(rows[-1])}", flush=True)
+    compared = [r for r in rows if key in r]
+    times = [r[t] for r in rows for t in ("search_time_s", "epp_planning_time_s") if t in r]
+    return {"rows": rows, "compared": len(compared), "below_1": sum(r[key] < 1 for r in compared),
+            "worst": min(compared, key=lambda r: r[key]) if compared else None,
+            "max_search_time_s" if search else "max_planning_time_s": max(times, default=0.0),
             "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
-            "note": "simulated tokens/s (cost model, shipped default profile); search times measured here"}
-
-
-def run(quick: bool) -> dict:
-    load = os.getloadavg()
-    settings = [(m, w, g) for m in MODELS for w in WORLDS for g in GPU_GIB]
-    named = batches()
-    if quick:
-        settings, named = settings[:1], dict(list(named.items())[:1])
-    rows = []
-    for model, world, gib in settings:
-        for name, lengths in named.items():
-            rows.append(row(model, world, gib, name, lengths))
-            r = rows[-1]
-            print(f"{model:12s} {world} GPUs {gib:4.0f} GiB  {name}: "
-                  + (f"{r['epp_over_flexsp']:.4f}x FlexSP ({r['epp_rounds']} / {r['flexsp_rounds']} rounds)"
-                     if "epp_over_flexsp" in r else r.get("error", "does not fit")), flush=True)
-    ratios = [r for r in rows if "epp_over_flexsp" in r]
-    worst = min(ratios, key=lambda r: r["epp_over_flexsp"]) if ratios else None
-    return {"rows": rows, "compared": len(ratios), "below_1": sum(r["epp_over_flexsp"] < 1 for r in ratios),
-            "worst": worst, "load_average_at_start": load, "load_average_at_end": os.getloadavg(),
-            "note": "simulated steps (cost model, shipped default profile); planning times measured here"}
+            "note": "simulated steps (cost model, shipped default profile); search and planning times measured here"}
 
 
 def main() -> None:
@@ -150,7 +138,7 @@ def main() -> None:
     ap.add_argument("--label", default=None, help="the run's name in the file's runs (default: current, or search)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
-    result = run_search(args.quick) if args.search else run(args.quick)
+    result = sweep(args.quick, args.search)
     args.label = args.label or ("search" if args.search else "current")
     out = Path(args.out)
     runs = json.loads(out.read_text()).get("runs", {}) if out.exists() else {}
