@@ -55,6 +55,11 @@ def _alternative_row(name: str, r, longest: bool) -> tuple[str, ...]:
             "-", f"{r.planning_time_s:.2f}", *tail, ", ".join(f"{k} {v}" for k, v in knobs.items()))
 
 
+def _ratio(x: float) -> str:
+    """``1.16x``; within half a percent of 1, three decimals, so a lead or a lag never reads 1.00x."""
+    return f"{x:.3f}x" if abs(x - 1.0) < 0.005 else f"{x:.2f}x"
+
+
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows]
@@ -93,9 +98,9 @@ def format_search(search: LayoutSearch) -> str:
                          f"{whole.summary()['tokens_per_s']:,.0f} tokens/s")
         rec = search.recommended_dict()
         for name, ratio in rec["over_alternatives"].items():
-            lines.append(f"  {ratio:.2f}x {name} at its best")
+            lines.append(f"  {_ratio(ratio)} {name} at its best")
         if rec["behind_alternatives"]:
-            behind = ", ".join(f"{n} ({r:.2f}x)" for n, r in rec["behind_alternatives"].items())
+            behind = ", ".join(f"{n} ({_ratio(r)})" for n, r in rec["behind_alternatives"].items())
             lines.append(f"  behind {behind} on this batch: the alternative at its best is faster than EPP's "
                          f"best layout here")
         settings = search.recommended_settings()
