@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.layout import NO_SHARDING, ParallelDims, sharding_over
+from infinipipe_hf.planner.cost.activations import largest_fitting
 from infinipipe_hf.planner.cost.calibration import for_system, overlapped, ring_extra_s
 from infinipipe_hf.planner.cost.collectives import all_gather_time, reduce_scatter_time
 from infinipipe_hf.planner.cost.compute import UnitShape
@@ -133,13 +134,8 @@ class _Group:
         return self._max_tokens_cache[key]
 
     def _max_tokens(self, checkpointed_layers: int, room_bytes: float) -> int:
-        lo, hi = 0, 1
-        while self.activation_peak_bytes(hi, checkpointed_layers) <= room_bytes and hi < 1 << 34:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.activation_peak_bytes(mid, checkpointed_layers) <= room_bytes else (lo, mid)
-        return lo
+        return largest_fitting(lambda t: self.activation_peak_bytes(t, checkpointed_layers) <= room_bytes,
+                               (1 << 34) - 1)
 
 
 class UlyssesGroup(_Group):

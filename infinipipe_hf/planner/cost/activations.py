@@ -10,7 +10,7 @@ element count of :func:`act_elements`; under Ulysses SP a GPU holds ``ceil(T / s
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.units import Segment
@@ -53,6 +53,19 @@ def _act_elements(spec: ModelSpec, bytes_per_element: float = 2) -> float:
 LOSS_BLOCK_ROWS = 1024
 """Rows of a loss chunk's logits the runtime's fused cross-entropy upcasts at a time
 (``runtime/stage/loss.py``'s constant of the same name; a test keeps them equal)."""
+
+
+def largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
+    """The largest ``n <= cap`` with ``fits(n)`` (0 when not even 1 fits), for ``fits`` true up to a
+    limit (bytes grow with the tokens): doubling from 1, then bisection of the last octave."""
+    lo, hi = 0, 1
+    while hi <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 class StageActivations:

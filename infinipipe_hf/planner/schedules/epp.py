@@ -16,8 +16,8 @@ without them and keeps whichever plan simulates faster.
 
 Near the budget: the estimate plans into 95% of the memory budget, so in each family the setting
 that ranks first when estimated up to the whole budget (among those the margin alone rules out,
-and, with rounds, the floors of 1-8 rounds as FlexSP runs short sequences) is planned too, as a
-family of its own (``_ordered``).
+and, with rounds, the floors of a few round counts as FlexSP runs short sequences: 1-8 and the
+fewest the rank's memory cap allows) is planned too, as a family of its own (``_ordered``).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Unit
 from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.planner.checkpointing.solver import solve_checkpointing
+from infinipipe_hf.planner.cost.activations import largest_fitting
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.pipeline.actions import epp_warmup, replica_actions
 from infinipipe_hf.planner.pipeline.grids import (
@@ -253,18 +254,9 @@ def one_rank_token_cap(cost: CostModel, most: int) -> int | None:
     if cost.host_budget_bytes > 0:
         return None
     one = cost.for_group(1).acts
-
-    def fits(tokens: int) -> bool:
-        return all(one.static_bytes(s) + one.unit_peak_bytes(s, tokens, n) <= cost.memory_budget_bytes
-                   for s, n in enumerate(cost.layers_per_stage))
-
-    low, high = 0, int(most)
-    if fits(high):
-        return high
-    while high - low > 1:  # fits(low), not fits(high): the peak grows with the tokens
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+    return largest_fitting(lambda tokens: all(
+        one.static_bytes(s) + one.unit_peak_bytes(s, tokens, n) <= cost.memory_budget_bytes
+        for s, n in enumerate(cost.layers_per_stage)), int(most))
 
 
 def _staged_with_rounds(ctx: PipelineContext, settings: list) -> list:

@@ -15,6 +15,7 @@ sequence is the best case (a real batch shares the stage with other units), whic
 from __future__ import annotations
 
 from infinipipe_hf.layout import ParallelDims, sharding_over
+from infinipipe_hf.planner.cost.activations import largest_fitting
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.pipeline.grids import DEFAULT_SLICE_COUNTS
 from infinipipe_hf.planner.registry import get_schedule
@@ -39,13 +40,7 @@ def largest_trainable_length(cost: CostModel, max_slices: int | None = None, sch
             return False
         return simulate(plan, cost).feasible
 
-    lo, hi = 0, 1
-    while fits(hi) and hi < SEARCH_CAP:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return largest_fitting(fits, SEARCH_CAP - 1)
 
 
 def states_per_gpu(cost: CostModel) -> float:
