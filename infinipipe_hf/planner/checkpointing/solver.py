@@ -196,7 +196,7 @@ def _greedy_only(prob: ReplicaProblem) -> tuple[np.ndarray, bool, str, str]:
 
 def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive", time_limit_s: float = 2.0,
                         mip_rel_gap: float = 0.01, levels: tuple[str, ...] | list[str] = (),
-                        sharing: str = "diagonal") -> CheckpointSolution:
+                        sharing: str = "diagonal", verify: bool = True) -> CheckpointSolution:
     """Checkpointed layers per (stage, unit) for ``plan`` under ``cost.memory_budget_bytes``.
 
     ``time_limit_s``: wall-clock limit of the adaptive policy's branch and bound, 0 for none (what
@@ -209,6 +209,8 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
     With a host tier the adaptive and greedy policies may offload layer inputs, and when the plan
     does not fit otherwise they set ``plan.offload_kv`` to the stages whose KV store must go to host
     memory (the solution's ``offload_kv``; the plan is left as it was when that does not fit either).
+    ``verify=False`` skips re-walking a feasible answer's timeline: for a search's candidates, which
+    it simulates anyway (the same walk decides their fit) and whose winner it validates.
     """
     levels = _check_arguments(plan, cost, policy, levels, sharing, time_limit_s, mip_rel_gap)
     deadline = milp_deadline(time_limit_s)
@@ -227,8 +229,9 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
             plan.offload_kv = []
     checkpoint_layers, checkpoint_levels = _assemble(plan, problems, cells)
     recompute = recompute_seconds(plan, cost, checkpoint_layers, checkpoint_levels)
-    if feasible:
+    if feasible and verify:
         _verify(plan, cost, problems, checkpoint_layers, checkpoint_levels)
+    if feasible:
         # The weakest replica's method describes the plan: greedy < lp-rounding < milp < none-needed.
         method = next((m for m in ("greedy", "lp-rounding", "milp") if m in methods),
                       methods[0] if methods else "none-needed")

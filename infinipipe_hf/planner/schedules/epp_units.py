@@ -102,18 +102,18 @@ def epp_units(lengths, replicas, cost, k, max_tokens_per_unit, floor, rounds: bo
     return staged
 
 
-def margin_estimate(staged: Sequence[Staged], cost: CostModel, lengths) -> float:
+def margin_estimate(staged: Sequence[Staged], cost: CostModel, lengths, safety: float = 1.0) -> float:
     """The estimate of a knob setting's staged units (the largest over replicas) with memory
     planned up to the whole budget (``safety=1``): finite for a setting the estimate's safety
     margin alone rules out, which may still fit exactly (a round of single-GPU units near the
-    budget, as FlexSP plans it)."""
+    budget, as FlexSP plans it).  ``safety=math.inf``: memory ignored (no recompute priced)."""
     worst = 0.0
     for st in staged:
         if st.res is None:
             continue
         units = st.items.items if st.items is not None else st.res.units
         estimator = PipelineEstimator(units, cost, lengths, st.items.costs if st.items is not None else None,
-                                      safety=1.0)
+                                      safety=safety)
         worst = max(worst, sum(estimator.time_of_ids([u.id for u in p]) for p in st.pipelines))
     return worst
 

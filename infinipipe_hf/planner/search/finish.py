@@ -46,7 +46,9 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
             if solved and sim.step_time_s - sim.recompute_time_s >= min(s.step_time_s for _, s in solved):
                 continue  # even with no recompute at all it would not be faster: not worth a solve
             sim = final_solve(plan, sim, cost, ctx.time_limit_s, levels, sharing)
-            solved.append((plan, kv_offload_trial(plan, sim, cost, ctx.time_limit_s, levels, sharing)))
+            if not solved or sim.step_time_s - sim.recompute_time_s < min(s.step_time_s for _, s in solved):
+                sim = kv_offload_trial(plan, sim, cost, ctx.time_limit_s, levels, sharing)  # as above
+            solved.append((plan, sim))
         plan, sim = min(solved, key=lambda ps: ps[1].step_time_s)  # the winner on ties
     validate(plan, cost, max_tokens_per_unit=ctx.max_tokens_per_unit)
     plan.info["candidates_tried"] = len(state.tried)

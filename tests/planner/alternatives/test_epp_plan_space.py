@@ -24,8 +24,7 @@ from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.cost.compute import UnitShape
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import default_profile, fit_profile, shipped_calibration, uncalibrated_profile
-from infinipipe_hf.planner.schedules import base
-from infinipipe_hf.planner.schedules import epp as epp_schedule
+from infinipipe_hf.planner.schedules import base, epp_ranking
 from infinipipe_hf.planner.search import finish
 from infinipipe_hf.planner.search.api import PlanOptions, plan_alternative, plan_step
 
@@ -154,7 +153,7 @@ def test_epp_plans_flexsps_rounds_of_short_sequences_at_any_memory_budget(device
     assert epp.simulation.step_time_s <= flexsp.simulation.step_time_s
     # The near-budget candidate is solved beside the best estimates' finalists, never instead of
     # one: without the round counts' floors the search is never faster.
-    monkeypatch.setattr(epp_schedule, "round_count_floors", lambda *args: [])
+    monkeypatch.setattr(epp_ranking, "round_count_floors", lambda *args: [])
     without = plan_step(lengths, spec, options=PlanOptions(grad_reduce="unit"), cost=cost)
     assert epp.simulation.step_time_s <= without.simulation.step_time_s
 

@@ -28,7 +28,7 @@ from infinipipe_hf.planner.pipeline.actions import (
     one_f_one_b_warmup,
 )
 from infinipipe_hf.planner.pipeline.estimate import PipelineEstimator, pipeline_time_estimate
-from infinipipe_hf.planner.schedules.epp import EXACT_CANDIDATES
+from infinipipe_hf.planner.schedules.epp_ranking import EXACT_CANDIDATES
 from infinipipe_hf.planner.simulate.simulator import simulate
 from tests.planner.fakes import UniformCost
 

@@ -6,7 +6,7 @@ from infinipipe_hf.layout import ParallelDims
 from infinipipe_hf.models.model_configs import config_path
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import default_profile
-from infinipipe_hf.planner.schedules.epp import one_rank_token_cap
+from infinipipe_hf.planner.schedules.epp_ranking import one_rank_token_cap
 
 
 def _cost(host_gib: float = 0.0, layers_per_stage=None, pp: int = 1) -> CostModel:

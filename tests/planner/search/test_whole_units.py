@@ -1,7 +1,7 @@
 """EPP's whole-sequence candidate (planner/search/whole_units.py): on one stage with a host tier, a
 long sequence as one unit with its MLP in tiles, its layers offloaded, carries no K/V; it is taken
-when it simulates faster than slicing (or nothing else fits), passes the validator and keeps its
-tiles through JSON; other layouts and batches never see it."""
+only when it simulates faster than slicing (or nothing else fits), passes the validator and keeps
+its tiles through JSON; other layouts and batches never see it."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,23 +32,47 @@ def _tried(result):
     return [c for c in result.candidates if c.get("candidate") == whole_units.KNOB]
 
 
-def test_one_gpu_long_sequence_is_one_tiled_unit_and_faster_than_slicing(monkeypatch):
-    r = _plan()
-    plan = r.plan
-    assert r.feasible and plan.info["candidate"] == whole_units.KNOB and len(plan.units) == 1
+def _whole_candidate(length: int = LENGTH):
+    """The MLP-tiled whole-sequence candidate of one sequence on one GPU, as the search offers it."""
+    from infinipipe_hf.planner.schedules.base import SearchState
+    from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
+
+    cost = PlanOptions(memory_budget_bytes=BUDGET, host_memory_budget_bytes=HOST).cost(
+        SPEC, ParallelDims(state_offload="states"))
+    state = SearchState()
+    whole_units.try_whole_sequences(PipelineContext([length], [[0]], cost, "adaptive"), state, "epp")
+    return state.best, cost
+
+
+def test_one_gpu_long_sequence_is_one_tiled_unit_that_fits():
+    (plan, sim), cost = _whole_candidate()
+    assert plan.info["candidate"] == whole_units.KNOB and len(plan.units) == 1
     assert plan.mlp_tile_tokens == {0: SPEC.hidden_size} and not plan.offload_kv
     mix = plan.checkpoint_mix(0, 0)
     # every layer replayed, most offloaded (inputs, or inputs with their attention outputs)
     assert mix.offload + mix.offload_attn > 0 and mix.total == SPEC.num_layers
-    assert max(r.simulation.peak_memory_bytes) <= BUDGET and plan.info["host_peak_memory_bytes"] <= HOST
-    validate(plan, PlanOptions(memory_budget_bytes=BUDGET, host_memory_budget_bytes=HOST).cost(
-        SPEC, ParallelDims(state_offload="states")))
+    assert sim.feasible and max(sim.peak_memory_bytes) <= BUDGET
+    validate(plan, cost)
     assert Plan.from_json(plan.to_json()).mlp_tile_tokens == plan.mlp_tile_tokens
-    # Without the candidate EPP slices the sequence and is slower.
+
+
+@pytest.mark.parametrize("length", [LENGTH, 327680])
+def test_the_whole_sequence_is_taken_only_when_faster_than_slicing(monkeypatch, length):
+    """262,144 tokens: slicing (4 slices) simulates faster than the MLP-tiled unit, so the search
+    keeps it; 327,680: slices still fit, but the whole sequence with both sides tiled is faster."""
+    r = _plan(lengths=(length,))
+    whole = [c for c in r.candidates if c.get("candidate") in (whole_units.KNOB, whole_units.KNOB_ATTENTION)
+             and c["feasible"]]
+    assert r.feasible and whole
     monkeypatch.setattr(whole_units, "wanted", lambda ctx: False)
-    sliced = _plan()
+    sliced = _plan(lengths=(length,))
     assert sliced.feasible and len(sliced.plan.units) > 1 and not sliced.plan.mlp_tile_tokens
-    assert r.simulation.step_time_s < sliced.simulation.step_time_s
+    if r.plan.info.get("candidate") is None:  # the search kept its slices: no whole candidate ran faster
+        assert r.simulation.step_time_s == sliced.simulation.step_time_s
+        assert all(c["step_time_s"] > r.simulation.step_time_s for c in whole)
+    else:
+        assert r.simulation.step_time_s < sliced.simulation.step_time_s
+    assert (r.plan.info.get("candidate") is None) == (length == LENGTH)
 
 
 def test_tiles_are_priced_in_memory_and_time():
@@ -56,11 +80,9 @@ def test_tiles_are_priced_in_memory_and_time():
     the budget) and simulates less recompute."""
     from infinipipe_hf.planner.simulate.simulator import simulate
 
-    r = _plan()
-    cost = PlanOptions(memory_budget_bytes=BUDGET, host_memory_budget_bytes=HOST).cost(
-        SPEC, ParallelDims(state_offload="states"))
-    tiled = simulate(r.plan, cost)
-    untiled_plan = Plan.from_json(r.plan.to_json())
+    (plan, _), cost = _whole_candidate()
+    tiled = simulate(plan, cost)
+    untiled_plan = Plan.from_json(plan.to_json())
     untiled_plan.mlp_tile_tokens = {}
     untiled = simulate(untiled_plan, cost)
     assert tiled.feasible and not untiled.feasible
