@@ -209,8 +209,7 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
     With a host tier the adaptive and greedy policies may offload layer inputs, and when the plan
     does not fit otherwise they set ``plan.offload_kv`` to the stages whose KV store must go to host
     memory (the solution's ``offload_kv``; the plan is left as it was when that does not fit either).
-    ``verify=False`` skips re-walking a feasible answer's timeline: for a search's candidates, which
-    it simulates anyway (the same walk decides their fit) and whose winner it validates.
+    ``verify=False`` skips re-walking a feasible answer's timeline (search candidates: simulated anyway).
     """
     levels = _check_arguments(plan, cost, policy, levels, sharing, time_limit_s, mip_rel_gap)
     deadline = milp_deadline(time_limit_s)

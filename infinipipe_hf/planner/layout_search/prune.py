@@ -8,7 +8,9 @@ pick's tie tolerance) and is reported as pruned instead of planned.  A layout th
 the best step so far (``plan_step``'s ``beat_step_s``): its search stops before solving any
 checkpointing when every candidate it may plan, replayed with nothing recomputed (bubbles and
 communication included), is no faster, and it is reported as pruned with that bound (``basis``
-``candidates``).  The pick therefore equals the exhaustive search's; only the pruned layouts' own
+``candidates``); after its candidates are planned, it stops before the final solve when every
+finalist, replayed with nothing recomputed or copied to host memory, is no faster (``basis``
+``finalists``): candidates whose plans need much recompute are no longer among them.  The pick therefore equals the exhaustive search's; only the pruned layouts' own
 figures are missing (their bound is shown).
 
 With ``workers > 1`` the layouts go to a spawned process pool in the same order, at most
@@ -54,13 +56,16 @@ class PrunedOutcome(LayoutOutcome):
     """The planned layout whose tokens/s the bound is below."""
     beaten_tokens_per_s: float = 0.0
     basis: str = "compute"
-    """What the bound counts: ``compute`` (its compute alone, before planning) or ``candidates``
-    (every candidate's units simulated without recompute, the planning's last step skipped)."""
+    """What the bound counts: ``compute`` (its compute alone, before planning), ``candidates``
+    (every candidate's units simulated without recompute, the planning's last step skipped) or
+    ``finalists`` (its planned finalists' units simulated with nothing recomputed or copied to host
+    memory, the final solve skipped)."""
 
     @property
     def error(self) -> str | None:
-        what = ("its compute alone, no bubbles, recompute or communication" if self.basis == "compute" else
-                "its best candidate's units with bubbles and communication, without recompute")
+        what = {"compute": "its compute alone, no bubbles, recompute or communication",
+                "candidates": "its best candidate's units with bubbles and communication, without recompute",
+                "finalists": "its planned finalists with nothing recomputed or copied to host memory"}[self.basis]
         return (f"not planned in full: at most {self.bound_tokens_per_s:,.0f} tokens/s (a step of at least "
                 f"{self.bound_step_time_s:.4g} s: {what}) < {self.beaten_tokens_per_s:,.0f} tokens/s planned on "
                 f"{self.beaten_by}")
@@ -119,11 +124,11 @@ def beat_step_s(inputs, best: LayoutOutcome | None) -> float | None:
 
 def stopped(inputs, outcome: LayoutOutcome, best: LayoutOutcome | None) -> LayoutOutcome:
     """``outcome``, or its :class:`PrunedOutcome` when its planning stopped short of ``best``'s step
-    (``PlanResult.beaten_bound_s``: the candidates' bound)."""
+    (``PlanResult.beaten_bound_s``: the candidates' or the finalists' bound)."""
     bound = getattr(outcome.result, "beaten_bound_s", None)
     if bound is None or best is None:
         return outcome
-    return pruned_by(inputs, outcome.layout, bound, best, outcome.search_time_s, "candidates")
+    return pruned_by(inputs, outcome.layout, bound, best, outcome.search_time_s, outcome.result.beaten_basis)
 
 
 def _better(best: LayoutOutcome | None, outcome: LayoutOutcome) -> LayoutOutcome | None:

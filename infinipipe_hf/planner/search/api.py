@@ -33,7 +33,7 @@ from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
 from infinipipe_hf.planner.registry import ALTERNATIVES, PIPELINE_SCHEDULES, SCHEDULES
 from infinipipe_hf.planner.schedules.base import ROUNDS
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
-from infinipipe_hf.planner.search.finish import finish_pipeline, host_states_message
+from infinipipe_hf.planner.search.finish import finalists_bound_s, finish_pipeline, host_states_message
 from infinipipe_hf.planner.search.grad_reduce import plan_each_reduce, reduce_modes
 from infinipipe_hf.planner.search.loop import run_search
 from infinipipe_hf.planner.search.result import PlanResult
@@ -145,6 +145,12 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None
     state = run_search(sched, ctx)
     if o.schedule == "epp":  # EPP's plan space also holds whole sequences with tiled MLPs
         try_whole_sequences(ctx, state, sched.name)
+    bound = None if beat_step_s is None or state.best is None else finalists_bound_s(state, cost)
+    if bound is not None and bound >= beat_step_s:
+        return PlanResult(o.schedule, None, None, False, f"no {o.schedule} plan on {dims.label} can run a step under "
+                          f"{beat_step_s:.4g} s: its finalists take at least {bound:.4g} s with nothing recomputed "
+                          f"or copied to host memory", time.perf_counter() - t0, state.tried, dims.sp_degree, dims.shard,
+                          beaten_bound_s=bound, beaten_basis="finalists")
     result = finish_pipeline(sched, ctx, state, t0, levels, o.checkpoint_sharing)
     idle = idle_replicas(len(lengths), dims)
     if idle and result.plan is not None:

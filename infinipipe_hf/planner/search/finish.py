@@ -12,6 +12,7 @@ on whole groups it contains.  A solved plan is kept when its simulated step is n
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from infinipipe_hf.ir.plan import Plan
@@ -57,6 +58,15 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
     plan.info["host_peak_memory_bytes"] = max(host, default=0.0)
     return PlanResult(schedule.name, plan, sim, True, None, time.perf_counter() - t0, state.tried,
                       cost.dims.sp_degree, cost.dims.shard)
+
+
+def finalists_bound_s(state: SearchState, cost: CostModel) -> float:
+    """A lower bound of the step ``finish_pipeline`` returns from ``state``: the least over the plans
+    it may finish of their units replayed with nothing checkpointed, offloaded or copied (the final
+    solve and the KV trial change only that, and less of it never lengthens a replay)."""
+    plans = [state.best[0]] + [plan for kept in state.finalists.values() for plan, _ in kept]
+    return min(simulate(dataclasses.replace(plan, checkpoint_layers={}, checkpoint_levels={}, offload_kv=[]),
+                        cost, memory=False).step_time_s for plan in plans)
 
 
 RUNNER_UP_GAP = 0.05

@@ -34,6 +34,10 @@ class PlanResult:
     beaten_bound_s: float | None = None
     """Set when planning stopped because no plan could beat the caller's step (``plan_step``'s
     ``beat_step_s``): a lower bound of the step the full search would have returned."""
+    beaten_basis: str = "candidates"
+    """What ``beaten_bound_s`` counts: ``candidates`` (every candidate's units replayed without
+    recompute, before any is planned) or ``finalists`` (the planned finalists' units replayed with
+    nothing recomputed or copied to host memory, before the final solve)."""
 
     @property
     def name(self) -> str:

@@ -1,7 +1,8 @@
 """``plan_step(beat_step_s=...)``: the search stops only where no plan could run under the caller's
 step (its bound is at most the full search's step), and is exactly the full search otherwise.
 
-The bound replays every candidate the search may plan with nothing recomputed; the layouts cover
+The first bound replays every candidate the search may plan with nothing recomputed, the second
+replays the planned finalists the same way; the layouts cover
 pipelines, SP groups with rounds and both gradient reductions, sharding and a host tier, where
 the finishing solve changes the checkpointing (and K/V stores) of the same units."""
 import math
@@ -58,12 +59,34 @@ def test_stopped_only_where_no_plan_runs_under_the_step_and_exact_otherwise(name
         assert got.beaten_bound_s is None and _same(got, full)
 
 
-def test_a_search_with_whole_sequence_candidates_is_never_stopped():
-    """One stage with a host tier also tries whole sequences with tiled MLPs (other units): no bound."""
+def test_a_search_with_whole_sequence_candidates_is_stopped_only_after_planning_them():
+    """One stage with a host tier also tries whole sequences with tiled MLPs (other units): no
+    candidates' bound, but the finalists' (which holds them too) once every candidate is planned."""
     options = PlanOptions(memory_budget_bytes=BUDGET, host_memory_budget_bytes=1.0 * GIB)
     full = plan_step(LONG_TAIL, SPEC, ParallelDims(1, 1, 1, gpus_per_node=8), options)
     got = plan_step(LONG_TAIL, SPEC, ParallelDims(1, 1, 1, gpus_per_node=8), options, beat_step_s=1e-9)
-    assert full.feasible and got.beaten_bound_s is None and _same(got, full)
+    assert full.feasible and got.beaten_basis == "finalists" and 0 < got.beaten_bound_s <= full.simulation.step_time_s
+    assert got.candidates == full.candidates  # every candidate planned, the final solve skipped
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_finalists_bound_holds_and_stops_only_short_of_the_step(name, monkeypatch):
+    """Without the candidates' bound the search plans its candidates and stops before the final
+    solve where its finalists, replayed with nothing recomputed or copied, cannot run under the
+    step; that bound is at most the full search's step, and a step it can beat is planned in full."""
+    from infinipipe_hf.planner.schedules.epp import EPPSchedule
+
+    dims, host_gib, lengths = CASES[name]
+    options = PlanOptions(memory_budget_bytes=BUDGET, host_memory_budget_bytes=host_gib * GIB)
+    full = plan_step(lengths, SPEC, dims, options)
+    step = full.simulation.step_time_s
+    monkeypatch.setattr(EPPSchedule, "candidates_bound", lambda self, ctx, below_s: None)
+    stopped = plan_step(lengths, SPEC, dims, options, beat_step_s=1e-9)
+    assert stopped.beaten_basis == "finalists" and 0 < stopped.beaten_bound_s <= step
+    between = plan_step(lengths, SPEC, dims, options, beat_step_s=(stopped.beaten_bound_s + step) / 2)
+    assert (between.beaten_bound_s is not None and between.beaten_bound_s <= step) or _same(between, full)
+    got = plan_step(lengths, SPEC, dims, options, beat_step_s=step * 1.000001)
+    assert got.beaten_bound_s is None and _same(got, full)
 
 
 @pytest.mark.parametrize("name", ["pp2-sp2-rounds", "pp1-sp4-rounds"])
