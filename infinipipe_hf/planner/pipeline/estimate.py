@@ -48,15 +48,19 @@ class PipelineEstimator:
             chain_len[start] = chain_len.get(start, 0) + 1
         self.chain_len = chain_len
         each = _Each(self.units, cost, members)
-        totals = each(_slowest_stage_time)
+        totals = each(lambda c, u, sh: c.compute.slowest_stage_time(sh))
         self.total_prefix = np.concatenate([[0.0], np.cumsum(totals)])
         self.stages = sorted({0, pp - 1}) if math.isfinite(safety) else []  # inf: memory ignored
         self.per_stage = {}
         self._per_stage_lists = {}
         for st in self.stages:
             layers = cost.num_layers(st)
-            act, kv, save, redo, work = each.columns(
-                lambda c, u, sh: _unit_figures(c, u, sh, st, layers, lengths), len(_FIGURES))
+            act = each(lambda c, u, sh: c.acts.unit_activation_bytes(st, u.segments, 0))
+            kv = each(lambda c, u, sh: c.acts.kv_bytes(st, sum(s.length for s in u.segments if s.end < lengths[s.seq])))
+            save = each(lambda c, u, sh: c.acts.unit_checkpoint_saving(st, u.segments) * layers)
+            redo = each(lambda c, u, sh: c.recompute_time(st, sh, layers))
+            work = each(lambda c, u, sh: c.acts.working_bytes(st, u.num_tokens, 1, backward=True)
+                        + (c.acts.context_read_bytes(u.segments) if hasattr(c.acts, "context_read_bytes") else 0.0))
             self.per_stage[st] = (
                 np.concatenate([[0.0], np.cumsum(act)]), np.concatenate([[0.0], np.cumsum(kv)]),
                 np.concatenate([[0.0], np.cumsum(save)]), np.concatenate([[0.0], np.cumsum(redo)]),
@@ -151,53 +155,6 @@ class _Each:
         if self.members is None:
             return [fn(self.cost, u, sh) for u, sh in zip(self.units, self.shapes)]
         return [max(fn(c, m, self.shapes[m.id]) for m, c in self.members[u.id]) for u in self.units]
-
-    def columns(self, fn, n: int) -> tuple[list[float], ...]:
-        """``n`` figures at once: ``fn`` returns a tuple per unit (a round's: each the largest of
-        its units'); one list per figure."""
-        if self.members is None:
-            rows = [fn(self.cost, u, sh) for u, sh in zip(self.units, self.shapes)]
-        else:
-            rows = [tuple(max(col) for col in zip(*(fn(c, m, self.shapes[m.id]) for m, c in self.members[u.id])))
-                    for u in self.units]
-        return tuple(list(col) for col in zip(*rows)) if rows else tuple([] for _ in range(n))
-
-
-_FIGURES = ("activation bytes", "K/V bytes kept for later slices", "checkpoint saving", "recompute seconds",
-            "working bytes")
-"""What :func:`_unit_figures` returns per unit and stage, in order."""
-
-
-def _unit_figures(c: CostModel, u: Unit, shape, stage: int, layers: int, lengths: Sequence[int]) -> tuple:
-    """:data:`_FIGURES` of unit ``u`` (``shape``) on ``stage`` of ``layers`` layers, through
-    ``c.unit_memo`` (none on stand-in costs), keyed by the stage, the segments and which continue."""
-    memo = getattr(c, "unit_memo", None)
-    continuing = tuple(s.end < lengths[s.seq] for s in u.segments)
-    key = ("estimate", stage, u.segments, continuing)
-    if memo is not None and (hit := memo.get(key)) is not None:
-        return hit
-    acts = c.acts
-    out = (acts.unit_activation_bytes(stage, u.segments, 0),
-           acts.kv_bytes(stage, sum(s.length for s, more in zip(u.segments, continuing) if more)),
-           acts.unit_checkpoint_saving(stage, u.segments) * layers,
-           c.recompute_time(stage, shape, layers),
-           acts.working_bytes(stage, u.num_tokens, 1, backward=True)
-           + (acts.context_read_bytes(u.segments) if hasattr(acts, "context_read_bytes") else 0.0))
-    if memo is not None:
-        memo[key] = out
-    return out
-
-
-def _slowest_stage_time(c: CostModel, u: Unit, shape) -> float:
-    """The slowest stage's forward plus backward of unit ``u``, through ``c.unit_memo`` (as above)."""
-    memo = getattr(c, "unit_memo", None)
-    key = ("estimate", u.segments)
-    if memo is not None and (hit := memo.get(key)) is not None:
-        return hit
-    out = c.compute.slowest_stage_time(shape)
-    if memo is not None:
-        memo[key] = out
-    return out
 
 
 def pipeline_time_estimate(units: Sequence[Unit], cost: CostModel, lengths: Sequence[int]) -> float:
