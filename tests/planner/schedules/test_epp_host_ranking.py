@@ -16,6 +16,7 @@ from infinipipe_hf.planner.schedules.epp_ranking import EXACT_CANDIDATES, ranked
 from infinipipe_hf.planner.schedules.epp_units import margin_estimate
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
 from infinipipe_hf.planner.search.api import PlanOptions, plan_step
+from infinipipe_hf.planner.search.loop import run_search
 from infinipipe_hf.planner.simulate.simulator import simulate
 
 SPEC = ModelSpec.from_json_file(config_path("llama2-13b"))
@@ -59,3 +60,31 @@ def test_with_a_host_tier_the_plan_is_as_fast_as_the_best_of_the_more_slices_fir
     got = plan_step(LENGTHS, SPEC, options=PlanOptions(), cost=ctx.cost)
     assert got.feasible
     assert got.simulation.step_time_s <= min(steps)
+
+
+def test_the_candidates_bound_leaves_out_only_candidates_that_do_not_fit():
+    """The bound under a step every replay beats is the replay of the first candidate whose own plan
+    fits (those before it do not); the plans it built go to the search, which then plans the same."""
+    ctx = _context(256.0)
+    sched = SCHEDULES["epp"]
+    ranked = ranked_settings(ctx)[0]
+    fits = []
+    for _, k, floor, staged in ranked:
+        try:
+            fits.append(simulate(sched.plan(LENGTHS, ctx.replicas, ctx.cost, k, floor, staged, "adaptive", 0.0),
+                                 ctx.cost).feasible)
+        except ValueError:
+            fits.append(False)
+    first = fits.index(True)
+    assert first > 0  # the fastest with memory ignored do not fit here
+    _, k, floor, staged = ranked[first]
+    replay = simulate(sched.units_plan(LENGTHS, ctx.replicas, ctx.cost, k, floor, staged), ctx.cost,
+                      memory=False).step_time_s
+    fresh = _context(256.0)
+    assert sched.candidates_bound(fresh, math.inf) == replay
+    full = plan_step(LENGTHS, SPEC, options=PlanOptions(), cost=ctx.cost)
+    assert replay <= full.simulation.step_time_s
+    state = run_search(sched, fresh)  # reuses what the bound built
+    again = run_search(sched, _context(256.0))
+    assert [t.get("feasible") for t in state.tried] == [t.get("feasible") for t in again.tried]
+    assert state.best[1].step_time_s == again.best[1].step_time_s
