@@ -228,9 +228,9 @@ def solve_checkpointing(plan: Plan, cost: CostModel, *, policy: str = "adaptive"
             plan.offload_kv = []
     checkpoint_layers, checkpoint_levels = _assemble(plan, problems, cells)
     recompute = recompute_seconds(plan, cost, checkpoint_layers, checkpoint_levels)
-    if feasible and verify:
-        _verify(plan, cost, problems, checkpoint_layers, checkpoint_levels)
     if feasible:
+        if verify:
+            _verify(plan, cost, problems, checkpoint_layers, checkpoint_levels)
         # The weakest replica's method describes the plan: greedy < lp-rounding < milp < none-needed.
         method = next((m for m in ("greedy", "lp-rounding", "milp") if m in methods),
                       methods[0] if methods else "none-needed")

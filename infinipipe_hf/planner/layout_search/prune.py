@@ -10,8 +10,9 @@ checkpointing when every candidate it may plan, replayed with nothing recomputed
 communication included), is no faster, and it is reported as pruned with that bound (``basis``
 ``candidates``); after its candidates are planned, it stops before the final solve when every
 finalist, replayed with nothing recomputed or copied to host memory, is no faster (``basis``
-``finalists``): candidates whose plans need much recompute are no longer among them.  The pick therefore equals the exhaustive search's; only the pruned layouts' own
-figures are missing (their bound is shown).
+``finalists``): candidates whose plans need much recompute are no longer among them.  The pick
+therefore equals the exhaustive search's; only the pruned layouts' own figures are missing (their
+bound is shown).
 
 With ``workers > 1`` the layouts go to a spawned process pool in the same order, at most
 ``workers`` in flight; a layout is pruned against the best outcome finished when its turn comes,

@@ -13,6 +13,7 @@ on whole groups it contains.  A solved plan is kept when its simulated step is n
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 from infinipipe_hf.ir.plan import Plan
@@ -44,11 +45,12 @@ def finish_pipeline(schedule: PipelineSchedule, ctx: PipelineContext, state: Sea
                                     and s.step_time_s <= kept[0][1].step_time_s * (1 + RUNNER_UP_GAP)]
         solved = []
         for plan, sim in finalists:
-            if solved and sim.step_time_s - sim.recompute_time_s >= min(s.step_time_s for _, s in solved):
+            fastest = min((s.step_time_s for _, s in solved), default=math.inf)
+            if sim.step_time_s - sim.recompute_time_s >= fastest:
                 continue  # even with no recompute at all it would not be faster: not worth a solve
             sim = final_solve(plan, sim, cost, ctx.time_limit_s, levels, sharing)
-            if not solved or sim.step_time_s - sim.recompute_time_s < min(s.step_time_s for _, s in solved):
-                sim = kv_offload_trial(plan, sim, cost, ctx.time_limit_s, levels, sharing)  # as above
+            if sim.step_time_s - sim.recompute_time_s < fastest:  # the KV trial only saves recompute
+                sim = kv_offload_trial(plan, sim, cost, ctx.time_limit_s, levels, sharing)
             solved.append((plan, sim))
         plan, sim = min(solved, key=lambda ps: ps[1].step_time_s)  # the winner on ties
     validate(plan, cost, max_tokens_per_unit=ctx.max_tokens_per_unit)
@@ -64,7 +66,7 @@ def finalists_bound_s(state: SearchState, cost: CostModel) -> float:
     """A lower bound of the step ``finish_pipeline`` returns from ``state``: the least over the plans
     it may finish of their units replayed with nothing checkpointed, offloaded or copied (the final
     solve and the KV trial change only that, and less of it never lengthens a replay)."""
-    plans = [state.best[0]] + [plan for kept in state.finalists.values() for plan, _ in kept]
+    plans = [plan for kept in state.finalists.values() for plan, _ in kept]  # the best is first of its family
     return min(simulate(dataclasses.replace(plan, checkpoint_layers={}, checkpoint_levels={}, offload_kv=[]),
                         cost, memory=False).step_time_s for plan in plans)
 
