@@ -22,7 +22,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "flash", "flex")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 GIB = 2**30
 PLAN_SETTINGS = ("schedule", "max_tokens_per_unit", "num_slices", "checkpointing", "checkpoint_levels",
-                 "loss_chunk_tokens", "sp_rounds", "grad_reduce", "solver_time_limit_s")
+                 "loss_chunk_tokens", "sp_rounds", "grad_reduce", "solver_time_limit_s", "adopt_rounds_of")
 """Config fields ``plan_step`` takes as the ``PlanOptions`` fields of the same name: every place that
 plans for a job (the engine, the trainer's layout search and fit check) reads them here."""
 
@@ -61,6 +61,11 @@ class InfiniPipeConfig:
     the whole group.  ``None``: on whenever the schedule has them and ``sp_degree`` is a power of
     two above 1; ``False``: every unit on the whole SP group; ``True``: on, an error where they
     cannot be (``sp_degree=1``, a baseline schedule)."""
+
+    adopt_rounds_of: tuple[str, ...] = ()
+    """Non-pipeline alternatives (``flexsp``, ``ulysses-zero3``, ``ring-cp-packed``) whose own plan of
+    each batch EPP also plans as a candidate, at pp 1 and dp 1 with SP rounds; the layout search
+    sets it where such an alternative plans faster than EPP's own search (its recipe says so)."""
 
     memory_budget_gib: float | None = None
     """Memory per device the plan must stay under.  ``None``: the CUDA device's total memory less
@@ -157,6 +162,9 @@ class InfiniPipeConfig:
         from infinipipe_hf.planner.search.api import resolve_sp_rounds
 
         resolve_sp_rounds(self.sp_rounds, self.sp_degree, self.schedule)  # ValueError when asked and impossible
+        from infinipipe_hf.planner.search.adopted import check_adopt_rounds_of
+
+        self.adopt_rounds_of = check_adopt_rounds_of(self.adopt_rounds_of)
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(
                 f"checkpointing={self.checkpointing!r} is not known; use one of {', '.join(CHECKPOINTING)}")
@@ -296,6 +304,7 @@ def plan_settings_of(values: dict) -> dict:
     as a tuple.  Budgets, profile and layer split come from the device and engine, not from here."""
     out = {name: values[name] for name in PLAN_SETTINGS}
     out["checkpoint_levels"] = tuple(out["checkpoint_levels"])
+    out["adopt_rounds_of"] = tuple(out["adopt_rounds_of"])
     return out
 
 

@@ -97,6 +97,7 @@ def plan_options(args) -> dict:
     return {"max_tokens_per_unit": args.max_tokens_per_unit, "checkpointing": args.checkpointing,
             "checkpoint_levels": levels, "sp_rounds": getattr(args, "sp_rounds", None),
             "grad_reduce": getattr(args, "grad_reduce", "auto"),
+            "adopt_rounds_of": tuple(n.strip() for n in getattr(args, "adopt_rounds_of", "").split(",") if n.strip()),
             "solver_time_limit_s": check_solver_time_limit(getattr(args, "solver_time_limit_s", 0.0),
                                                            "--solver-time-limit-s")}
 
@@ -210,6 +211,8 @@ def plan_option_flags(args) -> str:
         out.append("--sp-rounds" if args.sp_rounds else "--no-sp-rounds")
     if getattr(args, "grad_reduce", "auto") != "auto":
         out.append(f"--grad-reduce {args.grad_reduce}")
+    if getattr(args, "adopt_rounds_of", ""):
+        out.append(f"--adopt-rounds-of {shlex.quote(args.adopt_rounds_of)}")
     if getattr(args, "solver_time_limit_s", 0.0):
         out.append(f"--solver-time-limit-s {args.solver_time_limit_s!r}")
     return " ".join(out)

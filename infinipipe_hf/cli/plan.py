@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when sharded stages reduce-scatter gradients: step (once per step), unit (after every "
                         "unit's backward; shard groups over SP only) or auto (default: both priced where unit "
                         "runs, the faster kept; the JSON's grad_reduce says which)")
+    p.add_argument("--adopt-rounds-of", default="", metavar="ALTERNATIVES",
+                   help="EPP at pp 1, dp 1: also plan these non-pipeline alternatives' own rounds as candidates "
+                        "(comma-separated among flexsp, ulysses-zero3, ring-cp-packed; the layout search's "
+                        "recipe sets it where one plans faster than EPP's own search)")
     p.add_argument("--max-tokens-per-unit", type=int, default=None)
     p.add_argument("--checkpointing", default="adaptive", choices=list(CHECKPOINTING))
     p.add_argument("--checkpoint-levels", default=",".join(FINER_LEVELS), metavar="LEVELS",

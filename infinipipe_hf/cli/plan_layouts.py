@@ -100,6 +100,9 @@ def run_search(args: argparse.Namespace) -> LayoutSearch:
     best = search.recommended.layout
     options = " ".join(f for f in (host_flags(args), plan_option_flags(args)) if f)
     offload = f" --state-offload {best.state_offload}" if best.state_offload.offloaded else ""
+    adopted = search.recommended_settings().get("adopt_rounds_of")
+    if adopted and not getattr(args, "adopt_rounds_of", ""):  # the pick replans with the alternatives it adopted
+        offload += f" --adopt-rounds-of {','.join(adopted)}"
     search.extra["plan_command"] = (f"python -m infinipipe_hf.plan --model {args.model} --lengths {args.lengths} "
                                     f"{plan_flags(best)}{offload} --world-size {search.world_size} --gpus-per-node "
                                     f"{search.gpus_per_node} {memory_flags(args)} {options + ' ' if options else ''}"

@@ -118,7 +118,8 @@ def test_choose_plans_with_every_planning_setting(tmp_path, monkeypatch):
     seen, real = {}, search_module.search_layouts
     monkeypatch.setattr(search_module, "search_layouts", lambda *a, **kw: seen.update(kw["plan_options"]) or real(*a, **kw))
     knobs = dict(max_tokens_per_unit=4096, num_slices=[1, 2], checkpointing="full", checkpoint_levels=("mlp",),
-                 loss_chunk_tokens=1024, sp_rounds=False, grad_reduce="step", solver_time_limit_s=0.5)
+                 loss_chunk_tokens=1024, sp_rounds=False, grad_reduce="step", solver_time_limit_s=0.5,
+                 adopt_rounds_of=("flexsp",))
     choose([[37, 11, 8, 5]], SPEC, _args(tmp_path, pp_degree="auto", **knobs), 1, 1, 2**30)
     assert seen == knobs
 

@@ -105,6 +105,36 @@ def elastic_rounds(res: SlicingResult, lengths: Sequence[int], cost: CostModel,
     rounds.sort(key=lambda r: -max(m.time for m in r))
     if all(m.size == sp for r in rounds for m in r):
         return None
+    return _rounded(chains, rounds, lengths, sp, first_unit_id)
+
+
+def rounds_of_groups(rounds: Sequence[Sequence[tuple[int, Sequence[int]]]], lengths: Sequence[int],
+                     cost: CostModel, first_unit_id: int = 0) -> RoundedUnits | None:
+    """Units on aligned sub-groups of the stage's SP ranks from given rounds of ``(GPUs, whole
+    sequences)`` groups (a non-pipeline alternative's plan: FlexSP's or ZeRO-3 + Ulysses' step), in
+    their order; a round that leaves ranks free has its slowest fitting unit doubled, as
+    :func:`elastic_rounds` covers its own.  None when a round is empty, a group's size is not a
+    sub-group size of ``cost.dims.sp_degree`` or a round holds more GPUs than it."""
+    sizes = group_sizes(cost.dims)
+    sp = cost.dims.sp_degree
+    if not sizes or any(not r or sum(g for g, _ in r) > sp or any(g not in sizes or not seqs for g, seqs in r)
+                        for r in rounds):
+        return None
+    times = {g: LayerTime.of(cost.for_group(g)) for g in sizes}
+    members = []
+    for r in rounds:
+        here = [_Member(g, [int(q) for q in seqs], times[g].b + sum(times[g].segment(0, lengths[q]) for q in seqs),
+                        sum(int(lengths[q]) for q in seqs)) for g, seqs in r]
+        _cover(here, times, lengths)
+        here.sort(key=lambda m: (-m.size, -m.time, m.seqs[0]))
+        members.append(here)
+    return _rounded([], members, lengths, sp, first_unit_id)
+
+
+def _rounded(chains: list[Unit], rounds: list[list[_Member]], lengths: Sequence[int], sp: int,
+             first_unit_id: int) -> RoundedUnits:
+    """The chains (each a round of its own on the whole group), then ``rounds`` (each round's
+    members in sub-group order), as units numbered from ``first_unit_id``."""
     units: list[Unit] = []
     ids: list[list[int]] = []
     groups: dict[int, SubGroup] = {}

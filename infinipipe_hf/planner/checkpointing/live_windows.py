@@ -9,15 +9,20 @@ to drop dominated memory constraints.
 from __future__ import annotations
 
 import heapq
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from infinipipe_hf.ir.actions import Action
-from infinipipe_hf.planner.checkpointing.points import MemoryPoint
+
+if TYPE_CHECKING:  # points builds on the memory walk, which takes live_intervals from here
+    pass
 
 
-def live_windows(points: list[MemoryPoint], actions: list[Action]) -> tuple[list[int], list[int]]:
+def live_windows(points: list, actions: list[Action]) -> tuple[list[int], list[int]]:
     """For each point, the range ``[first, last]`` of point indices whose live sets contain its own.
 
-    ``points`` are :func:`memory_points` of a stage whose actions are ``actions``.  A unit is live
+    ``points`` are :func:`.points.memory_points` of a stage whose actions are ``actions``.  A unit is live
     on a contiguous run of points (its forward to its backward, or to the end without one), so
     point ``j``'s live set contains point ``i``'s exactly when ``j`` lies between the latest
     forward of ``i``'s live units and the earliest backward among them.  The solver uses this to
@@ -58,3 +63,36 @@ def live_windows(points: list[MemoryPoint], actions: list[Action]) -> tuple[list
         firsts.append(first_seen[live[-1]])
         lasts.append(heap[0][0] if heap else j)
     return firsts, lasts
+
+
+def timeline_windows(timeline) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`live_windows` of a regular :class:`~.memory_walk.StageTimeline`, as arrays."""
+    assert timeline.regular, "live windows of an irregular timeline: use live_windows"
+    n = len(timeline.actions)
+    firsts = np.arange(n)
+    lasts = np.arange(n)
+    fpos, bpos = timeline.fpos.tolist(), timeline.bpos.tolist()
+    # firsts[j]: latest forward among the units live at j -- paint intervals by rising forward
+    # index, later paints win.  lasts[j]: earliest backward among them -- paint by falling
+    # backward index.
+    for f, b in zip(fpos, bpos):
+        firsts[f:b + 1] = f
+    for k in np.argsort(-timeline.bpos, kind="stable").tolist():
+        lasts[fpos[k]:bpos[k] + 1] = bpos[k]
+    return firsts, lasts
+
+
+def live_intervals(nu: int, slot: np.ndarray, fwd: np.ndarray) -> tuple[bool, np.ndarray | None, np.ndarray | None]:
+    """(regular, forward index, backward index) of every unit; the indices only when regular."""
+    if not len(slot):
+        return False, None, None
+    f_units, b_units = slot[fwd], slot[~fwd]
+    if len(f_units) != nu or len(b_units) != nu:
+        return False, None, None
+    fpos = np.full(nu, -1, dtype=np.int64)
+    bpos = np.full(nu, -1, dtype=np.int64)
+    fpos[f_units] = np.flatnonzero(fwd)
+    bpos[b_units] = np.flatnonzero(~fwd)
+    if (fpos >= 0).all() and (bpos >= 0).all() and (fpos < bpos).all():
+        return True, fpos, bpos
+    return False, None, None

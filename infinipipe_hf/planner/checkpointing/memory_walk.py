@@ -1,18 +1,17 @@
 """Memory timeline of one stage: the bytes alive at the peak of each of its actions, as arrays.
 
-Design: a stage's memory at an action splits into a part that does not depend on checkpointing
-(``base``: model states, the KV store, the working set of the running action, with the copies
-of its context K/V a layer's read holds: ``cost.acts.context_read_bytes``) and the
-activations of the *live* units (forwarded on this stage, backward not finished, the running
-one included), each affine in its checkpointed-layer counts (whole layers, and the finer levels
-of :mod:`infinipipe_hf.ir.levels`, passed as ``checkpoint_levels``: unit -> level -> layers).
-Keeping the two apart makes every point one linear constraint for the checkpoint solver, and lets
-the simulator and validator evaluate any checkpoint choice without replaying the plan
-(:mod:`.points` holds the per-point form).
+Design: a stage's memory at an action is a part independent of checkpointing (``base``: model
+states, the KV store, the running action's working set with the context K/V copies its layer's
+read holds, ``cost.acts.context_read_bytes``) plus the activations of the *live* units (forwarded
+here, backward not finished, the running one included), each affine in its checkpoint counts
+(whole layers and the finer levels of :mod:`infinipipe_hf.ir.levels`: unit -> level -> layers).
+So every point is one linear constraint of the checkpoint solver, and the simulator and validator
+evaluate any checkpoint choice without replaying the plan (:mod:`.points`: the per-point form).
 
-Trade-off: the backward working set is costed as if the running unit had a checkpointed layer
-(rebuilt next to its gradients): one layer too many for units with none, but ``base`` stays
-independent of checkpointing, so every point is a linear constraint.
+Trade-off: ``base`` costs the backward working set as if the running unit had a checkpointed
+layer (rebuilt next to its gradients), which keeps it linear; one layer too many for a unit with
+none.  Where the stage checkpoints nothing at all the point values take it off again
+(:meth:`StageTimeline.point_values`; the solver's ``none-needed`` answer is judged the same way).
 
 SP sub-groups: the timeline of a plan with rounds is one SP rank's (:func:`infinipipe_hf.ir.rank_views.rank_view`);
 each unit's bytes come from the cost of the sub-group it runs on (units in ``mlp_tile_tokens``: MLP in tiles).
@@ -23,10 +22,9 @@ forward on the stage until the backward of the unit holding the sequence's first
 stage in the plan's ``offload_kv`` the store is in host memory (``host_base``) and the device
 keeps ``cost.host.kv_device_share`` of it; offloaded layer inputs are :mod:`.host_peak`'s.
 
-Speed: the hot paths never build per-point live tuples (O(actions x units in flight)).  A
-:class:`StageTimeline` holds every point's base bytes as an array and, when every unit has one
-forward then one backward on the stage (every planned plan), each unit's live interval: peaks are
-a cumulative sum in the per-action loop's order, bit-for-bit :func:`.points.point_bytes`.
+Speed: no per-point live tuples.  Base bytes are an array and, when every unit has one forward then
+one backward on the stage (every planned plan), peaks are a cumulative sum over live intervals in
+the per-action loop's order, bit-for-bit :func:`.points.point_bytes`.
 """
 from __future__ import annotations
 
@@ -38,6 +36,7 @@ import numpy as np
 from infinipipe_hf.ir.actions import Action
 from infinipipe_hf.ir.levels import CheckpointMix
 from infinipipe_hf.ir.plan import Plan
+from infinipipe_hf.planner.checkpointing.live_windows import live_intervals
 from infinipipe_hf.planner.cost.model import CostModel, unit_cost_map
 
 LevelCounts = Mapping[int, Mapping[str, int]]
@@ -56,6 +55,22 @@ def phase_model(cost: CostModel):
     return getattr(cost, "working", None)
 
 
+def checkpoints_nothing(checkpoint_layers: Mapping[int, int], checkpoint_levels: LevelCounts | None) -> bool:
+    """Whether a stage's checkpoint choice holds no layer and no finer level for any unit."""
+    return not any(checkpoint_layers.values()) and not any(any(c.values()) for c in (checkpoint_levels or {}).values())
+
+
+def rebuilt_bytes(cost: CostModel, stage: int, tokens: int, tiles: dict) -> float:
+    """``cost.acts.rebuilt_bound_bytes`` (0 for stand-in cost models, which have none)."""
+    rebuilt = getattr(cost.acts, "rebuilt_bound_bytes", None)
+    return rebuilt(stage, tokens, **tiles) if rebuilt is not None else 0.0
+
+
+def unit_tiles(plan: Plan, unit_id: int) -> dict:
+    """The unit's ``mlp_tile_tokens`` / ``attention_tile_tokens`` in ``plan``, as ``working_bytes`` takes them."""
+    return {k: n for k in ("mlp_tile_tokens", "attention_tile_tokens") if (n := getattr(plan, k).get(unit_id))}
+
+
 @dataclass(eq=False)
 class StageTimeline:
     """Array form of one stage's memory points (see the module docstring); built by :func:`stage_timeline`."""
@@ -64,12 +79,9 @@ class StageTimeline:
     """The stage's action list (the plan's own list object)."""
     units: np.ndarray
     """Unit ids in order of first appearance (forward order when ``regular``)."""
-    tokens: np.ndarray
-    """Tokens per unit, in ``units`` order."""
-    slot: np.ndarray
-    """Per action: index of its unit in ``units``."""
-    forward: np.ndarray
-    """Per action: True for a forward."""
+    tokens: np.ndarray  # per unit, in ``units`` order
+    slot: np.ndarray  # per action: index of its unit in ``units``
+    forward: np.ndarray  # per action: True for a forward
     base: np.ndarray
     """Per action: the checkpoint-independent bytes of its point (``MemoryPoint.base_bytes``)."""
     regular: bool
@@ -88,6 +100,8 @@ class StageTimeline:
     """Per action: host bytes independent of checkpointing (states on the host, an offloaded KV store)."""
     tiled: frozenset = frozenset()
     """Unit slots whose MLP runs in tiles (the plan's ``mlp_tile_tokens``): kept layers keep no MLP intermediate."""
+    rebuilt: np.ndarray | None = None
+    """Per unit slot: ``acts.rebuilt_bound_bytes`` (None under the phase model, exact already)."""
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -118,6 +132,8 @@ class StageTimeline:
         base = self.base
         if phase_model(cost) is not None:
             base = base + self.working_corrections(cost, stage, checkpoint_layers, checkpoint_levels)
+        elif self.rebuilt is not None:
+            base = base - self.unrebuilt(checkpoint_layers, checkpoint_levels)
         if self.regular:
             # Interleave "+act at the forward" and "-act after the backward" in action order, so
             # the cumulative sum performs the same float operations as the per-action loop.
@@ -148,6 +164,13 @@ class StageTimeline:
                                                                       checkpoint_layers.get(u, 0), levels.get(u))
         return np.where(self.forward, corr[self.slot, 0], corr[self.slot, 1])
 
+    def unrebuilt(self, checkpoint_layers: Mapping[int, int], checkpoint_levels: LevelCounts | None) -> np.ndarray:
+        """Per action: ``rebuilt`` at a backward when the stage checkpoints nothing, else 0 (the
+        solver's rows keep the bound wherever it checkpoints something, so they cover every plan)."""
+        if not checkpoints_nothing(checkpoint_layers, checkpoint_levels):
+            return np.zeros(len(self.actions))
+        return np.where(self.forward, 0.0, self.rebuilt[self.slot])
+
     def peak(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],
              checkpoint_levels: LevelCounts | None = None) -> float:
         """Max of :meth:`point_values` (the model states alone when the stage runs nothing)."""
@@ -155,36 +178,19 @@ class StageTimeline:
             return cost.acts.static_bytes(stage)
         return float(self.point_values(cost, stage, checkpoint_layers, checkpoint_levels).max())
 
-    def windows(self) -> tuple[np.ndarray, np.ndarray]:
-        """:func:`.live_windows.live_windows` as arrays (``regular`` timelines only)."""
-        assert self.regular, "live windows of an irregular timeline: use live_windows"
-        n = len(self.actions)
-        firsts = np.arange(n)
-        lasts = np.arange(n)
-        fpos, bpos = self.fpos.tolist(), self.bpos.tolist()
-        # firsts[j]: latest forward among the units live at j -- paint intervals by rising forward
-        # index, later paints win.  lasts[j]: earliest backward among them -- paint by falling
-        # backward index.
-        for f, b in zip(fpos, bpos):
-            firsts[f:b + 1] = f
-        for k in np.argsort(-self.bpos, kind="stable").tolist():
-            lasts[fpos[k]:bpos[k] + 1] = bpos[k]
-        return firsts, lasts
-
 
 @dataclass
 class _UnitFacts:
     """Per unit of a stage (``units`` order): what its timeline needs of the unit."""
 
     tokens: np.ndarray
-    kv_adds: list[list[tuple[int, float]]]
-    """K/V entering the store at the unit's forward: (sequence, bytes)."""
-    frees: list[list[int]]
-    """Sequences whose store the unit's backward frees (it holds their first slice)."""
+    kv_adds: list[list[tuple[int, float]]]  # K/V entering the store at the unit's forward: (sequence, bytes)
+    frees: list[list[int]]  # sequences whose store the unit's backward frees (it holds their first slice)
     work_f: np.ndarray
     work_b: np.ndarray
     context_bytes: dict[int, float]
     segments: list
+    rebuilt: np.ndarray
 
 
 def _check_stage(plan: Plan, dp_rank: int, stage: int) -> None:
@@ -215,7 +221,7 @@ def _unit_facts(plan: Plan, base_cost: CostModel, stage: int, units: np.ndarray,
     by_id = plan.unit_by_id
     nu = len(units)
     facts = _UnitFacts(np.zeros(nu, dtype=np.int64), [None] * nu, [None] * nu,
-                       np.empty(nu), np.empty(nu), {}, [])
+                       np.empty(nu), np.empty(nu), {}, [], np.empty(nu))
     for k, u in enumerate(units.tolist()):
         one = cache.get(u) if cache is not None else None
         if one is None:
@@ -226,7 +232,8 @@ def _unit_facts(plan: Plan, base_cost: CostModel, stage: int, units: np.ndarray,
             one = _memoized_unit(unit, groups.get(u, base_cost), stage, plan)
             if cache is not None:
                 cache[u] = one
-        extra, facts.kv_adds[k], facts.frees[k], facts.tokens[k], facts.work_f[k], facts.work_b[k], segs = one
+        extra, facts.kv_adds[k], facts.frees[k], facts.tokens[k], facts.work_f[k], facts.work_b[k], segs, \
+            facts.rebuilt[k] = one
         if extra:
             facts.context_bytes[k] = extra
         facts.segments.append(segs)
@@ -264,12 +271,14 @@ def _one_unit(unit, cost: CostModel, stage: int, plan: Plan) -> tuple:
     # The running layer's context read: a phase model measured an unshared store's, not the exchange's buffers.
     measured = phase_model(cost) is not None
     read = getattr(cost.acts, "context_exchange_bytes" if measured else "context_read_bytes", lambda _: 0.0)(unit.segments)
+    rebuilt = 0.0
     if not measured:  # the linear bound
-        tiled = {k: n for k in ("mlp_tile_tokens", "attention_tile_tokens") if (n := getattr(plan, k).get(unit.id))}
+        tiled = unit_tiles(plan, unit.id)
         work = [cost.acts.working_bytes(stage, t, int(b), backward=b, **tiled) + read for b in (False, True)]
+        rebuilt = rebuilt_bytes(cost, stage, t, tiled)
     else:  # the phase model's bound over every checkpoint mix (exact values: point_values)
         work = [cost.working.bound(stage, t, extra, backward=b) + read for b in (False, True)]
-    return extra, kv_adds, frees, t, work[0], work[1], unit.segments
+    return extra, kv_adds, frees, t, work[0], work[1], unit.segments, rebuilt
 
 
 def _kv_store(facts: _UnitFacts, slot: np.ndarray, fwd: np.ndarray) -> np.ndarray:
@@ -307,22 +316,6 @@ def _kv_store(facts: _UnitFacts, slot: np.ndarray, fwd: np.ndarray) -> np.ndarra
     return np.where(idx >= 0, np.asarray(values)[np.maximum(idx, 0)], 0.0)
 
 
-def _live_intervals(nu: int, slot: np.ndarray, fwd: np.ndarray) -> tuple[bool, np.ndarray | None, np.ndarray | None]:
-    """(regular, forward index, backward index) of every unit; the indices only when regular."""
-    if not len(slot):
-        return False, None, None
-    f_units, b_units = slot[fwd], slot[~fwd]
-    if len(f_units) != nu or len(b_units) != nu:
-        return False, None, None
-    fpos = np.full(nu, -1, dtype=np.int64)
-    bpos = np.full(nu, -1, dtype=np.int64)
-    fpos[f_units] = np.flatnonzero(fwd)
-    bpos[b_units] = np.flatnonzero(~fwd)
-    if (fpos >= 0).all() and (bpos >= 0).all() and (fpos < bpos).all():
-        return True, fpos, bpos
-    return False, None, None
-
-
 def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
                    cache: dict | None = None) -> StageTimeline:
     """:class:`StageTimeline` of ``plan.stage_actions(dp_rank, stage)``.  ``cache``: a dict shared
@@ -343,8 +336,9 @@ def stage_timeline(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
     if phase_model(cost) is not None and n:
         ranks = np.array([plan.sub_group(u).size for u in units.tolist()])[slot] if groups else None
         base = base + cost.working.pipeline_buffers(stage, fwd, facts.tokens[slot], ranks)
-    regular, fpos, bpos = _live_intervals(len(units), slot, fwd)
+    regular, fpos, bpos = live_intervals(len(units), slot, fwd)
     slot_costs = {k: groups[u] for k, u in enumerate(units.tolist()) if u in groups}
     tiled = frozenset(k for k, u in enumerate(units.tolist()) if u in plan.mlp_tile_tokens)
     return StageTimeline(actions, units, facts.tokens, slot, fwd, base, regular, facts.context_bytes,
-                         facts.segments, fpos, bpos, slot_costs, host_base, tiled)
+                         facts.segments, fpos, bpos, slot_costs, host_base, tiled,
+                         None if phase_model(cost) is not None else facts.rebuilt)

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple
 
+import numpy as np
+
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.rank_views import has_sub_groups, rank_classes, rank_view
 from infinipipe_hf.planner.checkpointing.memory_walk import (
     LevelCounts,
     StageTimeline,
+    checkpoints_nothing,
     finer_bytes,
     phase_model,
+    rebuilt_bytes,
     stage_timeline,
+    unit_tiles,
 )
 from infinipipe_hf.planner.cost.model import CostModel, unit_cost_map
 
@@ -86,6 +91,8 @@ def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
         u = point.running_unit
         total += groups.get(u, cost).working.correction(stage, by_id[u].segments, checkpoint_layers.get(u, 0),
                                                         levels.get(u))[0 if point.forward else 1]
+    elif point.running_unit is not None and not point.forward:
+        total -= _unrebuilt(groups.get(point.running_unit, cost), stage, plan, point.running_unit, checkpoint_layers, levels)
     for uid in point.live_units:
         segs = by_id[uid].segments
         c = groups.get(uid, cost)
@@ -146,7 +153,33 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
         if phase_model(cost) is not None:
             base += c.working.correction(stage, by_id[a.unit].segments, checkpoint_layers.get(a.unit, 0),
                                          levels.get(a.unit))[0 if a.is_forward else 1]
+        elif not a.is_forward:
+            base -= _unrebuilt(c, stage, plan, a.unit, checkpoint_layers, levels)
         peak = max(peak, base + live_sum)
         if not a.is_forward:
             live_sum -= act.pop(a.unit)
     return peak
+
+
+def _unrebuilt(cost: CostModel, stage: int, plan: Plan, unit: int, checkpoint_layers: Mapping[int, int],
+               levels: LevelCounts) -> float:
+    """What a backward point's base counts for a layer its unit does not rebuild when the stage
+    checkpoints nothing, else 0 (``StageTimeline.unrebuilt``)."""
+    if not checkpoints_nothing(checkpoint_layers, levels):
+        return 0.0
+    return rebuilt_bytes(cost, stage, plan.unit_by_id[unit].num_tokens, unit_tiles(plan, unit))
+
+
+def fits_unchecked(plan: Plan, cost: CostModel, problem, slack_bytes: float = 0.0) -> bool:
+    """Whether a replica's checkpoint ``problem`` (a ``ReplicaProblem``) needs nothing checkpointed
+    although its linear rows say otherwise: every stage fits the budget point by point exactly
+    (without the rebuilt layer the rows count at every backward), and its host rows fit."""
+    if not (problem.need > 0).any() or (problem.host is not None and not problem.host.fits(
+            np.zeros(len(problem.col_var)))):
+        return False
+    limit = cost.memory_budget_bytes + slack_bytes
+    for s, points in problem.stage_points.items():
+        for view, pts in problem.view_points.get(s) or [(plan, points)]:
+            if stage_peak_bytes(view, cost, problem.dp_rank, s, {}, checkpoint_levels={}, points=pts) > limit:
+                return False
+    return True

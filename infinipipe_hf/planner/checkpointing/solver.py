@@ -7,7 +7,8 @@ per (stage, unit) cell (``sharing="cell"``) or shared along backward-order diago
 levels inside a layer are allowed (:mod:`infinipipe_hf.ir.levels`).  ``adaptive`` minimises total
 recompute seconds, per independent block (a stage, with per-cell counts):
 
-1. nothing over budget with zero checkpointing: ``none-needed`` at once, no solver call;
+1. nothing over budget with zero checkpointing (exactly, point by point: the rows count a rebuilt
+   layer at every backward, :mod:`.memory_walk`): ``none-needed`` at once, no solver call;
 2. the LP relaxation (HiGHS, :mod:`.lp`), rounded up, its chains closed and pruned greedily (``lp-rounding``),
    and -- without levels, where it is cheap, or when the LP fails -- the greedy; the better kept.
    Within ``mip_rel_gap`` of the LP bound it is returned (``milp``: proven near-optimal);
@@ -16,20 +17,17 @@ recompute seconds, per independent block (a stage, with per-cell counts):
    ``time_limit_s=0`` (``PlanOptions``' default) stops at step 2, so no clock changes the plan.
    The greedy is feasible whenever full checkpointing is, since every row only involves its own cells.
 
-``greedy`` is step 1 plus the greedy only (no LP, no MILP): for the many trial plans of pipeline
-grouping, where speed matters more than the last percent.  ``none``, ``full`` and ``uniform``
-are the static whole-layer settings baselines use.
+``greedy`` is step 1 plus the greedy only (no LP, no MILP), for the many trial plans of pipeline
+grouping; ``none``, ``full`` and ``uniform`` are the static whole-layer settings baselines use.
 
 With a host tier (``cost.host_budget_bytes > 0``) the adaptive and greedy policies may also
 offload (:mod:`.host_rows`: every answer is repaired to fit the host rows), and a stage whose
 device rows fail even then gets its KV store in host memory (the plan's ``offload_kv``).
 
-Trade-off (docs/algorithms.md): the rounded LP lands within a few percent of the LP
-bound, so the LP always runs (up to ``lp.LP_TIME_LIMIT_S``) and ``time_limit_s`` bounds only the
-branch and bound: a short limit trades a little recompute for planning speed.  The formulation
-matters more: diagonal-shared counts force recompute on stages with memory to spare.  Every
-answer is re-checked against the full memory timeline (:mod:`.points`), so a solver tolerance can
-never hand out a plan that does not fit.
+Trade-off (docs/algorithms.md): the rounded LP lands within a few percent of the LP bound, so
+the LP always runs (up to ``lp.LP_TIME_LIMIT_S``) and ``time_limit_s`` bounds only the branch and
+bound; the formulation matters more (diagonal-shared counts force recompute on stages with memory
+to spare).  Every answer is re-checked against the full memory timeline (:mod:`.points`).
 """
 from __future__ import annotations
 
@@ -45,15 +43,14 @@ from infinipipe_hf.planner.checkpointing.greedy import greedy_counts
 from infinipipe_hf.planner.checkpointing.host_peak import stage_host_peak_bytes
 from infinipipe_hf.planner.checkpointing.host_rows import HOST_SLACK_BYTES, even_pairs, fit_host, kv_offload_stages
 from infinipipe_hf.planner.checkpointing.lp import LP_TIME_LIMIT_S, lp_rounding, milp_counts, milp_deadline, share_until
-from infinipipe_hf.planner.checkpointing.points import stage_peak_bytes
+from infinipipe_hf.planner.checkpointing.points import fits_unchecked, stage_peak_bytes
 from infinipipe_hf.planner.checkpointing.problem import SHARING, ReplicaProblem, build_problem
 from infinipipe_hf.planner.checkpointing.sp_round_cells import round_recompute_seconds
 from infinipipe_hf.planner.checkpointing.static_policies import static_cells
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 
 POLICIES = ("adaptive", "greedy", "none", "full", "uniform")
-# Bytes a solver tolerance may leave over budget before we call it a violation (float noise).
-_SLACK_BYTES = 1.0
+_SLACK_BYTES = 1.0  # bytes a solver tolerance may leave over budget before it is a violation (float noise)
 
 
 @dataclass
@@ -246,7 +243,8 @@ def _solve(plan: Plan, cost: CostModel, policy: str, levels: tuple[str, ...], sh
     problems = [build_problem(plan, cost, r, levels=levels, sharing=sharing, offload=offload)
                 for r in sorted(plan.actions)]
     if policy in ("adaptive", "greedy"):
-        cells, feasible, methods, messages = _solved_cells(problems, policy, deadline, gap)
+        unchecked = [fits_unchecked(plan, cost, p, _SLACK_BYTES) for p in problems]
+        cells, feasible, methods, messages = _solved_cells(problems, policy, deadline, gap, unchecked)
     else:
         cells, methods = static_cells(problems, policy)
         feasible, messages = _static_fits(problems, cells, policy)
@@ -274,14 +272,16 @@ def _check_arguments(plan: Plan, cost: CostModel, policy: str, levels, sharing: 
     return levels
 
 
-def _solved_cells(problems: list[ReplicaProblem], policy: str, deadline: float, gap: float):
-    """Column values, feasible, methods and messages of the adaptive or greedy policy, the time
-    left shared equally by the replicas still to solve."""
+def _solved_cells(problems: list[ReplicaProblem], policy: str, deadline: float, gap: float, unchecked: list[bool]):
+    """Column values, feasible, methods and messages of the adaptive or greedy policy (nothing checkpointed
+    on the ``unchecked`` replicas), the time left shared equally by the replicas still to solve."""
     cells: list[np.ndarray] = []  # per replica: column values
     feasible, methods, messages = True, [], []
     for i, prob in enumerate(problems):
         left = share_until(deadline, 1.0 / (len(problems) - i))
-        if policy == "greedy":
+        if unchecked[i]:
+            x, ok, method, note = np.zeros(prob.num_vars, dtype=np.int64), True, "none-needed", ""
+        elif policy == "greedy":
             x, ok, method, note = _greedy_only(prob)
         else:
             x, ok, method, note = _adaptive_blocks(prob, left, gap)

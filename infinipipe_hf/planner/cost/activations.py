@@ -258,6 +258,13 @@ class StageActivations:
         return (self.activation_bytes(stage_index, tokens, checkpointed_layers)
                 + self.working_bytes(stage_index, tokens, checkpointed_layers, backward=True))
 
+    def rebuilt_bound_bytes(self, stage_index: int, tokens: int, **tiles) -> float:
+        """What :meth:`working_bytes`' backward bound counts for the layer a unit with a checkpointed
+        layer rebuilds (the bound at one checkpointed layer less at none): a unit with nothing
+        checkpointed rebuilds none.  ``tiles``: the tile sizes :meth:`working_bytes` takes."""
+        return (self.working_bytes(stage_index, tokens, 1, True, **tiles)
+                - self.working_bytes(stage_index, tokens, 0, True, **tiles))
+
     def working_bytes(self, stage_index: int, tokens: int, checkpointed_layers: int, backward: bool,
                       mlp_tile_tokens: int | None = None, attention_tile_tokens: int | None = None) -> float:
         """Transient bytes while the unit's forward or backward runs on the stage (the linear

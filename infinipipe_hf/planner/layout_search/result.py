@@ -197,7 +197,8 @@ class LayoutSearch:
                  over_alternatives={n: best.tokens_per_s / r.simulation.tokens_per_s
                                     for n, r in self.alternatives.items() if r.feasible and r.simulation.tokens_per_s},
                  plan=best.result.summary())
-        d["behind_alternatives"] = {n: r for n, r in d["over_alternatives"].items() if r < 1.0}
+        # Behind beyond float noise: the same plan priced twice agrees to the tie-break's 1e-9.
+        d["behind_alternatives"] = {n: r for n, r in d["over_alternatives"].items() if r < 1.0 - 1e-9}
         whole = self.without_sp_rounds
         if whole is not None:
             d["without_sp_rounds"] = {k: v for k, v in whole.summary().items()
@@ -264,3 +265,10 @@ def no_fit_cause(search: LayoutSearch, lengths: Sequence[int], states_remedies: 
     return (f"the longest sequence ({longest} tokens) fits alone on {len(fits_alone)} of them but the whole batch "
             f"({len(lengths)} sequences, {sum(lengths)} tokens) does not: its activations do not fit beside the "
             f"model states; use fewer tokens per step (tokens_per_step), more GPUs or a larger memory budget")
+
+
+def unfed_replicas_reason(num_sequences: int, layout: ParallelDims) -> str:
+    """Why ``layout`` is ruled out for a batch with fewer sequences than its DP replicas."""
+    dp_degree = layout.dp_degree
+    return (f"{num_sequences} sequence{'s' if num_sequences != 1 else ''} for {dp_degree} DP replicas: a replica "
+            f"would idle (the trainer gives each its own; search a batch of >= {dp_degree} sequences)")

@@ -43,6 +43,7 @@ from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
 from infinipipe_hf.planner.batch.select import check_batch
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
+from infinipipe_hf.planner.layout_search.adopt import adopt_ahead
 from infinipipe_hf.planner.layout_search.host_tier import (
     alternative_knobs,
     offload_modes,
@@ -61,6 +62,7 @@ from infinipipe_hf.planner.layout_search.result import (
     LayoutSearch,
     gib,
     recipe_settings,
+    unfed_replicas_reason,
 )
 from infinipipe_hf.planner.pipeline.grids import DEFAULT_SLICE_COUNTS
 from infinipipe_hf.planner.registry import REFERENCE
@@ -207,6 +209,9 @@ class SearchInputs:
         options = {**self.plan_options, **override}
         if options.get("sp_rounds") and layout.sp_degree == 1:
             options["sp_rounds"] = None
+        sp = layout.sp_degree  # the alternatives' plans are rounds of pp 1 x sp = world (a power of two) only
+        if options.get("adopt_rounds_of") and ((layout.pp_degree, layout.dp_degree) != (1, 1) or sp < 2 or sp & (sp - 1)):
+            options.pop("adopt_rounds_of")
         return PlanOptions(schedule=REFERENCE, **options)
 
 
@@ -243,13 +248,6 @@ def _plan_fed_layout(inputs: SearchInputs, layout: ParallelDims, t0: float, beat
     result = plan_step(inputs.lengths, inputs.spec, layout, options, cost=cost, beat_step_s=beat_step_s)
     return LayoutOutcome(layout, result, None, time.perf_counter() - t0,
                          sp_rounds=resolve_sp_rounds(options.sp_rounds, layout.sp_degree))
-
-
-def unfed_replicas_reason(num_sequences: int, layout: ParallelDims) -> str:
-    """Why ``layout`` is ruled out for a batch with fewer sequences than its DP replicas."""
-    dp_degree = layout.dp_degree
-    return (f"{num_sequences} sequence{'s' if num_sequences != 1 else ''} for {dp_degree} DP replicas: a replica "
-            f"would idle (the trainer gives each its own; search a batch of >= {dp_degree} sequences)")
 
 
 def whole_group_replan(inputs: SearchInputs, best: LayoutOutcome) -> PlanResult | None:
@@ -334,8 +332,10 @@ def search_layouts(lengths: Sequence[int], spec: ModelSpec, *, world_size: int, 
     if inputs.longest:
         fill_without_offload(inputs, outcomes, pricing_key)
     alts = plan_alternatives(inputs, world_size) if alternatives else {}
-    best = pick(outcomes)
+    best, adopted = adopt_ahead(inputs, outcomes, alts, world_size, pick(outcomes), plan_layout, pick)
     settings = recipe_settings(inputs.lengths, budget, inputs.plan_options)
+    if adopted:
+        settings["adopt_rounds_of"] = list(adopted)
     if host_budget_bytes:
         settings["host_memory_gib"] = host_budget_bytes / GIB
     search = LayoutSearch(world_size, gpn, budget, sorted(outcomes, key=rank_key), alts, best, TIE_BREAK,

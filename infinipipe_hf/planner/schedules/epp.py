@@ -55,9 +55,14 @@ class EPPKnobs(Knobs):
     near_budget: bool = False
     """Planned because it ranks first when estimated up to the whole budget (:mod:`.epp_ranking`): its own
     family, so its plan is solved finely beside the best estimates' finalists, not instead of one."""
+    adopted: str | None = None
+    """The non-pipeline alternative whose rounds these units are (``adopt_rounds_of``): a family of
+    its own."""
 
     @property
     def family(self) -> str:
+        if self.adopted:
+            return f"adopted:{self.adopted}"
         return "near_budget" if self.near_budget else "sp_rounds" if self.sp_rounds else "whole_groups"
 
     def record(self) -> dict:
@@ -70,6 +75,8 @@ class EPPKnobs(Knobs):
             d["sp_rounds"] = True
         if self.near_budget:
             d["near_budget"] = True
+        if self.adopted:
+            d["adopted_rounds_of"] = self.adopted
         return d
 
 
@@ -87,17 +94,17 @@ class EPPSchedule(PipelineSchedule):
         return epp_warmup(dims, sum(1 for u in units if first_seq in u.seqs))
 
     def candidates(self, ctx: PipelineContext, state: SearchState) -> Iterator[Candidate]:
-        for ranked, always, rounds in families(ctx):
-            yield from self._planned(ctx, state, ranked, always, rounds)
+        for ranked, always, rounds, adopted in families(ctx):
+            yield from self._planned(ctx, state, ranked, always, rounds, adopted)
 
     def _planned(self, ctx: PipelineContext, state: SearchState, ranked: list, always: dict[int, bool],
-                 rounds: bool) -> Iterator[Candidate]:
+                 rounds: bool, adopted: str | None = None) -> Iterator[Candidate]:
         """The best few of ``ranked`` (``ranked_settings``), and those at the positions ``always`` (position ->
         whether it is the near-budget candidate)."""
         before = len(state.tried)
         fitted_only = host_ordered(ctx, ranked)  # candidates that do not fit cost little: not counted
         for i, (est, k, floor, staged) in enumerate(plannable(ctx, ranked)):
-            knobs = EPPKnobs(k, est, i in always, floor, rounds, always.get(i, False))
+            knobs = EPPKnobs(k, est, i in always, floor, rounds, always.get(i, False), adopted)
             counted = sum(1 for t in state.tried[before:] if t.get("feasible") or not fitted_only)
             if state.best is not None and counted >= EXACT_CANDIDATES and not knobs.always_planned:
                 return  # ranked by the estimate: later candidates rarely win and each costs a full plan
@@ -118,7 +125,7 @@ class EPPSchedule(PipelineSchedule):
         if whole_units_wanted(ctx):
             return None
         least = math.inf
-        for ranked, _, _ in families(ctx):
+        for ranked, *_ in families(ctx):
             for _, k, floor, staged in plannable(ctx, ranked):  # what ``_planned`` may plan
                 try:
                     plan = self.units_plan(ctx.lengths, ctx.replicas, ctx.cost, k, floor, staged)

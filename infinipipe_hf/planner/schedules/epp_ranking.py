@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 from infinipipe_hf.planner.cost.activations import largest_fitting
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.pipeline.grids import round_count_floors, slice_count_candidates, token_floor_candidates
-from infinipipe_hf.planner.schedules.epp_units import epp_units, margin_estimate
+from infinipipe_hf.planner.schedules.epp_units import adopted_units, epp_units, margin_estimate
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
 
 EXACT_CANDIDATES = 3
@@ -28,14 +28,30 @@ round's tokens per rank trade FSDP gathers and kernel overheads against recomput
 optimum falls between the grid's points."""
 
 
-def families(ctx: PipelineContext) -> Iterator[tuple[list, dict[int, bool], bool]]:
+def families(ctx: PipelineContext) -> Iterator[tuple[list, dict[int, bool], bool, str | None]]:
     """The search's families of knob settings in the order it plans them, as ``(ranked, always,
-    sp_rounds)`` (``always``: positions planned whatever the search has found, and whether each is
-    the near-budget candidate): on whole SP groups (:func:`ranked_settings`), then with SP rounds when the
-    context has them."""
-    yield (*ranked_settings(ctx), False)
+    sp_rounds, adopted)`` (``always``: positions planned whatever the search has found, and whether
+    each is the near-budget candidate; ``adopted``: the alternative whose rounds the family holds):
+    on whole SP groups (:func:`ranked_settings`), then with SP rounds when the context has them,
+    then each adopted alternative's rounds that are units of this layout (:func:`adopted_settings`)."""
+    yield (*ranked_settings(ctx), False, None)
     if ctx.sp_rounds:
-        yield (*ranked_with_rounds(ctx), True)
+        yield (*ranked_with_rounds(ctx), True, None)
+    for name, ranked in adopted_settings(ctx):
+        yield ranked, {0: False}, True, name
+
+
+def adopted_settings(ctx: PipelineContext) -> list[tuple[str, list]]:
+    """Per adopted alternative (``ctx.adopted``) whose rounds are units of this layout, its one
+    setting ``[(estimate, 1, None, staged)]``; once per context."""
+    if "adopted" not in ctx.memo:
+        got = []
+        for name, rounds in ctx.adopted:
+            staged = adopted_units(ctx.lengths, ctx.cost, rounds)
+            if staged is not None:
+                got.append((name, [(max(st.estimate for st in staged), 1, None, staged)]))
+        ctx.memo["adopted"] = got
+    return ctx.memo["adopted"]
 
 
 def ranked_settings(ctx: PipelineContext) -> tuple[list, dict[int, bool]]:

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Sequence
 from infinipipe_hf.ir.actions import Action, like
 from infinipipe_hf.ir.units import Unit
 from infinipipe_hf.planner.batch.elastic import SlicingResult, make_elastic_units
-from infinipipe_hf.planner.batch.sub_groups import RoundedUnits, elastic_rounds
+from infinipipe_hf.planner.batch.sub_groups import RoundedUnits, elastic_rounds, rounds_of_groups
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.pipeline.actions import replica_actions
 from infinipipe_hf.planner.pipeline.estimate import PipelineEstimator
@@ -100,6 +100,23 @@ def epp_units(lengths, replicas, cost, k, max_tokens_per_unit, floor, rounds: bo
         next_item += len(items.items)
         staged.append(Staged(res, *_grouped(items.items, res, cost, lengths, items.costs), items))
     return staged
+
+
+def adopted_units(lengths, cost, rounds) -> list[Staged] | None:
+    """The one replica of a pp 1, dp 1 layout staged as the given rounds of ``(GPUs, whole
+    sequences)`` (:func:`~infinipipe_hf.planner.batch.sub_groups.rounds_of_groups`), or None where
+    they are not units of this layout."""
+    if cost.dims.pp_degree != 1 or cost.dims.dp_degree != 1:
+        return None
+    rounded = rounds_of_groups(rounds, lengths, cost)
+    if rounded is None:
+        return None
+    seqs = sorted(q for u in rounded.units for q in u.seqs)
+    if seqs != list(range(len(lengths))):
+        return None
+    res = SlicingResult(rounded.units, 1, [], 0.0, max(lengths), {q: 1 for q in seqs})
+    items = RoundItems(rounded, cost)
+    return [Staged(res, *_grouped(items.items, res, cost, lengths, items.costs), items)]
 
 
 def margin_estimate(staged: Sequence[Staged], cost: CostModel, lengths, safety: float = 1.0) -> float:

@@ -36,6 +36,9 @@ class PipelineContext:
     time_limit_s: float = 0.25
     sp_rounds: bool = False
     """Also plan short sequences on SP sub-groups in rounds (EPP at ``sp_degree > 1``)."""
+    adopted: tuple = ()
+    """``(alternative, rounds)`` pairs: a non-pipeline alternative's plan of this batch as rounds of
+    ``(GPUs, whole sequences)`` groups, which EPP also plans as a candidate (``adopt_rounds_of``)."""
     memo: dict = field(default_factory=dict, compare=False, repr=False)
     """What a schedule works out once per context (EPP's ranked knob settings)."""
 

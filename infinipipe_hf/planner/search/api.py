@@ -31,11 +31,11 @@ from infinipipe_hf.planner.checkpointing.problem import SHARING
 from infinipipe_hf.planner.cost.model import GIB, CostModel
 from infinipipe_hf.planner.cost.profile import HardwareProfile, default_profile
 from infinipipe_hf.planner.registry import ALTERNATIVES, PIPELINE_SCHEDULES, SCHEDULES
-from infinipipe_hf.planner.schedules.base import ROUNDS
 from infinipipe_hf.planner.schedules.pipeline_schedule import PipelineContext
+from infinipipe_hf.planner.search.adopted import adopted_rounds, check_adopt_rounds_of
 from infinipipe_hf.planner.search.finish import finalists_bound_s, finish_pipeline, host_states_message
 from infinipipe_hf.planner.search.grad_reduce import plan_each_reduce, reduce_modes
-from infinipipe_hf.planner.search.loop import run_search
+from infinipipe_hf.planner.search.loop import plan_rounds, run_search
 from infinipipe_hf.planner.search.result import PlanResult
 from infinipipe_hf.planner.search.whole_units import try_whole_sequences
 
@@ -81,9 +81,15 @@ class PlanOptions:
     grad_reduce: str = "auto"
     """When sharded stages reduce gradients: ``step``, ``unit`` or ``auto`` (both priced where
     ``unit`` can run, the faster plan kept; :mod:`.grad_reduce`)."""
+    adopt_rounds_of: Sequence[str] = ()
+    """Non-pipeline alternatives (``flexsp``, ``ulysses-zero3``, ``ring-cp-packed``) whose own plan
+    of the batch EPP also plans as a candidate, each group a unit on an SP sub-group (pp 1, dp 1,
+    SP rounds: the layout holding their plans; :mod:`.adopted`).  The layout search sets it where
+    such an alternative beats EPP's own plan."""
 
     def __post_init__(self) -> None:
         check_grad_reduce(self.grad_reduce)
+        object.__setattr__(self, "adopt_rounds_of", check_adopt_rounds_of(self.adopt_rounds_of))
         check_solver_time_limit(self.solver_time_limit_s)
         host = self.host_memory_budget_bytes
         if host is not None and not host >= 0:
@@ -136,7 +142,7 @@ def plan_step(lengths: Sequence[int], spec: ModelSpec, dims: ParallelDims | None
     sched = SCHEDULES[o.schedule]
     rounds = resolve_sp_rounds(o.sp_rounds, dims.sp_degree, o.schedule)
     ctx = PipelineContext(lengths, replicas, cost, sched.checkpoint_policy(o.checkpointing), o.max_tokens_per_unit,
-                          o.num_slices, o.solver_time_limit_s, rounds)
+                          o.num_slices, o.solver_time_limit_s, rounds, adopted_rounds(lengths, spec, cost, o, rounds))
     bound = None if beat_step_s is None else sched.candidates_bound(ctx, beat_step_s)
     if bound is not None and bound >= beat_step_s:
         return PlanResult(o.schedule, None, None, False, f"no {o.schedule} plan on {dims.label} can run a step under "
@@ -186,23 +192,6 @@ def plan_alternative(lengths: Sequence[int], spec: ModelSpec, schedule: str, *, 
     result = plan_rounds(schedule, [int(n) for n in lengths], cost, checkpointing=checkpointing, **knobs)
     result.planning_time_s = time.perf_counter() - t0
     return result
-
-
-def plan_rounds(schedule: str, lengths: list[int], cost: FlatCost, *, checkpointing: str | int = "adaptive",
-                **knobs) -> PlanResult:
-    """The fastest plan of the non-pipeline ``schedule`` for one batch on ``cost`` (no input checks
-    beyond the schedule's own)."""
-    t0 = time.perf_counter()
-    sched = SCHEDULES[schedule]
-    assert sched.kind == ROUNDS, schedule
-    ctx = sched.context(lengths, cost, checkpointing, **knobs)
-    state = run_search(sched, ctx)
-    elapsed = time.perf_counter() - t0
-    if state.best is None:
-        error = sched.infeasible_message(ctx, state.last_error)
-        return PlanResult(schedule, None, None, False, error, elapsed, state.tried, world_size=cost.world_size)
-    plan, sim = state.best
-    return PlanResult(schedule, plan, sim, True, None, elapsed, state.tried, world_size=cost.world_size)
 
 
 def resolve_sp_rounds(asked: bool | None, sp_degree: int, schedule: str = "epp") -> bool:

@@ -7,7 +7,12 @@ stopping early and pruning are the schedule's candidate generator reading the st
 """
 from __future__ import annotations
 
-from infinipipe_hf.planner.schedules.base import Knobs, Schedule, SearchState
+import time
+
+from infinipipe_hf.planner.alternatives.flat_cost import FlatCost
+from infinipipe_hf.planner.registry import SCHEDULES
+from infinipipe_hf.planner.schedules.base import ROUNDS, Knobs, Schedule, SearchState
+from infinipipe_hf.planner.search.result import PlanResult
 
 
 def run_search(schedule: Schedule, ctx) -> SearchState:
@@ -35,6 +40,23 @@ def run_search(schedule: Schedule, ctx) -> SearchState:
         else:
             state.offer(plan, sim, candidate.knobs.family)
     return state
+
+
+def plan_rounds(schedule: str, lengths: list[int], cost: FlatCost, *, checkpointing: str | int = "adaptive",
+                **knobs) -> PlanResult:
+    """The fastest plan of the non-pipeline ``schedule`` for one batch on ``cost`` (no input checks
+    beyond the schedule's own)."""
+    t0 = time.perf_counter()
+    sched = SCHEDULES[schedule]
+    assert sched.kind == ROUNDS, schedule
+    ctx = sched.context(lengths, cost, checkpointing, **knobs)
+    state = run_search(sched, ctx)
+    elapsed = time.perf_counter() - t0
+    if state.best is None:
+        error = sched.infeasible_message(ctx, state.last_error)
+        return PlanResult(schedule, None, None, False, error, elapsed, state.tried, world_size=cost.world_size)
+    plan, sim = state.best
+    return PlanResult(schedule, plan, sim, True, None, elapsed, state.tried, world_size=cost.world_size)
 
 
 def _fail(state: SearchState, knobs: Knobs, error: str) -> None:

@@ -11,7 +11,7 @@ from infinipipe_hf.ir.model_spec import ModelSpec
 from infinipipe_hf.ir.plan import Plan
 from infinipipe_hf.ir.units import Segment, Unit
 from infinipipe_hf.layout import ParallelDims
-from infinipipe_hf.planner.checkpointing.live_windows import live_windows
+from infinipipe_hf.planner.checkpointing.live_windows import live_windows, timeline_windows
 from infinipipe_hf.planner.checkpointing.points import MemoryPoint, memory_points, point_bytes, stage_peak_bytes
 from infinipipe_hf.planner.cost.model import CostModel
 from infinipipe_hf.planner.search.api import PlanOptions
@@ -92,18 +92,23 @@ def test_kv_store_lifetime_three_slices(cost):
                                            (0, 1, 3), (0, 3), (3,)]
 
 
-def test_point_bytes_linear_in_counts(plan, cost):
+def test_point_bytes_linear_in_counts_and_exact_with_nothing_checkpointed(plan, cost):
     p = memory_points(plan, cost, 0, 0)[3]
+    assert not p.forward  # a backward: its base counts a layer the running unit rebuilds
     b0 = point_bytes(p, plan, cost, 0, {})
     b1 = point_bytes(p, plan, cost, 0, {0: 1})
     b2 = point_bytes(p, plan, cost, 0, {0: 2, 2: 1})
     slope0 = cost.acts.activation_bytes_per_checkpointed_layer(0, 200)
     slope2 = cost.acts.activation_bytes_per_checkpointed_layer(0, 150)
-    assert b0 - b1 == pytest.approx(slope0)
-    assert b0 - b2 == pytest.approx(2 * slope0 + slope2)
+    assert b1 - b2 == pytest.approx(slope0 + slope2)
+    # With nothing checkpointed on the stage no unit rebuilds a layer: the point drops the one its base counts.
+    rebuilt = cost.acts.rebuilt_bound_bytes(0, plan.unit_by_id[p.running_unit].num_tokens)
+    assert rebuilt == pytest.approx(cost.acts.activation_bytes(0, plan.unit_by_id[p.running_unit].num_tokens, 0)
+                                    / cost.layers_per_stage[0])
+    assert b0 - b1 == pytest.approx(slope0 - rebuilt)
     # Unit 1 (tokens 200..300 of sequence 0) also keeps, per layer, a copy of its 200-token context K/V.
     context = 2 * 200 * cost.acts.kv_bytes_per_token_per_layer
-    assert b0 == pytest.approx(p.base_bytes + context
+    assert b0 == pytest.approx(p.base_bytes - rebuilt + context
                                + sum(cost.acts.activation_bytes(0, t, 0) for t in (200, 100, 150)))
 
 
@@ -193,7 +198,9 @@ def _reference_point_bytes(plan, cost, stage, actions, ck):
     for i, a in enumerate(actions):
         total = cost.acts.static_bytes(stage)
         u = by_id[a.unit]
-        total += cost.acts.working_bytes(stage, u.num_tokens, 0 if a.is_forward else 1, backward=not a.is_forward)
+        # A backward's bound rebuilds a layer, unless the stage checkpoints nothing (then exact).
+        rebuilds = 0 if a.is_forward or not any(ck.values()) else 1
+        total += cost.acts.working_bytes(stage, u.num_tokens, rebuilds, backward=not a.is_forward)
         total += cost.acts.context_read_bytes(u.segments)
         layers = cost.layers_per_stage[stage]
         for v, f in fpos.items():  # live activations, plus each layer's copy of the slice's context K/V
@@ -235,7 +242,7 @@ def test_array_timeline_equals_definition_on_planned_steps(schedule):
         pts = memory_points(plan, cost, 0, s)
         assert [point_bytes(p, plan, cost, s, ck) for p in pts] == pytest.approx(want, rel=1e-12)
         assert stage_peak_bytes(plan, cost, 0, s, ck) == pytest.approx(max(want), rel=1e-12)
-        firsts, lasts = tl.windows()
+        firsts, lasts = timeline_windows(tl)
         assert (firsts.tolist(), lasts.tolist()) == tuple(map(list, live_windows(pts, actions)))
 
 

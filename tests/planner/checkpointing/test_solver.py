@@ -327,3 +327,29 @@ def test_dropped_points_are_dominated_by_kept_ones():
                 dominators = [q for q in kept if q is not p and set(p.live_units) <= set(q.live_units)
                               and q.base_bytes >= p.base_bytes]
                 assert bool(dominators) == (not k)
+
+
+def test_a_stage_that_fits_only_without_the_rebuilt_layer_checkpoints_nothing():
+    """The solver's rows count, at every backward, a layer the running unit rebuilds; a stage that
+    checkpoints nothing rebuilds none.  Between the two peaks the answer is ``none-needed`` (no
+    recompute), and the simulator and validator judge that plan by its exact points: it fits."""
+    from infinipipe_hf.ir.model_spec import ModelSpec
+    from infinipipe_hf.models.model_configs import config_path
+    from infinipipe_hf.planner.search.api import PlanOptions, plan_step
+    from infinipipe_hf.planner.simulate.simulator import simulate
+    from infinipipe_hf.planner.validate.validator import validate
+
+    spec = ModelSpec.from_json_file(config_path("llama2-7b"))
+    lengths = [4096, 3000, 2500, 1200]
+    roomy = CostModel(spec, dims=ParallelDims(), memory_budget_bytes=1e15)
+    plan = plan_step(lengths, spec, options=PlanOptions(checkpointing="none"), cost=roomy).plan
+    exact = stage_peak_bytes(plan, roomy, 0, 0, {})
+    biggest = max(plan.units, key=lambda u: u.num_tokens)
+    rebuilt = roomy.acts.rebuilt_bound_bytes(0, biggest.num_tokens)
+    assert rebuilt > 0
+    cost = CostModel(spec, dims=ParallelDims(), memory_budget_bytes=exact + rebuilt / 2)
+    sol = solve_checkpointing(plan, cost)
+    assert sol.feasible and sol.method == "none-needed" and sol.recompute_time_s == 0.0
+    plan.checkpoint_layers, plan.checkpoint_levels = sol.checkpoint_layers, sol.checkpoint_levels
+    assert simulate(plan, cost).feasible
+    validate(plan, cost)  # raises when a stage is over budget

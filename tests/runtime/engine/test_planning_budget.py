@@ -74,7 +74,8 @@ def test_an_engine_on_sdpa_plans_with_the_masked_rectangle_it_runs():
 
 
 PLANNING_KNOBS = dict(schedule="seq1f1b", max_tokens_per_unit=4096, num_slices=[2, 4], checkpointing="full",
-                      loss_chunk_tokens=1024, sp_rounds=False, grad_reduce="step", solver_time_limit_s=0.5)
+                      loss_chunk_tokens=1024, sp_rounds=False, grad_reduce="step", solver_time_limit_s=0.5,
+                      adopt_rounds_of=("flexsp",))
 """A non-default value of every ``PLAN_SETTINGS`` field but the levels (the engine keeps the runnable ones)."""
 
 
