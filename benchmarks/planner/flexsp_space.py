@@ -96,7 +96,8 @@ def search_row(model: str, world: int, gpu_gib: float, name: str, lengths: list[
     over = rec.get("over_alternatives", {})
     pick = f"pp {rec['pp_degree']} x sp {rec['sp_degree']} x dp {rec['dp_degree']}"
     out.update(search_time_s=time.perf_counter() - t0, pick=pick, shard=rec["shard"],
-               tokens_per_s=rec["tokens_per_s"], over_alternatives=over)
+               tokens_per_s=rec["tokens_per_s"], over_alternatives=over,
+               adopt_rounds_of=rec["training_arguments"].get("adopt_rounds_of", []))
     if over:
         out["min_alternative"], out["min_over_alternatives"] = min(over.items(), key=lambda kv: kv[1])
     return out
@@ -105,7 +106,8 @@ def search_row(model: str, world: int, gpu_gib: float, name: str, lengths: list[
 def _said(r: dict) -> str:
     """One row's line of the run's log."""
     if "min_over_alternatives" in r:
-        return f"{r['pick']} shard {r['shard']}, {r['min_over_alternatives']:.4f}x {r['min_alternative']}"
+        adopted = f" (adopting {', '.join(r['adopt_rounds_of'])})" if r.get("adopt_rounds_of") else ""
+        return f"{r['pick']} shard {r['shard']}, {r['min_over_alternatives']:.4f}x {r['min_alternative']}{adopted}"
     if "epp_over_flexsp" in r:
         return f"{r['epp_over_flexsp']:.4f}x FlexSP ({r['epp_rounds']} / {r['flexsp_rounds']} rounds)"
     return r.get("error", "nothing to compare (no alternative fits, or EPP or FlexSP does not)")
@@ -124,7 +126,8 @@ def sweep(quick: bool, search: bool) -> dict:
             print(f"{model:12s} {world} GPUs {gib:4.0f} GiB  {name}: {_said(rows[-1])}", flush=True)
     compared = [r for r in rows if key in r]
     times = [r[t] for r in rows for t in ("search_time_s", "epp_planning_time_s") if t in r]
-    return {"rows": rows, "compared": len(compared), "below_1": sum(r[key] < 1 for r in compared),
+    return {"rows": rows, "compared": len(compared), "below_1": sum(r[key] < 1 - 1e-9 for r in compared),
+            "adopted": sum(bool(r.get("adopt_rounds_of")) for r in rows),
             "worst": min(compared, key=lambda r: r[key]) if compared else None,
             "max_search_time_s" if search else "max_planning_time_s": max(times, default=0.0),
             "load_average_at_start": load, "load_average_at_end": os.getloadavg(),

@@ -33,3 +33,14 @@ def test_search_adopts_flexsps_rounds_where_they_plan_faster(tmp_path, capsys):
     assert main(replan + ["--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["tokens_per_s"] == rec["tokens_per_s"]
+
+
+def test_adopting_on_a_layout_that_cannot_hold_the_rounds_is_an_input_error(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(map(str, synthetic.short_only(n=32, max_len=2048, seed=5))) + "\n")
+    base = ["--model", str(config_path("llama2-7b")), "--lengths", str(lengths), "--world-size", "8",
+            "--gpus-per-node", "8", "--gpu-memory-gib", "80"]
+    assert main(base + ["--pp", "2", "--sp", "4", "--shard", "sp", "--adopt-rounds-of", "flexsp"]) == 2
+    assert "pp_degree=1 and dp_degree=1" in capsys.readouterr().err
+    assert main(base + ["--pp", "1", "--sp", "8", "--shard", "sp", "--adopt-rounds-of", "flexsp,zero3"]) == 2
+    assert "'zero3' is not a non-pipeline alternative" in capsys.readouterr().err
