@@ -132,8 +132,8 @@ class StageTimeline:
         base = self.base
         if phase_model(cost) is not None:
             base = base + self.working_corrections(cost, stage, checkpoint_layers, checkpoint_levels)
-        elif self.rebuilt is not None:
-            base = base - self.unrebuilt(checkpoint_layers, checkpoint_levels)
+        elif self.rebuilt is not None and checkpoints_nothing(checkpoint_layers, checkpoint_levels):
+            base = base - self.unrebuilt()
         if self.regular:
             # Interleave "+act at the forward" and "-act after the backward" in action order, so
             # the cumulative sum performs the same float operations as the per-action loop.
@@ -164,11 +164,9 @@ class StageTimeline:
                                                                       checkpoint_layers.get(u, 0), levels.get(u))
         return np.where(self.forward, corr[self.slot, 0], corr[self.slot, 1])
 
-    def unrebuilt(self, checkpoint_layers: Mapping[int, int], checkpoint_levels: LevelCounts | None) -> np.ndarray:
-        """Per action: ``rebuilt`` at a backward when the stage checkpoints nothing, else 0 (the
-        solver's rows keep the bound wherever it checkpoints something, so they cover every plan)."""
-        if not checkpoints_nothing(checkpoint_layers, checkpoint_levels):
-            return np.zeros(len(self.actions))
+    def unrebuilt(self) -> np.ndarray:
+        """Per action: ``rebuilt`` at a backward, 0 at a forward (taken off only where the stage
+        checkpoints nothing; elsewhere the solver's rows keep the bound, so they cover every plan)."""
         return np.where(self.forward, 0.0, self.rebuilt[self.slot])
 
     def peak(self, cost: CostModel, stage: int, checkpoint_layers: Mapping[int, int],

@@ -91,8 +91,8 @@ def point_bytes(point: MemoryPoint, plan: Plan, cost: CostModel, stage: int,
         u = point.running_unit
         total += groups.get(u, cost).working.correction(stage, by_id[u].segments, checkpoint_layers.get(u, 0),
                                                         levels.get(u))[0 if point.forward else 1]
-    elif point.running_unit is not None and not point.forward:
-        total -= _unrebuilt(groups.get(point.running_unit, cost), stage, plan, point.running_unit, checkpoint_layers, levels)
+    elif point.running_unit is not None and not point.forward and checkpoints_nothing(checkpoint_layers, levels):
+        total -= _unrebuilt(groups.get(point.running_unit, cost), stage, plan, point.running_unit)
     for uid in point.live_units:
         segs = by_id[uid].segments
         c = groups.get(uid, cost)
@@ -140,6 +140,7 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
     act: dict[int, float] = {}
     live_sum = 0.0
     peak = float("-inf")
+    nothing = checkpoints_nothing(checkpoint_layers, levels)  # once: the same for every point
     for p in points:
         a = actions[p.action_index]
         c = groups.get(a.unit, cost)
@@ -153,20 +154,17 @@ def stage_peak_bytes(plan: Plan, cost: CostModel, dp_rank: int, stage: int,
         if phase_model(cost) is not None:
             base += c.working.correction(stage, by_id[a.unit].segments, checkpoint_layers.get(a.unit, 0),
                                          levels.get(a.unit))[0 if a.is_forward else 1]
-        elif not a.is_forward:
-            base -= _unrebuilt(c, stage, plan, a.unit, checkpoint_layers, levels)
+        elif nothing and not a.is_forward:
+            base -= _unrebuilt(c, stage, plan, a.unit)
         peak = max(peak, base + live_sum)
         if not a.is_forward:
             live_sum -= act.pop(a.unit)
     return peak
 
 
-def _unrebuilt(cost: CostModel, stage: int, plan: Plan, unit: int, checkpoint_layers: Mapping[int, int],
-               levels: LevelCounts) -> float:
-    """What a backward point's base counts for a layer its unit does not rebuild when the stage
-    checkpoints nothing, else 0 (``StageTimeline.unrebuilt``)."""
-    if not checkpoints_nothing(checkpoint_layers, levels):
-        return 0.0
+def _unrebuilt(cost: CostModel, stage: int, plan: Plan, unit: int) -> float:
+    """What a backward point's base counts for a layer its unit does not rebuild, taken off where the
+    stage checkpoints nothing (``StageTimeline.unrebuilt``)."""
     return rebuilt_bytes(cost, stage, plan.unit_by_id[unit].num_tokens, unit_tiles(plan, unit))
 
 

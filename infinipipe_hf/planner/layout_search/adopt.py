@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
 from infinipipe_hf.planner.layout_search.result import LayoutOutcome
-from infinipipe_hf.planner.search.adopted import ADOPTABLE_ATTENTION
+from infinipipe_hf.planner.search.adopted import adoptable
 from infinipipe_hf.planner.search.result import PlanResult
 
 
@@ -22,14 +22,8 @@ def ahead_of(best: LayoutOutcome | None, alternatives: Mapping[str, PlanResult])
     """The alternatives whose plan is an EPP plan and simulates faster than ``best`` (beyond the
     tie-break's relative 1e-9)."""
     floor = best.tokens_per_s * (1 + 1e-9) if best is not None else 0.0
-    out = []
-    for name, result in alternatives.items():
-        if not result.feasible or result.simulation.tokens_per_s <= floor:
-            continue
-        largest = ADOPTABLE_ATTENTION.get(result.plan.attention, 0)
-        if largest is None or all(g.gpus <= largest for r in result.plan.rounds for g in r):
-            out.append(name)
-    return tuple(out)
+    return tuple(name for name, result in alternatives.items()
+                 if result.feasible and result.simulation.tokens_per_s > floor and adoptable(result.plan))
 
 
 def holding_layouts(outcomes: Sequence[LayoutOutcome], world_size: int) -> list[int]:

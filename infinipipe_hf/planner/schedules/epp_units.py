@@ -106,15 +106,10 @@ def adopted_units(lengths, cost, rounds) -> list[Staged] | None:
     """The one replica of a pp 1, dp 1 layout staged as the given rounds of ``(GPUs, whole
     sequences)`` (:func:`~infinipipe_hf.planner.batch.sub_groups.rounds_of_groups`), or None where
     they are not units of this layout."""
-    if cost.dims.pp_degree != 1 or cost.dims.dp_degree != 1:
-        return None
-    rounded = rounds_of_groups(rounds, lengths, cost)
+    rounded = rounds_of_groups(rounds, lengths, cost)  # the layout is checked by plan_step (search/adopted.py)
     if rounded is None:
         return None
-    seqs = sorted(q for u in rounded.units for q in u.seqs)
-    if seqs != list(range(len(lengths))):
-        return None
-    res = SlicingResult(rounded.units, 1, [], 0.0, max(lengths), {q: 1 for q in seqs})
+    res = SlicingResult(rounded.units, 1, [], 0.0, max(lengths), {q: 1 for q in range(len(lengths))})
     items = RoundItems(rounded, cost)
     return [Staged(res, *_grouped(items.items, res, cost, lengths, items.costs), items)]
 

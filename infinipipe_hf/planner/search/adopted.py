@@ -23,6 +23,12 @@ ADOPTABLE_ATTENTION = {"ulysses": None, "ring": 1, "ring-packed": 1}
 attention only on one GPU, where it is plain attention: EPP's SP is Ulysses)."""
 
 
+def adoptable(plan) -> bool:
+    """Whether a non-pipeline alternative's ``RoundPlan`` is an EPP plan (:data:`ADOPTABLE_ATTENTION`)."""
+    largest = ADOPTABLE_ATTENTION.get(plan.attention, 0)
+    return largest is None or all(g.gpus <= largest for r in plan.rounds for g in r)
+
+
 def check_adopt_rounds_of(names: Sequence[str]) -> tuple[str, ...]:
     """``names`` as a tuple, ``ValueError`` unless each is a non-pipeline alternative."""
     if isinstance(names, str):
@@ -60,10 +66,6 @@ def adopted_rounds(lengths: list[int], spec: ModelSpec, cost: CostModel, options
         knobs = {"host_budget_bytes": cost.host_budget_bytes} if getattr(SCHEDULES[name], "uses_host_tier", False) \
             else {}
         result = plan_rounds(name, lengths, flat, checkpointing=checkpointing, **knobs)
-        if not result.feasible:
-            continue
-        largest = ADOPTABLE_ATTENTION.get(result.plan.attention, 0)
-        rounds = tuple(tuple((g.gpus, tuple(g.seqs)) for g in r) for r in result.plan.rounds)
-        if largest is None or all(g <= largest for r in rounds for g, _ in r):
-            out.append((name, rounds))
+        if result.feasible and adoptable(result.plan):
+            out.append((name, tuple(tuple((g.gpus, tuple(g.seqs)) for g in r) for r in result.plan.rounds)))
     return tuple(out)
